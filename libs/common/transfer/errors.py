@@ -1,0 +1,44 @@
+"""Errors of the transfer engine.
+
+Bad arguments from the caller are `ValueError` (raised before any byte moves).
+A batch that was started and did not complete raises `TransferError`: the whole
+batch is failed, and the error names the peer and the op that failed.
+"""
+
+from __future__ import annotations
+
+
+class AccessRefused(Exception):
+    """An op was refused by the region owner's checks (region, token, bounds).
+
+    Raised inside the engines; it carries only a reason that is safe to send back
+    to the peer (never the token, never memory contents).
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class TransferError(Exception):
+    """A batch failed as a whole.
+
+    Bytes of ops that completed before the failure may have landed; nothing was
+    written outside the ranges the batch addressed. `op_index` is the index in the
+    caller's op list (-1 when the failure was not specific to one op, e.g. the peer
+    went away); `op` is that `(local_off, remote_off, length)` tuple or None.
+    """
+
+    def __init__(
+        self,
+        peer: str,
+        reason: str,
+        op_index: int = -1,
+        op: tuple[int, int, int] | None = None,
+    ) -> None:
+        where = f"op {op_index} {op}" if op is not None else "the batch"
+        super().__init__(f"transfer with {peer} failed at {where}: {reason}")
+        self.peer = peer
+        self.reason = reason
+        self.op_index = op_index
+        self.op = op

@@ -1,0 +1,125 @@
+"""Registered regions of one engine and the access check every op goes through.
+
+A region is a writable, C-contiguous span of host memory: a CPU torch tensor, a
+bytearray, an mmap, a numpy array or a memoryview of one of those. The table keeps
+a reference to the caller's buffer so the memory stays alive while registered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hmac
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .descriptor import TOKEN_BYTES, U64_MAX
+from .errors import AccessRefused
+from .ops import check_range
+
+# Compared against when the region id is unknown, so that "unknown region" and
+# "wrong token" take the same time and a prober learns nothing from timing.
+_DUMMY_TOKEN = bytes(TOKEN_BYTES)
+
+
+def buffer_view(buffer: Any) -> tuple[memoryview, int]:
+    """Return a flat writable byte view of `buffer` and its start address.
+
+    Raises ValueError (naming `buffer`) for read-only, non-contiguous or non-CPU
+    memory: transports here can only move host memory.
+    """
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "element_size"):  # torch.Tensor
+        if buffer.device.type != "cpu":
+            raise ValueError(f"buffer: {buffer.device} tensors need a transport that can reach them")
+        if not buffer.is_contiguous():
+            raise ValueError("buffer: tensor must be contiguous")
+        nbytes = buffer.numel() * buffer.element_size()
+        if nbytes == 0:
+            raise ValueError("buffer: empty tensor")
+        # torch exposes no buffer protocol for every dtype (bf16); go through ctypes.
+        array = (ctypes.c_char * nbytes).from_address(buffer.data_ptr())
+        return memoryview(array).cast("B"), buffer.data_ptr()
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise ValueError(f"buffer: {type(buffer).__name__} does not expose memory") from None
+    if view.readonly:
+        raise ValueError("buffer: read-only memory cannot be registered")
+    if not view.c_contiguous:
+        raise ValueError("buffer: memory must be C-contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes == 0:
+        raise ValueError("buffer: empty buffer")
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return view, addr
+
+
+@dataclass(eq=False)
+class Region:
+    """One registered region: id, secret token and the memory it covers."""
+
+    region_id: int
+    token: bytes = field(repr=False)
+    view: memoryview = field(repr=False)
+    addr: int
+    owner: Any = field(repr=False)  # keeps the caller's buffer alive
+    extra: dict[str, Any] = field(default_factory=dict)  # transport-specific (MR, slot)
+
+    @property
+    def length(self) -> int:
+        return self.view.nbytes
+
+
+class RegionTable:
+    """Thread-safe map region id -> Region (the TCP server reads it from its threads)."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, Region] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def add(self, buffer: Any) -> Region:
+        view, addr = buffer_view(buffer)
+        with self._lock:
+            while True:
+                # Random ids: a descriptor from an earlier run never names a new region.
+                region_id = secrets.randbelow(U64_MAX) + 1
+                if region_id not in self._regions:
+                    break
+            region = Region(region_id, secrets.token_bytes(TOKEN_BYTES), view, addr, buffer)
+            self._regions[region_id] = region
+        return region
+
+    def remove(self, region_id: int) -> Region | None:
+        with self._lock:
+            return self._regions.pop(region_id, None)
+
+    def get(self, region_id: int) -> Region | None:
+        return self._regions.get(region_id)
+
+    def all(self) -> list[Region]:
+        with self._lock:
+            return list(self._regions.values())
+
+    def check(self, region_id: int, token: bytes, offset: int, length: int) -> Region:
+        """The access check for an op from a peer; raises AccessRefused.
+
+        Order matters only for the message: the token is compared in constant time
+        whether or not the region exists, and bounds are checked with overflow-safe
+        arithmetic before any memory is touched.
+        """
+        region = self._regions.get(region_id)
+        expected = region.token if region is not None else _DUMMY_TOKEN
+        token_ok = hmac.compare_digest(expected, token)
+        if region is None:
+            raise AccessRefused(f"unknown region {region_id}")
+        if not token_ok:
+            raise AccessRefused(f"wrong token for region {region_id}")
+        if not check_range(offset, length, region.length):
+            raise AccessRefused(
+                f"range {offset}+{length} outside region {region_id} ({region.length} bytes)"
+            )
+        return region

@@ -1,0 +1,165 @@
+"""The TCP transport: a transfer server in this process, pooled connections to peers.
+
+A batch is cut into slices of at most `slice_bytes`, spread over up to
+`connections_per_peer` connections, each part pipelined on its connection (no
+per-op round trip) and acknowledged once; the batch completes when every part is
+acknowledged. See tcp_frame for the wire format and tcp_server for the checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+
+from .descriptor import U32_MAX, RegionDescriptor
+from .engine import TransferEngine
+from .errors import AccessRefused, TransferError
+from .ops import Op, slice_ops, spread
+from .region import Region
+from .tcp_client import Connection
+from .tcp_frame import KIND_READ, KIND_WRITE, MAX_FRAME_BYTES
+from .tcp_server import TcpTransferServer
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint: {endpoint!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class TcpTransferEngine(TransferEngine):
+    """Transfer engine over TCP; see the module docstring and engine.TransferEngine.
+
+    host/port: where the transfer server listens (port 0: any free port).
+    advertise_host: the host peers should dial (default: host, or the machine's
+    name when host is a wildcard).
+    """
+
+    transport = "tcp"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        connections_per_peer: int = 2,
+        slice_bytes: int = 1 << 20,
+        connect_timeout_s: float = 5.0,
+        batch_timeout_s: float = 60.0,
+        max_server_connections: int = 256,
+    ) -> None:
+        super().__init__()
+        if not 0 <= port < 65536:
+            raise ValueError(f"port: {port} is not a TCP port")
+        if connections_per_peer < 1:
+            raise ValueError(f"connections_per_peer: must be >= 1, got {connections_per_peer}")
+        if not 0 < slice_bytes <= MAX_FRAME_BYTES:
+            raise ValueError(f"slice_bytes: must be in (0, {MAX_FRAME_BYTES}], got {slice_bytes}")
+        if connect_timeout_s <= 0 or batch_timeout_s <= 0:
+            raise ValueError("connect_timeout_s/batch_timeout_s: must be positive")
+        if max_server_connections < 1:
+            raise ValueError("max_server_connections: must be >= 1")
+        self._host = host
+        self._advertise = advertise_host
+        self._lanes = connections_per_peer
+        self._slice_bytes = slice_bytes
+        self._connect_timeout_s = connect_timeout_s
+        self._batch_timeout_s = batch_timeout_s
+        self._server = TcpTransferServer(
+            self._regions, host, port, max_server_connections, self._log
+        )
+        self._peers: dict[str, list[Connection]] = {}
+        self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._batch_ids = itertools.count(1)
+
+    @property
+    def endpoint(self) -> str:
+        host = self._advertise or self._host
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.gethostname()
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{host}:{self._server.port}"
+
+    def info(self) -> dict[str, object]:
+        out = super().info()
+        out.update(connections_per_peer=self._lanes, slice_bytes=self._slice_bytes)
+        return out
+
+    async def _start(self) -> None:
+        self._server.start()
+
+    async def _stop(self) -> None:
+        peers, self._peers = self._peers, {}
+        for conns in peers.values():
+            for conn in conns:
+                await conn.aclose()
+        # Joining server threads blocks; keep the event loop free while they exit.
+        await asyncio.to_thread(self._server.stop)
+
+    def _descriptor(self, region: Region) -> RegionDescriptor:
+        return RegionDescriptor(
+            "tcp", self.endpoint, region.region_id, region.length, region.token.hex()
+        )
+
+    async def _connections(self, endpoint: str) -> list[Connection]:
+        conns = self._peers.get(endpoint)
+        if conns and all(c.alive for c in conns):
+            return conns
+        lock = self._peer_locks.setdefault(endpoint, asyncio.Lock())
+        async with lock:
+            conns = [c for c in self._peers.get(endpoint, []) if c.alive]
+            host, port = split_endpoint(endpoint)
+            missing = self._lanes - len(conns)
+            if missing > 0:
+                opened = await asyncio.gather(
+                    *(Connection.open(host, port, self._connect_timeout_s) for _ in range(missing)),
+                    return_exceptions=True,
+                )
+                errors = [c for c in opened if isinstance(c, BaseException)]
+                conns += [c for c in opened if isinstance(c, Connection)]
+                if not conns:
+                    raise errors[0]
+            self._peers[endpoint] = conns
+            return conns
+
+    async def _transfer(
+        self, kind: str, region: Region, remote: RegionDescriptor, ops: list[Op]
+    ) -> None:
+        if len(ops) > U32_MAX:
+            raise ValueError(f"ops: at most {U32_MAX} ops per batch")
+        slices = slice_ops(ops, self._slice_bytes)
+        if not slices:
+            return
+        peer = remote.endpoint
+        try:
+            conns = await self._connections(peer)
+        except (OSError, TimeoutError) as exc:
+            raise TransferError(peer, f"cannot connect: {exc}") from exc
+        code = KIND_WRITE if kind == "write" else KIND_READ
+        batch_id = next(self._batch_ids)
+        lanes = spread(slices, len(conns))
+        used = [(c, lane) for c, lane in zip(conns, lanes, strict=True) if lane]
+        tasks = [c.run(code, batch_id, lane, region.view, remote) for c, lane in used]
+        try:
+            async with asyncio.timeout(self._batch_timeout_s):
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+        except TimeoutError:
+            # The parts may still be queued on these connections: drop them, so a
+            # late ACK can never be taken for a later batch's.
+            for c, _ in used:
+                c.close(TimeoutError("batch timed out"))
+            raise TransferError(peer, f"{kind} timed out after {self._batch_timeout_s}s") from None
+        for result in results:
+            if isinstance(result, AccessRefused):
+                index = getattr(result, "op_index", -1)
+                op = tuple(ops[index]) if 0 <= index < len(ops) else None
+                self._log.warning("transfer refused by peer", peer=peer, op_index=index,
+                                  reason=result.reason)  # fmt: skip
+                raise TransferError(peer, f"refused: {result.reason}", index, op) from result
+        for result in results:
+            if isinstance(result, BaseException):
+                raise TransferError(peer, f"{kind} failed: {result}") from result

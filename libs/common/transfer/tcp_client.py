@@ -1,0 +1,207 @@
+"""Client side of the TCP transport: pipelined connections to one peer, on asyncio.
+
+A `Connection` sends each batch part as one gathered `sendmsg` (headers and payload
+memoryviews, no copies) and keeps a FIFO of parts awaiting their ACK/ERR; a reader
+task matches responses to parts in order (the server answers strictly in order) and
+receives READ data straight into the local region with `sock_recv_into`.
+
+    caller tasks --part--> [send lock] --sendmsg--> socket --> server
+                  <--future--- pending FIFO <--reader task-- ACK / DATA / ERR
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import AccessRefused
+from .ops import Slice
+from .tcp_frame import (
+    FLAG_LAST,
+    IOV_MAX,
+    KIND_ACK,
+    KIND_DATA,
+    KIND_ERR,
+    KIND_WRITE,
+    MAGIC,
+    MAX_ERROR_BYTES,
+    RESPONSE,
+    VERSION,
+    pack_request,
+)
+
+
+class ProtocolError(ConnectionError):
+    """The peer sent something that does not follow tcp_frame; the connection is dropped."""
+
+
+@dataclass(eq=False)
+class _Part:
+    batch_id: int
+    future: asyncio.Future[None]
+    view: memoryview  # the local region
+    reads: collections.deque[Slice] = field(default_factory=collections.deque)
+
+
+class Connection:
+    """One TCP connection to a peer's transfer server."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self._sock = sock
+        self.peer = peer
+        self._loop = asyncio.get_running_loop()
+        self._send_lock = asyncio.Lock()
+        self._pending: collections.deque[_Part] = collections.deque()
+        self._closed: BaseException | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
+        self._reader = self._loop.create_task(self._read_loop(), name=f"transfer-read-{peer}")
+
+    @classmethod
+    async def open(cls, host: str, port: int, timeout_s: float) -> Connection:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await loop.sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, f"{host}:{port}")
+
+    @property
+    def alive(self) -> bool:
+        return self._closed is None
+
+    async def run(
+        self, kind: int, batch_id: int, slices: list[Slice], view: memoryview, remote: Any
+    ) -> None:
+        """Send one batch part and wait for its ACK; raises AccessRefused on ERR."""
+        if self._closed is not None:
+            raise ConnectionError(f"connection closed: {self._closed}")
+        part = _Part(batch_id, self._loop.create_future(), view)
+        token = remote.token_bytes
+        buffers: list[Any] = []
+        last = len(slices) - 1
+        for i, s in enumerate(slices):
+            flags = FLAG_LAST if i == last else 0
+            buffers.append(
+                pack_request(kind, flags, s.op_index, batch_id, remote.region_id,
+                             s.remote_off, s.length, token)
+            )  # fmt: skip
+            if kind == KIND_WRITE:
+                buffers.append(view[s.local_off : s.local_off + s.length])
+            else:
+                part.reads.append(s)
+        async with self._send_lock:
+            self._pending.append(part)
+            try:
+                await self._send(buffers)
+            except BaseException as exc:
+                # A half-sent part leaves the stream out of sync: drop the connection.
+                self.close(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
+                raise
+        await part.future
+
+    async def _send(self, buffers: list[Any]) -> None:
+        views = [memoryview(b) for b in buffers]
+        start = 0
+        while start < len(views):
+            try:
+                sent = self._sock.sendmsg(views[start : start + IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            while sent:
+                if sent >= views[start].nbytes:
+                    sent -= views[start].nbytes
+                    start += 1
+                else:
+                    views[start] = views[start][sent:]
+                    sent = 0
+
+    async def _writable(self) -> None:
+        if self._closed is not None:
+            raise ConnectionError(f"connection closed: {self._closed}")
+        waiter = self._write_waiter = self._loop.create_future()
+        fd = self._sock.fileno()
+        self._loop.add_writer(fd, lambda: waiter.done() or waiter.set_result(None))
+        try:
+            await waiter
+        finally:
+            self._write_waiter = None
+            self._loop.remove_writer(fd)
+
+    async def _recv_exact(self, view: memoryview) -> None:
+        got = 0
+        while got < view.nbytes:
+            n = await self._loop.sock_recv_into(self._sock, view[got:])
+            if n == 0:
+                raise ConnectionError(f"peer {self.peer} closed the connection")
+            got += n
+
+    async def _read_loop(self) -> None:
+        header = memoryview(bytearray(RESPONSE.size))
+        try:
+            while True:
+                await self._recv_exact(header)
+                magic, version, kind, _, op_index, _, batch_id, length = RESPONSE.unpack(header)
+                if magic != MAGIC or version != VERSION or not self._pending:
+                    raise ProtocolError(f"unexpected response from {self.peer}")
+                part = self._pending[0]
+                if batch_id != part.batch_id:
+                    raise ProtocolError(f"response for batch {batch_id}, expected {part.batch_id}")
+                if kind == KIND_DATA:
+                    s = part.reads.popleft() if part.reads else None
+                    if s is None or s.length != length or s.op_index != op_index:
+                        raise ProtocolError(f"unexpected DATA from {self.peer}")
+                    await self._recv_exact(part.view[s.local_off : s.local_off + s.length])
+                elif kind == KIND_ACK:
+                    self._pending.popleft()
+                    if not part.future.done():
+                        part.future.set_result(None)
+                elif kind == KIND_ERR and length <= MAX_ERROR_BYTES:
+                    reason = bytearray(length)
+                    await self._recv_exact(memoryview(reason))
+                    self._pending.popleft()
+                    if not part.future.done():
+                        exc = AccessRefused(reason.decode("utf-8", "replace"))
+                        exc.op_index = op_index  # type: ignore[attr-defined]
+                        part.future.set_exception(exc)
+                else:
+                    raise ProtocolError(f"unexpected response kind {kind} from {self.peer}")
+        except asyncio.CancelledError:
+            self._fail(ConnectionError("connection closed"))
+            raise
+        except Exception as exc:
+            self._fail(exc)
+        finally:
+            # The reader task owns the socket: it is closed only once no recv is pending.
+            self._sock.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Mark the connection dead and fail every part still waiting on it."""
+        if self._closed is None:
+            self._closed = exc
+        if self._write_waiter is not None and not self._write_waiter.done():
+            self._write_waiter.set_exception(ConnectionError(str(exc)))
+        while self._pending:
+            part = self._pending.popleft()
+            if not part.future.done():
+                part.future.set_exception(ConnectionError(str(exc) or type(exc).__name__))
+                # Its sender may have been cancelled: never warn "exception not retrieved".
+                part.future.exception()
+
+    def close(self, exc: BaseException | None = None) -> None:
+        self._fail(exc or ConnectionError("connection closed"))
+        self._reader.cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader

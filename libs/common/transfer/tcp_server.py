@@ -1,0 +1,211 @@
+"""The TCP transfer server: applies peers' WRITE and READ ops to registered regions.
+
+One thread per connection with blocking sockets. Measured against asyncio on these
+machines (docs/benchmarks.md): the kernel copies of `recv_into`/`sendmsg` release the
+GIL, so the threads move bytes while the service's event loop keeps running, and
+there is no per-op event-loop round trip. Payloads go straight from the socket into
+the region (`recv_into` on a memoryview slice) and from the region into the socket
+(`sendmsg` of a memoryview slice): no intermediate copies.
+
+Every op is checked (region id, constant-time token compare, bounds) before any
+byte of its payload is read into the region; see tcp_frame for the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from typing import Any
+
+from .errors import AccessRefused
+from .region import RegionTable
+from .tcp_frame import (
+    FLAG_LAST,
+    KIND_ACK,
+    KIND_DATA,
+    KIND_ERR,
+    KIND_READ,
+    KIND_WRITE,
+    MAGIC,
+    MAX_FRAME_BYTES,
+    REQUEST,
+    VERSION,
+    error_payload,
+    pack_response,
+)
+
+_DRAIN_CHUNK = 1 << 16
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> int:
+    """Fill `view` from a blocking socket; return the bytes received (< len on EOF)."""
+    got, total = 0, view.nbytes
+    while got < total:
+        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def send_all(sock: socket.socket, buffers: list[Any]) -> None:
+    """sendmsg every buffer (blocking socket), resuming after partial sends."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        sent = sock.sendmsg(views[:1024])
+        while sent and views:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+class TcpTransferServer:
+    """Listens on (host, port); serves ops against `regions` until `stop()`."""
+
+    def __init__(
+        self, regions: RegionTable, host: str, port: int, max_connections: int, log: Any
+    ) -> None:
+        self._regions = regions
+        self._host = host
+        self._port = port
+        self._max_connections = max_connections
+        self._log = log
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    @property
+    def port(self) -> int:
+        return self._listener.getsockname()[1] if self._listener is not None else self._port
+
+    def start(self) -> None:
+        listener = socket.create_server((self._host, self._port), backlog=128)
+        self._listener = listener
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="tandem-transfer-accept", daemon=True
+        )
+        self._accept_thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            # shutdown() wakes a thread blocked in accept(); close() alone does not.
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns.items())
+        for sock, _ in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        threads = [t for _, t in conns]
+        if self._accept_thread is not None:
+            threads.append(self._accept_thread)
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        while listener is not None and not self._stopping.is_set():
+            try:
+                sock, peer = listener.accept()
+            except OSError:
+                return  # listener shut down
+            peer_name = f"{peer[0]}:{peer[1]}"
+            with self._lock:
+                crowded = len(self._conns) >= self._max_connections
+                if not crowded:
+                    thread = threading.Thread(
+                        target=self._serve, args=(sock, peer_name), daemon=True,
+                        name=f"tandem-transfer-{peer_name}",
+                    )  # fmt: skip
+                    self._conns[sock] = thread
+            if crowded:
+                self._log.warning("transfer connection refused: too many", peer=peer_name)
+                sock.close()
+                continue
+            thread.start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._serve_frames(sock, peer)
+        except OSError as exc:
+            if not self._stopping.is_set():
+                self._log.warning("transfer connection error", peer=peer, error=str(exc))
+        finally:
+            with self._lock:
+                self._conns.pop(sock, None)
+            sock.close()
+
+    def _serve_frames(self, sock: socket.socket, peer: str) -> None:
+        header = memoryview(bytearray(REQUEST.size))
+        failed_batch: int | None = None  # batch refused on this connection, until LAST
+        while True:
+            got = recv_exact(sock, header)
+            if got != REQUEST.size:
+                if got:
+                    self._log.warning("transfer peer disconnected mid-header", peer=peer)
+                return
+            (magic, version, kind, flags, op_index, _, batch_id, region_id, offset, length,
+             token) = REQUEST.unpack(header)  # fmt: skip
+            if magic != MAGIC or version != VERSION or kind not in (KIND_WRITE, KIND_READ):
+                self._log.warning(
+                    "transfer refused garbage header", peer=peer, magic=hex(magic),
+                    version=version, kind=kind,
+                )  # fmt: skip
+                return
+            if length > MAX_FRAME_BYTES:
+                self._log.warning("transfer refused oversized frame", peer=peer, length=length)
+                return
+            if failed_batch is not None and failed_batch != batch_id:
+                failed_batch = None  # a new batch starts clean
+            if failed_batch is None:
+                try:
+                    region = self._regions.check(region_id, token, offset, length)
+                except AccessRefused as exc:
+                    self._log.warning(
+                        "transfer op refused", peer=peer, reason=exc.reason,
+                        batch_id=batch_id, op_index=op_index,
+                    )  # fmt: skip
+                    reason = error_payload(exc.reason)
+                    send_all(sock, [pack_response(KIND_ERR, op_index, batch_id, len(reason)),
+                                    reason])  # fmt: skip
+                    failed_batch = batch_id
+            if failed_batch == batch_id:
+                if kind == KIND_WRITE and not self._drain(sock, length, peer):
+                    return
+            elif kind == KIND_WRITE:
+                target = region.view[offset : offset + length]
+                got = recv_exact(sock, target)
+                if got != length:
+                    self._log.warning(
+                        "transfer peer disconnected mid-payload", peer=peer,
+                        region_id=region_id, expected=length, received=got,
+                    )  # fmt: skip
+                    return
+            else:
+                source = region.view[offset : offset + length]
+                send_all(sock, [pack_response(KIND_DATA, op_index, batch_id, length), source])
+            if flags & FLAG_LAST:
+                if failed_batch != batch_id:
+                    send_all(sock, [pack_response(KIND_ACK, op_index, batch_id, 0)])
+                failed_batch = None
+
+    def _drain(self, sock: socket.socket, length: int, peer: str) -> bool:
+        """Discard a refused WRITE's payload so the stream stays in sync."""
+        scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK) or 1))
+        left = length
+        while left:
+            got = recv_exact(sock, scratch[: min(left, scratch.nbytes)])
+            if got == 0:
+                self._log.warning("transfer peer disconnected mid-payload", peer=peer)
+                return False
+            left -= got
+        return True
