@@ -92,7 +92,8 @@ class RegionDescriptor:
         unknown = set(data) - set(_FIELDS) - {"v"}
         if unknown:
             raise ValueError(f"descriptor: unknown fields {sorted(unknown)}")
-        missing = [n for n in ("transport", "endpoint", "region_id", "length", "token") if n not in data]
+        required = ("transport", "endpoint", "region_id", "length", "token")
+        missing = [n for n in required if n not in data]
         if missing:
             raise ValueError(f"descriptor: missing fields {missing}")
         return cls(**{name: data[name] for name in _FIELDS if name in data})

@@ -31,7 +31,7 @@ def buffer_view(buffer: Any) -> tuple[memoryview, int]:
     """
     if hasattr(buffer, "data_ptr") and hasattr(buffer, "element_size"):  # torch.Tensor
         if buffer.device.type != "cpu":
-            raise ValueError(f"buffer: {buffer.device} tensors need a transport that can reach them")
+            raise ValueError(f"buffer: {buffer.device} memory is not reachable by this transport")
         if not buffer.is_contiguous():
             raise ValueError("buffer: tensor must be contiguous")
         nbytes = buffer.numel() * buffer.element_size()

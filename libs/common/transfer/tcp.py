@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+from collections.abc import Awaitable
 
 from .descriptor import U32_MAX, RegionDescriptor
 from .engine import TransferEngine
@@ -96,7 +97,7 @@ class TcpTransferEngine(TransferEngine):
         peers, self._peers = self._peers, {}
         for conns in peers.values():
             for conn in conns:
-                await conn.aclose()
+                conn.close()
         # Joining server threads blocks; keep the event loop free while they exit.
         await asyncio.to_thread(self._server.stop)
 
@@ -146,7 +147,10 @@ class TcpTransferEngine(TransferEngine):
         tasks = [c.run(code, batch_id, lane, region.view, remote) for c, lane in used]
         try:
             async with asyncio.timeout(self._batch_timeout_s):
-                results = await asyncio.gather(*tasks, return_exceptions=True)
+                if len(tasks) == 1:  # small batches: no gather, no extra task
+                    results: list[BaseException | None] = [await _settle(tasks[0])]
+                else:
+                    results = await asyncio.gather(*tasks, return_exceptions=True)
         except TimeoutError:
             # The parts may still be queued on these connections: drop them, so a
             # late ACK can never be taken for a later batch's.
@@ -163,3 +167,11 @@ class TcpTransferEngine(TransferEngine):
         for result in results:
             if isinstance(result, BaseException):
                 raise TransferError(peer, f"{kind} failed: {result}") from result
+
+
+async def _settle(coro: Awaitable[None]) -> BaseException | None:
+    try:
+        await coro
+    except Exception as exc:
+        return exc
+    return None

@@ -3,17 +3,16 @@
 A `Connection` sends each batch part as one gathered `sendmsg` (headers and payload
 memoryviews, no copies) and keeps a FIFO of parts awaiting their ACK/ERR; a reader
 task matches responses to parts in order (the server answers strictly in order) and
-receives READ data straight into the local region with `sock_recv_into`.
+receives READ data straight into the local region with `recv_into`.
 
     caller tasks --part--> [send lock] --sendmsg--> socket --> server
-                  <--future--- pending FIFO <--reader task-- ACK / DATA / ERR
+                  <--future--- pending FIFO <--reader callback-- ACK / DATA / ERR
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +57,14 @@ class Connection:
         self._pending: collections.deque[_Part] = collections.deque()
         self._closed: BaseException | None = None
         self._write_waiter: asyncio.Future[None] | None = None
-        self._reader = self._loop.create_task(self._read_loop(), name=f"transfer-read-{peer}")
+        self._fd = sock.fileno()
+        self._rx_header = bytearray(RESPONSE.size)
+        self._rx_header_view = memoryview(self._rx_header)
+        self._rx_target = self._rx_header_view
+        self._rx_got = 0
+        self._rx_kind = 0
+        self._rx_op_index = 0
+        self._loop.add_reader(self._fd, self._on_readable)
 
     @classmethod
     async def open(cls, host: str, port: int, timeout_s: float) -> Connection:
@@ -129,60 +135,73 @@ class Connection:
         if self._closed is not None:
             raise ConnectionError(f"connection closed: {self._closed}")
         waiter = self._write_waiter = self._loop.create_future()
-        fd = self._sock.fileno()
-        self._loop.add_writer(fd, lambda: waiter.done() or waiter.set_result(None))
+        self._loop.add_writer(self._fd, lambda: waiter.done() or waiter.set_result(None))
         try:
             await waiter
         finally:
             self._write_waiter = None
-            self._loop.remove_writer(fd)
+            if self._closed is None:
+                self._loop.remove_writer(self._fd)
 
-    async def _recv_exact(self, view: memoryview) -> None:
-        got = 0
-        while got < view.nbytes:
-            n = await self._loop.sock_recv_into(self._sock, view[got:])
-            if n == 0:
-                raise ConnectionError(f"peer {self.peer} closed the connection")
-            got += n
+    def _on_readable(self) -> None:
+        """Event-loop reader callback: receive as much as is there, dispatch frames.
 
-    async def _read_loop(self) -> None:
-        header = memoryview(bytearray(RESPONSE.size))
+        A callback, not a task, so an ACK resolves its batch in the same loop
+        iteration it arrives in (this is most of a small write's latency).
+        """
         try:
-            while True:
-                await self._recv_exact(header)
-                magic, version, kind, _, op_index, _, batch_id, length = RESPONSE.unpack(header)
-                if magic != MAGIC or version != VERSION or not self._pending:
-                    raise ProtocolError(f"unexpected response from {self.peer}")
-                part = self._pending[0]
-                if batch_id != part.batch_id:
-                    raise ProtocolError(f"response for batch {batch_id}, expected {part.batch_id}")
-                if kind == KIND_DATA:
-                    s = part.reads.popleft() if part.reads else None
-                    if s is None or s.length != length or s.op_index != op_index:
-                        raise ProtocolError(f"unexpected DATA from {self.peer}")
-                    await self._recv_exact(part.view[s.local_off : s.local_off + s.length])
-                elif kind == KIND_ACK:
-                    self._pending.popleft()
-                    if not part.future.done():
-                        part.future.set_result(None)
-                elif kind == KIND_ERR and length <= MAX_ERROR_BYTES:
-                    reason = bytearray(length)
-                    await self._recv_exact(memoryview(reason))
-                    self._pending.popleft()
-                    if not part.future.done():
-                        exc = AccessRefused(reason.decode("utf-8", "replace"))
-                        exc.op_index = op_index  # type: ignore[attr-defined]
-                        part.future.set_exception(exc)
-                else:
-                    raise ProtocolError(f"unexpected response kind {kind} from {self.peer}")
-        except asyncio.CancelledError:
-            self._fail(ConnectionError("connection closed"))
-            raise
+            while self._closed is None:
+                target = self._rx_target
+                n = self._sock.recv_into(target[self._rx_got :])
+                if n == 0:
+                    raise ConnectionError(f"peer {self.peer} closed the connection")
+                self._rx_got += n
+                if self._rx_got == target.nbytes:
+                    self._rx_got = 0
+                    self._frame_done()
+        except (BlockingIOError, InterruptedError):
+            return
         except Exception as exc:
-            self._fail(exc)
-        finally:
-            # The reader task owns the socket: it is closed only once no recv is pending.
-            self._sock.close()
+            self.close(exc)
+
+    def _frame_done(self) -> None:
+        """A header, a DATA payload or an ERR reason is complete; pick the next target."""
+        if self._rx_kind == KIND_DATA:
+            self._expect_header()
+            return
+        if self._rx_kind == KIND_ERR:
+            part = self._pending.popleft()
+            exc = AccessRefused(bytes(self._rx_target).decode("utf-8", "replace"))
+            exc.op_index = self._rx_op_index  # type: ignore[attr-defined]
+            if not part.future.done():
+                part.future.set_exception(exc)
+            self._expect_header()
+            return
+        magic, version, kind, _, op_index, _, batch_id, length = RESPONSE.unpack(self._rx_header)
+        if magic != MAGIC or version != VERSION or not self._pending:
+            raise ProtocolError(f"unexpected response from {self.peer}")
+        part = self._pending[0]
+        if batch_id != part.batch_id:
+            raise ProtocolError(f"response for batch {batch_id}, expected {part.batch_id}")
+        if kind == KIND_ACK and not part.reads:
+            self._pending.popleft()
+            if not part.future.done():
+                part.future.set_result(None)
+        elif kind == KIND_DATA and part.reads:
+            s = part.reads.popleft()
+            if s.length != length or s.op_index != op_index:
+                raise ProtocolError(f"unexpected DATA from {self.peer}")
+            # Received straight into the local region, no bounce buffer.
+            self._rx_kind = KIND_DATA
+            self._rx_target = part.view[s.local_off : s.local_off + length]
+        elif kind == KIND_ERR and 0 < length <= MAX_ERROR_BYTES:
+            self._rx_kind, self._rx_op_index = KIND_ERR, op_index
+            self._rx_target = memoryview(bytearray(length))
+        else:
+            raise ProtocolError(f"unexpected response kind {kind} from {self.peer}")
+
+    def _expect_header(self) -> None:
+        self._rx_kind, self._rx_target = 0, self._rx_header_view
 
     def _fail(self, exc: BaseException) -> None:
         """Mark the connection dead and fail every part still waiting on it."""
@@ -198,10 +217,10 @@ class Connection:
                 part.future.exception()
 
     def close(self, exc: BaseException | None = None) -> None:
+        """Drop the connection; parts in flight fail with ConnectionError. Idempotent."""
+        first = self._closed is None
         self._fail(exc or ConnectionError("connection closed"))
-        self._reader.cancel()
-
-    async def aclose(self) -> None:
-        self.close()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        if first:
+            self._loop.remove_reader(self._fd)
+            self._loop.remove_writer(self._fd)
+            self._sock.close()

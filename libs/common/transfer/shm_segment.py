@@ -1,0 +1,133 @@
+"""A POSIX shared-memory segment with a region table in its first page.
+
+    0                         4096                                  4096 + data_len
+    +-------------------------+-------------------------------------+
+    | header | slot 0 .. 62   | data: what engine.allocate() returns |
+    +-------------------------+-------------------------------------+
+
+    header (64 B): magic "TNDMSHM1" | version u32 | nslots u32 | data_len u64 | 0...
+    slot   (64 B): region_id u64 | offset u64 | length u64 | live u64 | token 16 B | 0...
+
+The owner writes a slot when it registers a region and clears it on unregister, so
+a peer holding a stale or forged descriptor is refused before it copies a byte. The
+file is created 0600 under an unguessable name: the OS user is the trust boundary,
+the slot check catches stale descriptors and mix-ups. Files live in /dev/shm (a
+tmpfs) rather than multiprocessing.shared_memory, whose resource tracker in
+Python 3.11 unlinks segments that a *peer* attached to when that peer exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import re
+import secrets
+import struct
+
+MAGIC = b"TNDMSHM1"
+VERSION = 1
+HEADER_BYTES = 4096
+SLOT_BYTES = 64
+NSLOTS = (HEADER_BYTES - 64) // SLOT_BYTES
+_HEADER = struct.Struct("<8sII Q")
+_SLOT = struct.Struct("<QQQQ16s")
+_NAME = re.compile(r"tandem-[0-9a-f]{32}")
+
+
+def _slot_at(index: int) -> int:
+    return 64 + index * SLOT_BYTES
+
+
+class Segment:
+    """One mapped segment; `create` for the owner, `attach` for peers."""
+
+    def __init__(self, name: str, path: str, mm: mmap.mmap, data_len: int, owner: bool) -> None:
+        self.name = name
+        self.path = path
+        self._mm = mm
+        self.data_len = data_len
+        self.owner = owner
+        self.data = memoryview(mm)[HEADER_BYTES : HEADER_BYTES + data_len]
+        self.data_addr = ctypes.addressof(ctypes.c_char.from_buffer(self.data))
+
+    @classmethod
+    def create(cls, directory: str, nbytes: int) -> Segment:
+        name = f"tandem-{secrets.token_hex(16)}"
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + nbytes)
+            mm = mmap.mmap(fd, HEADER_BYTES + nbytes)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        mm[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, NSLOTS, nbytes)
+        return cls(name, path, mm, nbytes, owner=True)
+
+    @classmethod
+    def attach(cls, directory: str, name: str) -> Segment:
+        """Map a peer's segment; ValueError when it is not a valid Tandem segment."""
+        # The name comes from a descriptor, i.e. from the network: no path tricks.
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"endpoint: {name!r} is not a Tandem shm segment name")
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ValueError(f"segment {name}: too small")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, version, nslots, data_len = _HEADER.unpack_from(mm, 0)
+        if magic != MAGIC or version != VERSION or nslots != NSLOTS:
+            mm.close()
+            raise ValueError(f"segment {name}: bad header")
+        if data_len > size - HEADER_BYTES:
+            mm.close()
+            raise ValueError(f"segment {name}: header claims more data than the file holds")
+        return cls(name, path, mm, data_len, owner=False)
+
+    def new_view(self) -> memoryview:
+        """A fresh view of the data area (callers may hold it past `close`)."""
+        return memoryview(self._mm)[HEADER_BYTES : HEADER_BYTES + self.data_len]
+
+    def put(self, region_id: int, offset: int, length: int, token: bytes) -> int:
+        """Publish a region in a free slot; ValueError when the table is full."""
+        for index in range(NSLOTS):
+            at = _slot_at(index)
+            if _SLOT.unpack_from(self._mm, at)[3] == 0:
+                # Fields first, `live` last: a concurrent reader never sees a live
+                # slot with a half-written token.
+                self._mm[at : at + _SLOT.size] = _SLOT.pack(region_id, offset, length, 0, token)
+                self._mm[at + 24 : at + 32] = struct.pack("<Q", 1)
+                return index
+        raise ValueError(f"buffer: segment {self.name} already holds {NSLOTS} regions")
+
+    def clear(self, index: int) -> None:
+        at = _slot_at(index)
+        self._mm[at + 24 : at + 32] = bytes(8)
+        self._mm[at : at + _SLOT.size] = bytes(_SLOT.size)
+
+    def find(self, region_id: int) -> tuple[int, int, bytes] | None:
+        """(offset, length, token) of a live region, or None."""
+        for index in range(NSLOTS):
+            rid, offset, length, live, token = _SLOT.unpack_from(self._mm, _slot_at(index))
+            if live == 1 and rid == region_id:
+                return offset, length, token
+        return None
+
+    def close(self) -> None:
+        """Unmap (and unlink, for the owner). Mappings peers hold stay valid."""
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        # Views handed out by allocate() may still be alive; the mapping then goes
+        # away with the last of them.
+        with contextlib.suppress(BufferError):
+            self.data.release()
+            self._mm.close()
