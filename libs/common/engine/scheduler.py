@@ -30,18 +30,19 @@ log = structlog.get_logger(__name__)
 
 @dataclasses.dataclass(slots=True)
 class ScheduledSeq:
-    """Compute `seq.token_ids[start:start + num_tokens]` at positions start...; the
-    KV goes into `seq.page_table` (page p // page_size, slot p % page_size).
-    When `sample` is set the chunk ends the known tokens and a token is sampled
-    from its last position; otherwise it is a non-final prefill chunk."""
+    """Compute `token_ids` (= seq.token_ids[start:start + num_tokens]) at positions
+    start, start+1, ...; the KV of position p goes to page seq.page_table[p // page_size],
+    slot p % page_size, and attention covers positions 0..p. When `sample` is set the
+    chunk reaches the last known token and one token is sampled from its last
+    position; otherwise it is a non-final prefill chunk and its logits are unused."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    sample: bool = dataclasses.field(init=False)
 
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.sample = self.start + self.num_tokens == self.seq.num_tokens
 
     @property
     def is_decode(self) -> bool:
