@@ -7,12 +7,14 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import xxhash
 
 from libs.common.kv_hash import PageHasher
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository root, for `import libs`
 TOKENS = [(i * 7919) % 50_000 for i in range(100)]
 
 
@@ -39,7 +41,7 @@ def test_keys_are_identical_in_another_process():
     # A different hash seed proves no Python hash() leaks into the keys.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT
     )
     assert done.stdout.strip().split(",") == hasher().keys(TOKENS)
 

@@ -247,12 +247,13 @@ class Scheduler:
                 done.append(seq)
         return done
 
-    def finish(self, request_id: str, reason: FinishReason) -> Sequence | None:
-        """End a sequence for a reason found outside (a stop string): as postprocess would."""
+    def finish(self, request_id: str, reason: FinishReason | str) -> Sequence | None:
+        """End a sequence for a reason found outside (a stop string), as postprocess
+        would; a no-op on one that already finished."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.is_finished:
             return seq
-        self._finish(seq, reason)
+        self._finish(seq, FinishReason(reason))
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:
