@@ -184,6 +184,7 @@ class Scheduler:
         return seq
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch and give every picked sequence the pages it needs."""
         out = SchedulerOutput()
         picked: dict[str, ScheduledSeq] = {}
         budget = self.max_num_batched_tokens
