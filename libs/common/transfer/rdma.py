@@ -1,0 +1,306 @@
+"""The rdma transport: pyverbs, RC queue pairs, one-sided RDMA WRITE and READ.
+
+Wiring (the engine never talks to NATS itself):
+
+    async def connect_peer(endpoint: str, request: dict) -> dict:
+        # endpoint is the peer's RegionDescriptor.endpoint (its engine id)
+        reply = await bus.request(f"tandem.transfer.{endpoint}.connect", request)
+        return reply                                  # a QpExchange dict
+
+    engine = RdmaTransferEngine(connect_peer=connect_peer, engine_id=worker_id)
+    bus.serve(f"tandem.transfer.{worker_id}.connect", engine.accept_peer)
+
+`accept_peer` refuses (ValueError) a request whose region id and token do not match a
+region registered here: once connected, the NIC checks the rkey and the bounds of
+the memory region for every op, without the owner's CPU.
+
+Completions are polled by a task on the event loop (ibv_poll_cq never blocks): it
+spins while work requests are outstanding, backs off, and sleeps on an event when
+none are. Every WR is signaled so the first failure names its op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .descriptor import RegionDescriptor
+from .engine import TransferEngine
+from .errors import AccessRefused, TransferError
+from .ops import Op, slice_ops, spread
+from .pyverbs_shim import load as load_pyverbs
+from .rdma_link import Link, LinkState, QpExchange, QpInfo, WorkTracker
+from .region import Region
+from .registry import rdma_devices
+
+ConnectPeer = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class RdmaTransferEngine(TransferEngine):
+    """Transfer engine over RDMA RC queue pairs; see the module docstring for wiring."""
+
+    transport = "rdma"
+
+    def __init__(
+        self,
+        *,
+        connect_peer: ConnectPeer | None = None,
+        engine_id: str | None = None,
+        device: str | None = None,
+        port_num: int = 1,
+        gid_index: int = 0,
+        qps_per_peer: int = 2,
+        slice_bytes: int = 1 << 20,
+        max_send_wr: int = 128,
+        batch_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__()
+        if connect_peer is None:
+            raise ValueError("connect_peer: the rdma transport needs the QP exchange callable")
+        if not 1 <= qps_per_peer <= 64:
+            raise ValueError(f"qps_per_peer: must be in [1, 64], got {qps_per_peer}")
+        if slice_bytes <= 0 or max_send_wr <= 0 or batch_timeout_s <= 0:
+            raise ValueError("slice_bytes/max_send_wr/batch_timeout_s: must be positive")
+        self._connect_peer = connect_peer
+        self._engine_id = engine_id or f"rdma-{secrets.token_hex(8)}"
+        self._device = device
+        self._port_num = port_num
+        self._gid_index = gid_index
+        self._nqps = qps_per_peer
+        self._slice_bytes = slice_bytes
+        self._max_send_wr = max_send_wr
+        self._batch_timeout_s = batch_timeout_s
+        self._v: Any = None
+        self._ctx: Any = None
+        self._pd: Any = None
+        self._cq: Any = None
+        self._port: tuple[int, str, int] = (0, "", 0)  # lid, gid, mtu
+        self._links: dict[str, tuple[Link, list[Any]]] = {}
+        self._accepted: dict[str, list[Any]] = {}
+        self._tracker = WorkTracker()
+        self._batches: dict[int, asyncio.Future[None]] = {}
+        self._credits: dict[int, asyncio.Semaphore] = {}  # per QP number
+        self._wr_qp: dict[int, int] = {}
+        self._posted = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self._batch_ids = itertools.count(1)
+
+    @property
+    def endpoint(self) -> str:
+        return self._engine_id
+
+    def info(self) -> dict[str, Any]:
+        out = super().info()
+        out.update(device=self._device, qps_per_peer=self._nqps)
+        return out
+
+    async def _start(self) -> None:
+        v = self._v = load_pyverbs()
+        devices = rdma_devices()
+        if not devices:
+            raise RuntimeError("rdma: no device under /sys/class/infiniband")
+        self._device = self._device or devices[0]
+        self._ctx = v.Context(name=self._device)
+        self._pd = v.PD(self._ctx)
+        self._cq = v.CQ(self._ctx, 4 * self._max_send_wr * self._nqps * 8)
+        port = self._ctx.query_port(self._port_num)
+        gid = self._ctx.query_gid(self._port_num, self._gid_index)
+        self._port = (port.lid, str(gid.gid).replace(":", ""), int(port.active_mtu))
+        self._poller = asyncio.get_running_loop().create_task(self._poll(), name="rdma-poll")
+
+    async def _stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for future in self._batches.values():
+            if not future.done():
+                future.set_exception(ConnectionError("engine stopped"))
+        for _, qps in self._links.values():
+            for qp in qps:
+                qp.close()
+        for qps in self._accepted.values():
+            for qp in qps:
+                qp.close()
+        for region in self._regions.all():
+            self._on_unregister(region)
+        for resource in (self._cq, self._pd, self._ctx):
+            if resource is not None:
+                resource.close()
+
+    def _on_register(self, region: Region) -> None:
+        e = self._v.e
+        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+        region.extra["mr"] = self._v.MR(self._pd, region.length, access, address=region.addr)
+
+    def _on_unregister(self, region: Region) -> None:
+        mr = region.extra.pop("mr", None)
+        if mr is not None:
+            mr.close()
+
+    def _descriptor(self, region: Region) -> RegionDescriptor:
+        mr = region.extra["mr"]
+        return RegionDescriptor(
+            "rdma", self._engine_id, region.region_id, region.length, region.token.hex(),
+            addr=region.addr, rkey=mr.rkey,
+        )  # fmt: skip
+
+    # -- queue pairs -------------------------------------------------------------------
+
+    def _new_qp(self) -> tuple[Any, QpInfo]:
+        v = self._v
+        cap = v.QPCap(max_send_wr=self._max_send_wr, max_recv_wr=1, max_send_sge=1,
+                      max_recv_sge=1)  # fmt: skip
+        attr = v.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap)
+        qp = v.QP(self._pd, attr)
+        lid, gid, mtu = self._port
+        info = QpInfo(qp.qp_num, secrets.randbelow(1 << 24), lid, gid, mtu)
+        self._credits[qp.qp_num] = asyncio.Semaphore(self._max_send_wr)
+        return qp, info
+
+    def _to_rts(self, qp: Any, local: QpInfo, remote: QpInfo) -> None:
+        v, e = self._v, self._v.e
+        attr = v.QPAttr(port_num=self._port_num)
+        attr.qp_access_flags = (
+            e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+        )
+        attr.path_mtu = min(local.mtu, remote.mtu)
+        attr.dest_qp_num, attr.rq_psn, attr.sq_psn = remote.qpn, remote.psn, local.psn
+        attr.max_dest_rd_atomic = attr.max_rd_atomic = 16
+        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
+        gr = v.GlobalRoute(dgid=_gid(v, remote.gid), sgid_index=self._gid_index)
+        attr.ah_attr = v.AHAttr(gr=gr, is_global=1, dlid=remote.lid, port_num=self._port_num)
+        qp.to_rts(attr)
+
+    async def accept_peer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Serve a peer's QP exchange (the service calls this from its NATS handler)."""
+        self._require_running("accept_peer")
+        exchange = QpExchange.from_dict(request)
+        try:
+            self._regions.check(exchange.region_id, bytes.fromhex(exchange.token or "00" * 16),
+                                0, 0)  # fmt: skip
+        except AccessRefused as exc:
+            self._log.warning("rdma peer refused", peer=exchange.engine_id, reason=exc.reason)
+            raise ValueError(f"token: {exc.reason}") from None
+        for qp in self._accepted.pop(exchange.engine_id, []):
+            qp.close()  # a reconnecting peer replaces its old QPs
+        qps, infos = [], []
+        for remote in exchange.qps:
+            qp, info = self._new_qp()
+            self._to_rts(qp, info, remote)
+            qps.append(qp)
+            infos.append(info)
+        self._accepted[exchange.engine_id] = qps
+        self._log.info("rdma peer connected", peer=exchange.engine_id, qps=len(qps))
+        return QpExchange(self._engine_id, tuple(infos)).to_dict()
+
+    async def _qps(self, remote: RegionDescriptor) -> list[Any]:
+        peer = remote.endpoint
+        link, qps = self._links.get(peer, (Link(peer), []))
+        if link.usable:
+            return qps
+        for qp in qps:
+            qp.close()
+        link.move(LinkState.CONNECTING)
+        self._links[peer] = (link, [])
+        try:
+            pairs = [self._new_qp() for _ in range(self._nqps)]
+            request = QpExchange(self._engine_id, tuple(i for _, i in pairs),
+                                 remote.region_id, remote.token)  # fmt: skip
+            reply = QpExchange.from_dict(await self._connect_peer(peer, request.to_dict()))
+            if len(reply.qps) != len(pairs):
+                raise ValueError("qps: peer answered with a different number of QPs")
+            for (qp, info), theirs in zip(pairs, reply.qps, strict=True):
+                self._to_rts(qp, info, theirs)
+        except BaseException as exc:
+            link.move(LinkState.IDLE, str(exc))
+            raise
+        qps = [qp for qp, _ in pairs]
+        link.move(LinkState.READY)
+        self._links[peer] = (link, qps)
+        return qps
+
+    # -- transfers --------------------------------------------------------------------
+
+    async def _transfer(
+        self, kind: str, region: Region, remote: RegionDescriptor, ops: list[Op]
+    ) -> None:
+        slices = slice_ops(ops, self._slice_bytes)
+        if not slices:
+            return
+        peer = remote.endpoint
+        try:
+            qps = await self._qps(remote)
+        except Exception as exc:
+            raise TransferError(peer, f"cannot connect: {exc}") from exc
+        v, e = self._v, self._v.e
+        opcode = e.IBV_WR_RDMA_WRITE if kind == "write" else e.IBV_WR_RDMA_READ
+        lkey = region.extra["mr"].lkey
+        batch_id = next(self._batch_ids)
+        future = self._batches[batch_id] = asyncio.get_running_loop().create_future()
+        self._tracker.open(batch_id, len(slices))
+        try:
+            for qp, lane in zip(qps, spread(slices, len(qps)), strict=True):
+                credits = self._credits[qp.qp_num]
+                for s in lane:
+                    await credits.acquire()  # never overrun the send queue
+                    wr_id = self._tracker.post(batch_id, s.op_index)
+                    self._wr_qp[wr_id] = qp.qp_num
+                    sge = v.SGE(region.addr + s.local_off, s.length, lkey)
+                    wr = v.SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge],
+                                  send_flags=e.IBV_SEND_SIGNALED)  # fmt: skip
+                    wr.set_wr_rdma(remote.rkey, remote.addr + s.remote_off)
+                    qp.post_send(wr)
+                    self._posted.set()
+            async with asyncio.timeout(self._batch_timeout_s):
+                await future
+        except TransferError as exc:
+            # A failed work request puts the RC queue pair in the error state.
+            if self._links[peer][0].usable:
+                self._links[peer][0].move(LinkState.ERROR, exc.reason)
+            op = tuple(ops[exc.op_index]) if 0 <= exc.op_index < len(ops) else None
+            raise TransferError(peer, exc.reason, exc.op_index, op) from None
+        except Exception as exc:
+            if self._links[peer][0].usable:
+                self._links[peer][0].move(LinkState.ERROR, str(exc))
+            raise TransferError(peer, f"{kind} failed: {exc}") from exc
+        finally:
+            self._batches.pop(batch_id, None)
+
+    async def _poll(self) -> None:
+        idle_spins = 0
+        while True:
+            if not self._tracker.outstanding:
+                self._posted.clear()
+                await self._posted.wait()
+            count, wcs = self._cq.poll(64)
+            if count <= 0:
+                idle_spins += 1
+                await asyncio.sleep(0 if idle_spins < 64 else 0.0002)
+                continue
+            idle_spins = 0
+            for wc in wcs:
+                self._complete(wc)
+            await asyncio.sleep(0)
+
+    def _complete(self, wc: Any) -> None:
+        qpn = self._wr_qp.pop(wc.wr_id, None)
+        if qpn is not None and qpn in self._credits:
+            self._credits[qpn].release()
+        ok = wc.status == self._v.e.IBV_WC_SUCCESS
+        done = self._tracker.complete(wc.wr_id, ok, f"completion status {wc.status}")
+        if done is None:
+            return
+        batch_id, batch = done
+        future = self._batches.get(batch_id)
+        if future is None or future.done():
+            return
+        if batch.error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(TransferError("rdma peer", batch.error, batch.op_index))
+
+
+def _gid(v: Any, hex_gid: str) -> Any:
+    return v.GID(":".join(hex_gid[i : i + 4] for i in range(0, 32, 4)))
