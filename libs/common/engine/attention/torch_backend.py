@@ -1,0 +1,138 @@
+"""Attention in plain torch: the CPU backend and the reference for the others.
+
+Decode rows (one new token per sequence) are attended in one batched
+scaled_dot_product_attention call over their pages gathered and padded to the
+longest context; prefill chunks run one sequence at a time, and a chunk that
+starts its sequence attends to its own fresh K/V without touching the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from libs.common.engine.attention.base import AttentionBackend, AttentionBatch, slot_mapping
+
+
+@dataclasses.dataclass(slots=True)
+class _Decode:
+    rows: torch.Tensor | None  # None when every row of the step is a decode row
+    pages: torch.Tensor  # [B * max_pages] page ids, padded with page 0
+    mask: torch.Tensor  # [B, 1, 1, max_pages * page_size], True where attended
+    batch: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Prefill:
+    start: int
+    end: int
+    ctx: int
+    pages: torch.Tensor | None  # None: the chunk is the whole context so far
+    mask: torch.Tensor | None  # [q, ctx] bool; None with pages=None (plain causal)
+
+
+@dataclasses.dataclass(slots=True)
+class TorchPlan:
+    slots: torch.Tensor
+    num_tokens: int
+    decode: _Decode | None
+    prefills: list[_Prefill]
+
+
+class TorchAttention(AttentionBackend):
+    """See AttentionBackend; works on any device torch supports."""
+
+    name = "torch"
+
+    def plan(self, batch: AttentionBatch) -> TorchPlan:
+        dev = self.kv_cache.buffer.device
+        ps = self.kv_cache.page_size
+        slots = torch.tensor(slot_mapping(batch, ps), dtype=torch.long, device=dev)
+        decode_idx = [i for i, q in enumerate(batch.q_lens) if q == 1]
+        starts = [0]
+        for q in batch.q_lens:
+            starts.append(starts[-1] + q)
+        decode = None
+        if decode_idx:
+            decode = self._plan_decode(batch, decode_idx, starts, dev)
+        prefills = []
+        for i, q in enumerate(batch.q_lens):
+            if q == 1:
+                continue
+            ctx = batch.ctx_lens[i]
+            if ctx == q:
+                prefills.append(_Prefill(starts[i], starts[i + 1], ctx, None, None))
+                continue
+            n_pages = -(-ctx // ps)
+            pages = torch.tensor(batch.page_tables[i][:n_pages], dtype=torch.long, device=dev)
+            # Row r (position ctx - q + r) sees columns 0 .. ctx - q + r.
+            cols = torch.arange(ctx, device=dev)
+            rows = torch.arange(ctx - q, ctx, device=dev)
+            mask = cols.unsqueeze(0) <= rows.unsqueeze(1)
+            prefills.append(_Prefill(starts[i], starts[i + 1], ctx, pages, mask))
+        return TorchPlan(slots, batch.num_tokens, decode, prefills)
+
+    def _plan_decode(self, batch, decode_idx, starts, dev) -> _Decode:
+        ps = self.kv_cache.page_size
+        ctx = [batch.ctx_lens[i] for i in decode_idx]
+        max_pages = -(-max(ctx) // ps)
+        flat: list[int] = []
+        for i, c in zip(decode_idx, ctx, strict=True):
+            table = batch.page_tables[i][: -(-c // ps)]
+            flat.extend(table)
+            flat.extend([0] * (max_pages - len(table)))
+        lens = torch.tensor(ctx, device=dev)
+        mask = torch.arange(max_pages * ps, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+        rows = None
+        if len(decode_idx) != len(batch.q_lens):
+            rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=dev)
+        pages = torch.tensor(flat, dtype=torch.long, device=dev)
+        return _Decode(rows, pages, mask.view(len(ctx), 1, 1, -1), len(ctx))
+
+    def forward(self, layer, q, k, v, plan: TorchPlan) -> torch.Tensor:
+        kc, vc = self.kv_cache.key(layer), self.kv_cache.value(layer)
+        hk, d = self.num_kv_heads, self.head_dim
+        kc.view(-1, hk, d).index_copy_(0, plan.slots, k)
+        vc.view(-1, hk, d).index_copy_(0, plan.slots, v)
+        if plan.decode is not None and not plan.prefills:
+            return self._decode(q, kc, vc, plan.decode)
+        out = q.new_empty(plan.num_tokens, self.num_heads * d)
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kc, vc, plan.decode))
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(q, k, v, kc, vc, p)
+        return out
+
+    def _decode(self, q, kc, vc, dec: _Decode) -> torch.Tensor:
+        b, hk, d = dec.batch, self.num_kv_heads, self.head_dim
+        keys = kc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2)
+        values = vc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=dec.mask, scale=self.scale, enable_gqa=True
+        )
+        return o.reshape(b, self.num_heads * d)
+
+    def _prefill(self, q, k, v, kc, vc, p: _Prefill) -> torch.Tensor:
+        hk, d = self.num_kv_heads, self.head_dim
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        if p.pages is None:
+            keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            values = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            keys = kc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1)
+            values = vc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs,
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                attn_mask=p.mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+        return o[0].transpose(0, 1).reshape(p.end - p.start, self.num_heads * d)

@@ -1,0 +1,253 @@
+"""The synchronous engine: scheduler + model runner + stop handling, one step at a time.
+
+    outputs = core.step()   # schedule -> run -> postprocess
+
+Not thread-safe: one caller at a time (the async Engine serializes calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import structlog
+import torch
+
+from libs.common.engine.attention import backend_class
+from libs.common.engine.engine_config import EngineConfig
+from libs.common.engine.kv_cache import KVCache
+from libs.common.engine.model import LlamaModel
+from libs.common.engine.model_runner import ModelRunner
+from libs.common.engine.model_source import load_model
+from libs.common.engine.outputs import RequestOutput
+from libs.common.engine.page_allocator import PageAllocator
+from libs.common.engine.sampler import SamplingRow, TokenLogprobs
+from libs.common.engine.sampling_params import SamplingParams
+from libs.common.engine.scheduler import Scheduler
+from libs.common.engine.sequence import FinishReason, Sequence, SequenceStatus
+from libs.common.engine.stop import StopChecker
+from libs.common.engine.tokenizer import TextTokenizer
+from libs.common.kv_hash import PageHasher
+from libs.common.radix_cache import CacheEvent, RadixCache
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    seed: int
+    stop: StopChecker
+    penalized: bool
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+
+
+class EngineCore:
+    """Owns the model, the KV pool and the scheduler of one worker.
+
+    Contract: every public method runs to completion before the next one
+    starts (never concurrently with `step`). KV events of the prefix cache
+    are queued and handed out by `take_events()`, in order.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel | None = None,
+        tokenizer: TextTokenizer | None = None,
+    ) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if model is None:
+            loaded, tokenizer = load_model(config.model)
+            model = LlamaModel(loaded)
+        self.model, self.tokenizer = model, tokenizer
+        c = model.config
+        num_pages = config.num_pages or max(
+            1,
+            config.kv_cache_mb
+            * 2**20
+            // KVCache.page_nbytes_for(
+                c.num_layers, config.page_size, c.num_kv_heads, c.head_dim, torch.float32
+            ),
+        )
+        self.kv_cache = KVCache(
+            c.num_layers,
+            num_pages,
+            config.page_size,
+            c.num_kv_heads,
+            c.head_dim,
+            device=config.device,
+        )
+        attention = backend_class(config.attention_backend)(self.kv_cache, c.num_heads)
+        self.runner = ModelRunner(model, attention)
+        self._events: list[CacheEvent] = []
+        cache = hasher = None
+        if config.enable_prefix_cache:
+            cache = RadixCache(config.page_size, tier=config.tier, on_event=self._events.append)
+            hasher = PageHasher(model.model_id, self.kv_cache.dtype_name, config.page_size)
+        self.hasher = hasher
+        self.scheduler = Scheduler(
+            PageAllocator(num_pages),
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            cache=cache,
+            hasher=hasher,
+            eos_token_ids=c.eos_token_ids,
+        )
+        self._requests: dict[str, _Request] = {}
+        log.info(
+            "engine.ready",
+            model_id=model.model_id,
+            num_pages=num_pages,
+            page_size=config.page_size,
+            backend=config.attention_backend,
+        )
+
+    # -- requests -------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        keep_pages: bool = False,
+    ) -> None:
+        """Queue a request. ValueError for a duplicate id, empty or oversized prompt."""
+        self._check_ids(token_ids)
+        seq = Sequence(
+            request_id, token_ids, params, prefill_only=prefill_only, keep_pages=keep_pages
+        )
+        self.scheduler.add(seq)
+        self._track(seq)
+
+    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams):
+        """Pages for the prompt's KV, to be filled by a peer; None when the pool is full."""
+        self._check_ids(token_ids)
+        seq = Sequence(request_id, token_ids, params)
+        pages = self.scheduler.reserve(seq)
+        if pages is not None:
+            self._track(seq)
+        return pages
+
+    def add_imported(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """The reserved request's prompt KV is in place: decode on from its first token.
+
+        Returns the output for the first token (finished when it already stops)."""
+        self.scheduler.add_imported(request_id, first_token_id)
+        return self._output(self._requests[request_id], first_token_id, None)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self._requests.pop(request_id, None)
+        seq = self.scheduler.abort(request_id)
+        if req is None or seq is None:
+            return None
+        return RequestOutput(
+            request_id,
+            [],
+            "",
+            True,
+            FinishReason.ABORT.value,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Free the pages of a finished request that kept them."""
+        self._requests.pop(request_id, None)
+        self.scheduler.release(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def take_events(self) -> list[CacheEvent]:
+        events, self._events[:] = list(self._events), []
+        return events
+
+    # -- KV pages ---------------------------------------------------------------------
+
+    def export_pages(self, page_ids: list[int]) -> torch.Tensor:
+        return self.kv_cache.export_pages(page_ids)
+
+    def import_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
+        self.kv_cache.import_pages(page_ids, data)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampling = [item for item in out.scheduled if item.sample]
+        rows = [self._row(self._requests[item.seq.request_id]) for item in sampling]
+        result = self.runner.run(out.scheduled, rows)
+        sampled = {
+            item.seq.request_id: tok for item, tok in zip(sampling, result.token_ids, strict=True)
+        }
+        self.scheduler.postprocess(out, sampled)
+        outputs = []
+        for item, lp in zip(sampling, result.logprobs, strict=True):
+            req = self._requests[item.seq.request_id]
+            outputs.append(self._output(req, sampled[item.seq.request_id], lp))
+        return outputs
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _check_ids(self, token_ids: list[int]) -> None:
+        vocab = self.model.config.vocab_size
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token_ids must be in [0, {vocab})")
+
+    def _track(self, seq: Sequence) -> None:
+        p = seq.sampling_params
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        penalized = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) != (1, 0, 0)
+        self._requests[seq.request_id] = _Request(
+            seq, seed, StopChecker(p, self.tokenizer), penalized
+        )
+
+    def _row(self, req: _Request) -> SamplingRow:
+        seq = req.seq
+        if req.penalized:
+            return SamplingRow(
+                seq.sampling_params,
+                req.seed,
+                seq.num_output_tokens,
+                seq.prompt_token_ids,
+                seq.output_token_ids,
+            )
+        return SamplingRow(seq.sampling_params, req.seed, seq.num_output_tokens)
+
+    def _output(self, req: _Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        seq = req.seq
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        delta, hit = req.stop.step(token, reason)
+        if hit and not seq.is_finished:
+            self.scheduler.finish(seq.request_id, FinishReason.STOP)
+            reason = FinishReason.STOP.value
+        elif hit:
+            reason = FinishReason.STOP.value
+        finished = seq.is_finished
+        out = RequestOutput(
+            seq.request_id,
+            [token],
+            delta,
+            finished,
+            reason,
+            [lp] if lp is not None else [],
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.num_output_tokens,
+        )
+        if finished and seq.status == SequenceStatus.HELD:
+            out.page_table = list(seq.page_table)
+        elif finished:
+            self._requests.pop(seq.request_id, None)
+        return out
