@@ -19,7 +19,7 @@ $(STAMP): $(REQS)
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m scripts.cluster
+	$(PY) -m scripts.cluster $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

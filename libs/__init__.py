@@ -1,0 +1,1 @@
+"""Tandem: PD-disaggregated LLM serving with a cluster-wide KV cache pool."""

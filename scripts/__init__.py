@@ -1,0 +1,1 @@
+"""Developer scripts (`make run` is `python -m scripts.cluster`)."""

@@ -1,0 +1,1 @@
+"""Tandem services, each started with `python -m services.<name>`."""

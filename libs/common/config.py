@@ -1,0 +1,231 @@
+"""Service configuration: one dataclass per service, every field a flag and an env variable.
+
+A field `nats_url` of the router's config is, in order of precedence:
+
+    --nats-url VALUE            (command line)
+    TANDEM_ROUTER_NATS_URL      (environment, this service only)
+    TANDEM_NATS_URL             (environment, every service)
+    the dataclass default
+
+Per-service variables let one `.env` file configure a whole cluster (`TANDEM_ROUTER_PORT`
+next to `TANDEM_PREFILL_MAX_NUM_SEQS`), while shared ones (`TANDEM_NATS_URL`) need saying once.
+
+Fields carry their help text in `field(metadata={"help": ...})`; `choices` may be given
+too. Validation happens in `__post_init__` (see `CommonConfig.validate`) and raises
+`ValueError` naming the flag, so a bad value from any source reads the same to an operator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import socket
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+ENV_PREFIX = "TANDEM_"
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_LOG_FORMATS = ("auto", "json", "console")
+
+C = TypeVar("C", bound="CommonConfig")
+
+
+def flag_name(field_name: str) -> str:
+    """`drain_timeout` -> `--drain-timeout`."""
+    return "--" + field_name.replace("_", "-")
+
+
+def env_names(service: str, field_name: str) -> tuple[str, str]:
+    """The service-specific and the shared environment variable of a field."""
+    upper = field_name.upper()
+    return f"{ENV_PREFIX}{service.upper()}_{upper}", f"{ENV_PREFIX}{upper}"
+
+
+def _default_service_id(service: str) -> str:
+    host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "host"
+    return f"{service}-{host}-{os.getpid()}"
+
+
+@dataclass
+class CommonConfig:
+    """Flags every service has. Subclasses add their own fields and set `SERVICE`."""
+
+    SERVICE = "common"
+
+    nats_url: str = field(
+        default="nats://127.0.0.1:4222",
+        metadata={"help": "NATS server URL(s), comma-separated for a cluster"},
+    )
+    service_id: str = field(
+        default="",
+        metadata={"help": "unique id of this instance (default: <service>-<host>-<pid>)"},
+    )
+    subject_prefix: str = field(
+        default="tandem", metadata={"help": "prefix of every NATS subject Tandem uses"}
+    )
+    log_level: str = field(default="info", metadata={"help": "log level", "choices": _LOG_LEVELS})
+    log_format: str = field(
+        default="auto",
+        metadata={
+            "help": "json lines, console, or auto (console on a TTY, json otherwise)",
+            "choices": _LOG_FORMATS,
+        },
+    )
+    connect_timeout: float = field(
+        default=10.0, metadata={"help": "seconds to keep trying the first NATS connection"}
+    )
+    request_timeout: float = field(
+        default=5.0, metadata={"help": "default timeout of NATS requests, seconds"}
+    )
+    drain_timeout: float = field(
+        default=10.0,
+        metadata={"help": "on SIGTERM, seconds to let in-flight work finish before exiting"},
+    )
+
+    def __post_init__(self) -> None:
+        if not self.service_id:
+            self.service_id = _default_service_id(self.SERVICE)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag of the first bad value. Subclasses extend it."""
+        urls = [u.strip() for u in self.nats_url.split(",") if u.strip()]
+        if not urls or not all(re.match(r"^(nats|tls|ws|wss)://[^\s]+$", u) for u in urls):
+            raise ValueError(f"--nats-url: expected nats://host:port, got {self.nats_url!r}")
+        if not _ID_RE.match(self.service_id):
+            raise ValueError(
+                f"--service-id: {self.service_id!r} must be 1-64 of [a-z0-9_-], "
+                "starting with a letter or digit (it becomes part of NATS subjects)"
+            )
+        if not re.match(r"^[a-z][a-z0-9_-]*$", self.subject_prefix):
+            raise ValueError(f"--subject-prefix: {self.subject_prefix!r} is not a valid token")
+        for name in ("connect_timeout", "request_timeout", "drain_timeout"):
+            require_positive(self, name)
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"{flag_name(f.name)}: {getattr(self, f.name)!r} is not one of {list(choices)}"
+                )
+
+    @classmethod
+    def parse(
+        cls: type[C], argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> C:
+        """Build the config from argv and env (defaults: sys.argv[1:] and os.environ).
+
+        `--help` exits 0 after printing every flag with its variables and default;
+        a bad value exits 2 with the flag named (argparse's convention).
+        """
+        env = os.environ if env is None else env
+        parser = build_parser(cls)
+        args = parser.parse_args(argv)
+        values: dict[str, Any] = {}
+        for f in _fields(cls):
+            cli = getattr(args, f.name)
+            if cli is not None:
+                values[f.name] = cli
+                continue
+            for var in env_names(cls.SERVICE, f.name):
+                if var in env:
+                    try:
+                        values[f.name] = _convert(cls, f, env[var])
+                    except ValueError as e:
+                        parser.error(f"{flag_name(f.name)} (from ${var}): {e}")
+                    break
+        try:
+            return cls(**values)
+        except ValueError as e:
+            parser.error(str(e))
+            raise  # unreachable: parser.error exits
+
+
+def require_positive(config: Any, name: str) -> None:
+    if getattr(config, name) <= 0:
+        raise ValueError(f"{flag_name(name)}: must be > 0, got {getattr(config, name)!r}")
+
+
+def require_range(config: Any, name: str, low: float, high: float) -> None:
+    value = getattr(config, name)
+    if not low <= value <= high:
+        raise ValueError(f"{flag_name(name)}: must be in [{low}, {high}], got {value!r}")
+
+
+def build_parser(cls: type[CommonConfig]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{cls.SERVICE}",
+        description=(cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else None,
+        epilog=(
+            f"Every flag can also be set by ${ENV_PREFIX}{cls.SERVICE.upper()}_<FLAG> "
+            f"(this service only) or ${ENV_PREFIX}<FLAG> (all services); the command "
+            "line wins over both."
+        ),
+    )
+    for f in _fields(cls):
+        own, shared = env_names(cls.SERVICE, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{f.metadata.get('help', '')} [env {own} or {shared}; default {default!r}]"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        kwargs["type"] = lambda raw, f=f: _convert(cls, f, raw)
+        kwargs["metavar"] = _base_type(cls, f).__name__.upper()
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+            kwargs["metavar"] = "{" + ",".join(f.metadata["choices"]) + "}"
+        parser.add_argument(flag_name(f.name), **kwargs)
+    return parser
+
+
+def _fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+def _base_type(cls: type, f: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(cls)[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _convert(cls: type, f: dataclasses.Field, raw: str) -> Any:
+    kind = _base_type(cls, f)
+    if kind is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true/false, got {raw!r}")
+    if kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ValueError(f"expected {kind.__name__}, got {raw!r}") from None
+    return raw
+
+
+@dataclass
+class WorkerConfig(CommonConfig):
+    """Flags shared by the model workers (prefill and decode)."""
+
+    model: str = field(
+        default="default",
+        metadata={"help": "'default' (SmolLM2-135M-Instruct Q4_1), a GGUF file or an HF folder"},
+    )
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    transport: str = field(
+        default="auto",
+        metadata={
+            "help": "KV transfer transport; auto = rdma where a device exists, else tcp",
+            "choices": ("auto", "rdma", "tcp", "shm"),
+        },
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "page_size")

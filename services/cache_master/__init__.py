@@ -1,0 +1,1 @@
+"""The cache master: metadata of the distributed KV pool (never its bytes)."""

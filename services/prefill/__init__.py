@@ -1,0 +1,1 @@
+"""The prefill worker: computes prompts and hands their KV to a decode worker."""

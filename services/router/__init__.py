@@ -1,0 +1,1 @@
+"""The router: the OpenAI-compatible HTTP API and KV-aware routing."""
