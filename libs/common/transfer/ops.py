@@ -58,7 +58,7 @@ def validate_ops(ops: Iterable[Sequence[int]], local_length: int, remote_length:
     """
     out: list[Op] = []
     for index, raw in enumerate(ops):
-        if not isinstance(raw, Sequence) or len(raw) != 3:
+        if not isinstance(raw, Sequence) or isinstance(raw, str | bytes) or len(raw) != 3:
             raise ValueError(f"ops[{index}]: expected (local_off, remote_off, length)")
         local_off, remote_off, length = (_as_int(v) for v in raw)
         if local_off is None or remote_off is None or length is None:

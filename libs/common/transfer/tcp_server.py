@@ -126,11 +126,10 @@ class TcpTransferServer:
                         name=f"tandem-transfer-{peer_name}",
                     )  # fmt: skip
                     self._conns[sock] = thread
+                    thread.start()  # under the lock: stop() never joins an unstarted thread
             if crowded:
                 self._log.warning("transfer connection refused: too many", peer=peer_name)
                 sock.close()
-                continue
-            thread.start()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:

@@ -1,0 +1,83 @@
+"""The start/stop pair and the state machine every transport inherits."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from libs.common.transfer import EngineState, create_engine
+from libs.common.transfer.shm import ShmTransferEngine
+from libs.common.transfer.tcp import TcpTransferEngine
+
+
+async def test_stop_is_idempotent_and_safe_before_start() -> None:
+    engine = TcpTransferEngine()
+    await engine.stop()
+    await engine.stop()
+    assert engine.state is EngineState.STOPPED
+    with pytest.raises(RuntimeError, match="not new"):
+        await engine.start()
+
+
+async def test_methods_need_a_running_engine() -> None:
+    engine = TcpTransferEngine()
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.register(bytearray(8))
+    async with engine:
+        desc = engine.register(bytearray(8))
+        assert engine.info()["regions"] == 1
+        with pytest.raises(RuntimeError, match="not new"):
+            await engine.start()
+    with pytest.raises(RuntimeError, match="not running"):
+        await engine.write(desc, desc, [(0, 0, 1)])
+    assert engine.info() == {"transport": "tcp", "endpoint": None, "state": "stopped",
+                             "regions": 0, "connections_per_peer": 2,
+                             "slice_bytes": 1 << 20}  # fmt: skip
+
+
+async def test_failed_start_leaves_a_stopped_engine() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        engine = TcpTransferEngine(port=busy.getsockname()[1])
+        with pytest.raises(OSError):
+            await engine.start()
+    assert engine.state is EngineState.STOPPED
+    await engine.stop()
+
+
+async def test_info_shows_transport_and_endpoint() -> None:
+    async with TcpTransferEngine() as engine:
+        info = engine.info()
+        assert info["transport"] == "tcp" and info["state"] == "running"
+        assert info["endpoint"].startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"port": 70000}, "port"),
+        ({"connections_per_peer": 0}, "connections_per_peer"),
+        ({"slice_bytes": 0}, "slice_bytes"),
+    ],
+)
+def test_bad_tcp_config_names_the_parameter(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TcpTransferEngine(**kwargs)
+
+
+def test_bad_shm_config_names_the_parameter(tmp_path) -> None:
+    with pytest.raises(ValueError, match="shm_dir"):
+        ShmTransferEngine(shm_dir=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="copy_threads"):
+        ShmTransferEngine(copy_threads=0)
+
+
+def test_registry_picks_tcp_without_a_device_and_imports_lazily() -> None:
+    import sys
+
+    engine = create_engine(None)
+    assert engine.transport == "tcp"
+    assert "pyverbs" not in sys.modules
+    assert create_engine("shm").transport == "shm"
+    with pytest.raises(ValueError, match="transport"):
+        create_engine("carrier-pigeon")

@@ -1,0 +1,130 @@
+"""TCP transport: bytes land exactly where the ops say, over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from libs.common.transfer import TransferError
+from libs.common.transfer.descriptor import RegionDescriptor
+
+
+async def test_write_then_read_moves_exact_bytes(tcp_pair) -> None:
+    a, b = tcp_pair
+    src = torch.arange(4096, dtype=torch.float32)  # 16 KiB, registered as a tensor
+    dst = bytearray(32 << 10)
+    back = torch.zeros(4096, dtype=torch.float32)
+    d_src, d_dst, d_back = a.register(src), b.register(dst), a.register(back)
+    await a.write(d_src, d_dst, [(0, 1000, 8000), (8000, 20000, 8384)])
+    raw = src.numpy().tobytes()
+    assert dst[1000:9000] == raw[:8000] and dst[20000:28384] == raw[8000:]
+    assert dst[:1000] == bytes(1000) and dst[9000:20000] == bytes(11000)
+    await a.read(d_back, d_dst, [(0, 1000, 8000), (8000, 20000, 8384)])
+    assert torch.equal(back, src)
+
+
+async def test_large_ops_are_sliced_over_several_connections(tcp_pair) -> None:
+    a, b = tcp_pair  # a: 2 connections per peer, 64 KiB slices
+    payload = os.urandom(3 << 20)
+    src, dst = bytearray(payload), bytearray(3 << 20)
+    d_src, d_dst = a.register(src), b.register(dst)
+    await a.write(d_src, d_dst, [(0, 0, 3 << 20)])
+    assert dst == payload
+    assert len(a._peers[d_dst.endpoint]) == 2
+    out = bytearray(3 << 20)
+    await a.read(a.register(out), d_dst, [(0, 0, 1 << 20), (1 << 20, 1 << 20, 2 << 20)])
+    assert out == payload
+
+
+async def test_many_batches_in_flight_complete_independently(tcp_pair) -> None:
+    a, b = tcp_pair
+    src = bytearray(os.urandom(64 * 4096))
+    dst = bytearray(64 * 4096)
+    d_src, d_dst = a.register(src), b.register(dst)
+    batches = [a.write(d_src, d_dst, [(i * 4096, i * 4096, 4096)]) for i in range(64)]
+    async with asyncio.timeout(20):
+        await asyncio.gather(*batches)
+    assert dst == src
+
+
+async def test_empty_batch_completes_at_once(tcp_pair) -> None:
+    a, b = tcp_pair
+    await a.write(a.register(bytearray(8)), b.register(bytearray(8)), [])
+
+
+async def test_wrong_token_is_refused_naming_peer_and_op(tcp_pair) -> None:
+    a, b = tcp_pair
+    dst = bytearray(4096)
+    d_src, d_dst = a.register(bytearray(b"x" * 4096)), b.register(dst)
+    forged = RegionDescriptor.from_dict({**d_dst.to_dict(), "token": "00" * 16})
+    with pytest.raises(TransferError, match="wrong token") as info:
+        await a.write(d_src, forged, [(0, 0, 16), (0, 100, 16)])
+    assert info.value.peer == d_dst.endpoint and info.value.op_index == 0
+    assert d_dst.endpoint in str(info.value) and "op 0" in str(info.value)
+    assert dst == bytes(4096)
+    await a.write(d_src, d_dst, [(0, 0, 16)])  # the connection still serves good batches
+    assert dst[:16] == b"x" * 16
+
+
+async def test_stale_descriptor_is_refused_after_unregister(tcp_pair) -> None:
+    a, b = tcp_pair
+    dst = bytearray(64)
+    d_src, d_dst = a.register(bytearray(b"y" * 64)), b.register(dst)
+    b.unregister(d_dst)
+    with pytest.raises(TransferError, match="unknown region"):
+        await a.write(d_src, d_dst, [(0, 0, 64)])
+    with pytest.raises(TransferError, match="unknown region"):
+        await a.read(d_src, d_dst, [(0, 0, 64)])
+    assert dst == bytes(64)
+
+
+async def test_forged_length_cannot_reach_past_the_region(tcp_pair) -> None:
+    a, b = tcp_pair
+    backing = bytearray(8192)
+    region = memoryview(backing)[:4096]  # the peer registered only the first half
+    d_src, d_dst = a.register(bytearray(b"z" * 8192)), b.register(region)
+    forged = RegionDescriptor.from_dict({**d_dst.to_dict(), "length": 1 << 40})
+    with pytest.raises(TransferError, match="outside region") as info:
+        await a.write(d_src, forged, [(0, 0, 1024), (0, 4000, 200)])
+    assert info.value.op_index == 1
+    assert backing[4096:] == bytes(4096)  # nothing outside the region was written
+    with pytest.raises(TransferError, match="outside region"):
+        await a.read(d_src, forged, [(0, 4096, 1)])
+
+
+async def test_bad_ops_are_refused_before_anything_is_sent(tcp_pair) -> None:
+    a, b = tcp_pair
+    d_src, d_dst = a.register(bytearray(64)), b.register(bytearray(64))
+    for ops in ([(0, 0, -1)], [(0, 60, 8)], [(0, (1 << 64) - 1, 2)]):
+        with pytest.raises(ValueError, match=r"ops\[0\]"):
+            await a.write(d_src, d_dst, ops)
+    with pytest.raises(ValueError, match="local"):
+        await a.write(d_dst, d_dst, [(0, 0, 1)])  # b's region is not a's
+
+
+async def test_unreachable_peer_fails_the_batch_with_its_name(tcp_pair) -> None:
+    a, b = tcp_pair
+    d_src, d_dst = a.register(bytearray(64)), b.register(bytearray(64))
+    await b.stop()
+    with pytest.raises(TransferError, match=d_dst.endpoint):
+        await a.write(d_src, d_dst, [(0, 0, 64)])
+
+
+async def test_peer_that_dies_mid_batch_fails_batches_in_flight(tcp_pair) -> None:
+    a, b = tcp_pair
+    src, dst = bytearray(8 << 20), bytearray(8 << 20)
+    d_src, d_dst = a.register(src), b.register(dst)
+    await a.write(d_src, d_dst, [(0, 0, 1)])  # connect
+    writes = asyncio.gather(
+        *(a.write(d_src, d_dst, [(0, 0, 8 << 20)]) for _ in range(8)), return_exceptions=True
+    )
+    await asyncio.sleep(0)
+    await b.stop()
+    async with asyncio.timeout(20):
+        results = await writes
+    failed = [r for r in results if isinstance(r, TransferError)]
+    assert all(isinstance(r, TransferError) or r is None for r in results)
+    assert all(d_dst.endpoint in str(r) for r in failed)
