@@ -165,3 +165,196 @@ class ServiceInfo(Message):
     started_at: float
     nats_url: str
     details: dict[str, Any] = field(default_factory=dict)
+
+
+# --- the request path: router -> decode -> prefill, tokens back on a stream subject -------
+#
+#   router                     decode worker <id>                prefill worker <pid>
+#     | sub tandem.stream.<rid>       |                                  |
+#     |-- GenerateRequest ----------->| reserve pages                    |
+#     |   tandem.decode.<id>.generate |-- PrefillRequest --------------->| compute, write KV
+#     |<-- GenerateAccepted ----------|   tandem.prefill.<pid>.prefill   | into the reserved
+#     |<======== TokenChunk (index 0, the first token) ==================| pages
+#     |                               |<-- PrefillResult (check value) --|
+#     |<== TokenChunk (index 1..) ====| decode, then the last chunk carries finish + usage
+#
+# A GenerateRequest with no prefill worker is prefilled by the decode worker itself
+# (conditional disaggregation). Chunks are ordered by `index`: the first token comes from
+# the prefill worker's connection, the rest from the decode worker's, and NATS orders
+# messages per connection only, so the router reorders by index.
+
+
+@dataclass
+class SamplingSpec(Message):
+    """Sampling parameters on the wire; the engine's SamplingParams validates them."""
+
+    TYPE: ClassVar[str] = "sampling"
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass
+class GenerateRequest(Message):
+    """Router -> decode worker: generate a completion for `token_ids`.
+
+    `prefill_worker` names the prefill worker to compute the prompt, or is empty when the
+    decode worker prefills it itself. Tokens go to `stream_subject` as TokenChunk messages.
+    `timeout` bounds the whole request in seconds; past it every worker frees its pages.
+    """
+
+    TYPE: ClassVar[str] = "generate"
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingSpec
+    stream_subject: str
+    prefill_worker: str = ""
+    timeout: float = 600.0
+
+
+@dataclass
+class GenerateAccepted(Message):
+    """Decode worker -> router: the request holds its pages and is queued."""
+
+    TYPE: ClassVar[str] = "generate_accepted"
+    request_id: str
+    decode_worker: str
+    num_reserved_pages: int
+
+
+@dataclass
+class PrefillRequest(Message):
+    """Decode -> prefill worker: compute `token_ids` and write their KV into my pages.
+
+    `kv_region` is the decode worker's KV-pool region descriptor (transfer engine, plain
+    data); `page_indices[i]` receives prompt page `i + skip_pages` (the first `skip_pages`
+    pages the decode worker already holds from its own prefix cache). `model_id`,
+    `page_size` and `kv_dtype` must equal the prefill worker's, or it refuses to pair.
+    """
+
+    TYPE: ClassVar[str] = "prefill"
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingSpec
+    stream_subject: str
+    decode_worker: str
+    kv_region: dict[str, Any]
+    page_indices: list[int]
+    skip_pages: int
+    model_id: str
+    page_size: int
+    kv_dtype: str
+    timeout: float = 600.0
+
+
+@dataclass
+class PrefillResult(Message):
+    """Prefill -> decode worker: the prompt's KV is in place.
+
+    `check` is a digest over the prompt's token ids, the written page indices and the first
+    token; the decode worker recomputes it and refuses a handoff that does not match
+    (a stale or mismatched reply). `cached_tokens` counts prompt tokens served from each
+    tier (`device`, `host`, `pool`) instead of computed.
+    """
+
+    TYPE: ClassVar[str] = "prefill_result"
+    request_id: str
+    first_token: int
+    check: str
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    first_logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Usage(Message):
+    """Exact token counts of one request, as the router reports them to the client."""
+
+    TYPE: ClassVar[str] = "usage"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TokenChunk(Message):
+    """Worker -> router on `stream_subject`: tokens `index .. index + len(token_ids) - 1`.
+
+    The last chunk of a request has `finish_reason` ("stop", "length", "abort", "error")
+    and `usage`; an error ends the stream with `finish_reason="error"` and `error` set.
+    `logprobs[i]` (when asked) is `{"token": id, "logprob": x, "top": [[id, x], ...]}`.
+    """
+
+    TYPE: ClassVar[str] = "token_chunk"
+    request_id: str
+    index: int
+    token_ids: list[int]
+    worker: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class CancelRequest(Message):
+    """Router -> every worker (published on `tandem.cancel`): drop this request, free pages."""
+
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str
+    reason: str = "client disconnected"
+
+
+# --- cluster state: load reports and KV events --------------------------------------------
+
+
+@dataclass
+class LoadReport(Message):
+    """Each worker, every few hundred ms, on `tandem.workers.<role>.<id>.load`.
+
+    The router drops a worker whose reports stop (out of rotation within 3 s).
+    """
+
+    TYPE: ClassVar[str] = "load"
+    worker: str
+    role: str  # "prefill", "decode" or "both"
+    model_id: str
+    page_size: int
+    kv_dtype: str
+    waiting: int
+    running: int
+    waiting_prefill_tokens: int
+    free_pages: int
+    total_pages: int
+    tokens_per_s: float
+    max_model_len: int
+    timestamp: float
+
+
+@dataclass
+class KvEvent(Message):
+    """A tier change of pages, on `tandem.kv.events.<worker-or-store-id>` (JetStream kept).
+
+    `kind` is `stored` (keys in prefix order, `parent_key` the key before the first, or
+    empty), `removed`, or `cleared` (the source holds nothing in `tier` any more). `tier` is
+    `device`, `host` or `pool`. `seq` increases per source so a reader can spot gaps.
+    """
+
+    TYPE: ClassVar[str] = "kv_event"
+    source: str
+    seq: int
+    kind: str
+    tier: str
+    keys: list[str] = field(default_factory=list)
+    parent_key: str = ""
+    num_tokens: int = 0
+    timestamp: float = 0.0
