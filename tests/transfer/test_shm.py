@@ -1,0 +1,97 @@
+"""shm transport: same-host memcpy between segments, with the owner's checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from libs.common.transfer import TransferError
+from libs.common.transfer.descriptor import RegionDescriptor
+from libs.common.transfer.shm import ShmTransferEngine
+
+
+async def test_write_and_read_through_shared_memory(shm_pair) -> None:
+    a, b = shm_pair
+    src_mem, dst_mem = a.allocate(1 << 20), b.allocate(1 << 20)
+    payload = os.urandom(1 << 20)
+    src_mem[:] = payload
+    d_src, d_dst = a.register(src_mem), b.register(dst_mem)
+    await a.write(d_src, d_dst, [(0, 4096, 100), (100, 0, 4096)])  # inline copy
+    assert dst_mem[4096:4196] == payload[:100] and dst_mem[:4096] == payload[100:4196]
+    await a.write(d_src, d_dst, [(0, 0, 1 << 20)])  # threaded copy
+    assert dst_mem == payload
+    src_mem[:] = bytes(1 << 20)
+    await a.read(d_src, d_dst, [(0, 0, 1 << 20)])
+    assert src_mem == payload
+
+
+async def test_kv_pool_tensor_allocated_through_the_engine_is_registrable(shm_pair) -> None:
+    a, b = shm_pair
+    pool = torch.frombuffer(b.allocate(4 * 2 * 16 * 8 * 4), dtype=torch.float32)
+    pool = pool.view(4, 2, 16, 8)  # pages x (k, v) x tokens x dims
+    page = pool[2]  # register one page: a sub-range of the segment
+    d_page = b.register(page)
+    assert d_page.addr == 2 * page.numel() * 4
+    src = torch.frombuffer(a.allocate(page.numel() * 4), dtype=torch.float32)
+    src.copy_(torch.arange(page.numel(), dtype=torch.float32))
+    await a.write(a.register(src), d_page, [(0, 0, page.numel() * 4)])
+    assert torch.equal(pool[2].flatten(), src) and pool[1].abs().sum() == 0
+
+
+async def test_refusals_touch_nothing(shm_pair) -> None:
+    a, b = shm_pair
+    dst_mem = b.allocate(8192)
+    region = dst_mem[:4096]
+    src = a.allocate(8192)
+    src[:] = b"q" * 8192
+    d_src, d_dst = a.register(src), b.register(region)
+    forged = {
+        "wrong token": {"token": "00" * 16},
+        "unknown region": {"region_id": d_dst.region_id ^ 1},
+        "does not match": {"length": 8192},
+        "another host": {"endpoint": "other-host:" + d_dst.endpoint.split(":", 1)[1]},
+        "cannot map": {"endpoint": d_dst.endpoint.split(":", 1)[0] + ":../../etc/passwd"},
+    }
+    for reason, change in forged.items():
+        desc = RegionDescriptor.from_dict({**d_dst.to_dict(), **change})
+        with pytest.raises(TransferError, match=reason):
+            await a.write(d_src, desc, [(0, 0, 16)])
+    b.unregister(d_dst)
+    with pytest.raises(TransferError, match="unknown region"):
+        await a.write(d_src, d_dst, [(0, 0, 16)])
+    assert dst_mem == bytes(8192)
+
+
+async def test_only_engine_allocated_memory_can_be_registered(shm_pair) -> None:
+    a, _ = shm_pair
+    with pytest.raises(ValueError, match="allocate"):
+        a.register(bytearray(4096))
+    with pytest.raises(ValueError, match="nbytes"):
+        a.allocate(0)
+
+
+async def test_stop_unlinks_segments_but_live_views_stay_valid(tmp_path) -> None:
+    engine = ShmTransferEngine(shm_dir=str(tmp_path))
+    await engine.start()
+    view = engine.allocate(4096)
+    engine.register(view)
+    assert len(os.listdir(tmp_path)) == 1
+    await engine.stop()
+    await engine.stop()
+    assert os.listdir(tmp_path) == []
+    view[:4] = b"ok!!"  # the mapping lives as long as the view
+    assert view[:4] == b"ok!!"
+
+
+async def test_concurrent_shm_batches(shm_pair) -> None:
+    a, b = shm_pair
+    src, dst = a.allocate(32 << 20), b.allocate(32 << 20)
+    src[:] = os.urandom(1 << 20) * 32
+    d_src, d_dst = a.register(src), b.register(dst)
+    ops = [[(i << 20, i << 20, 1 << 20)] for i in range(32)]
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(a.write(d_src, d_dst, o) for o in ops))
+    assert dst == src
