@@ -289,6 +289,9 @@ class Usage(Message):
 class TokenChunk(Message):
     """Worker -> router on `stream_subject`: tokens `index .. index + len(token_ids) - 1`.
 
+    `text` is the detokenized delta of these tokens, by the engine that sampled them: it
+    never ends inside a UTF-8 character and never shows (part of) a stop string, so the
+    router concatenates `text` rather than decoding ids itself.
     The last chunk of a request has `finish_reason` ("stop", "length", "abort", "error")
     and `usage`; an error ends the stream with `finish_reason="error"` and `error` set.
     `logprobs[i]` (when asked) is `{"token": id, "logprob": x, "top": [[id, x], ...]}`.
@@ -299,6 +302,7 @@ class TokenChunk(Message):
     index: int
     token_ids: list[int]
     worker: str
+    text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
