@@ -72,3 +72,28 @@ def load_model(model: str) -> tuple[LoadedModel, TextTokenizer]:
         seconds=round(time.perf_counter() - start, 2),
     )
     return loaded, tokenizer
+
+
+def load_tokenizer(model: str) -> tuple[TextTokenizer, str, int]:
+    """Tokenizer, model id and context length of `model`, reading no weights.
+
+    For processes that tokenize but do not compute (the router): the model id is the same
+    string `load_model` gives the workers, so page keys salted with it agree.
+    """
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        import gguf
+
+        from libs.common.engine.gguf_loader import read_config, read_tokenizer_meta
+
+        reader = gguf.GGUFReader(path)  # memory-mapped: tensor data is never read
+        config = read_config(reader)
+        tokenizer = TextTokenizer.from_gguf_meta(read_tokenizer_meta(reader), config.eos_token_ids)
+        return tokenizer, pathlib.Path(path).name, config.max_position
+    import json
+
+    from libs.common.engine.model_config import ModelConfig
+
+    config = ModelConfig.from_hf(json.loads((pathlib.Path(path) / "config.json").read_text()))
+    tokenizer = TextTokenizer.from_hf_folder(path, config.eos_token_ids)
+    return tokenizer, pathlib.Path(path).name, config.max_position
