@@ -159,6 +159,8 @@ class Connection:
                 if self._rx_got == target.nbytes:
                     self._rx_got = 0
                     self._frame_done()
+                    if not self._pending:
+                        return  # nothing more is due: skip the recv that would EAGAIN
         except (BlockingIOError, InterruptedError):
             return
         except Exception as exc:
