@@ -217,11 +217,18 @@ class Bus:
             return serve
 
         async def spawn(req: Request) -> None:
-            task = asyncio.create_task(serve(req))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.spawn(serve(req))
 
         return spawn
+
+    def spawn(self, coro: Awaitable[Any], name: str | None = None) -> asyncio.Task:
+        """Run `coro` as tracked in-flight work: a stop waits for it (`wait_in_flight`)."""
+        task = asyncio.ensure_future(coro)
+        if name:
+            task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def stop_services(self) -> None:
         """Stop answering: unsubscribe every micro endpoint (in-flight work continues)."""

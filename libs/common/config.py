@@ -226,6 +226,37 @@ class WorkerConfig(CommonConfig):
         },
     )
 
+    kv_cache_mb: int = field(default=512, metadata={"help": "memory of the paged KV pool, MiB"})
+    max_num_seqs: int = field(default=64, metadata={"help": "cap on running requests"})
+    max_num_batched_tokens: int = field(
+        default=512, metadata={"help": "tokens per engine step (the prefill chunk size)"}
+    )
+    num_threads: int = field(
+        default=0, metadata={"help": "torch threads for the model (0: one per core)"}
+    )
+    no_prefix_cache: bool = field(
+        default=False, metadata={"help": "turn the worker's own prefix cache (L1) off"}
+    )
+    no_pool: bool = field(
+        default=False, metadata={"help": "do not read from or write to the KV pool (L3)"}
+    )
+    transfer_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address the transfer engine listens on and gives to peers"},
+    )
+    load_interval: float = field(default=0.25, metadata={"help": "seconds between load reports"})
+    handoff_timeout: float = field(
+        default=60.0,
+        metadata={"help": "seconds a KV handoff between prefill and decode may take"},
+    )
+
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "page_size")
+        for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
+            require_positive(self, name)
+        for name in ("load_interval", "handoff_timeout"):
+            require_positive(self, name)
+        if self.num_threads < 0:
+            raise ValueError(f"--num-threads: must be >= 0, got {self.num_threads}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("--max-num-batched-tokens: must be >= --max-num-seqs")
