@@ -226,6 +226,25 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([head, *body])
 
 
+def _ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's goals, as ratios within this run."""
+    by = {(r["transport"], r["op"], r["case"]): r for r in rows}
+    lines = []
+    batch = f"{BATCH[0]} x {_human(BATCH[1])}"
+    for op in ("write", "read"):
+        ours, theirs = by.get(("tcp", op, batch)), by.get(("mooncake-tcp", op, batch))
+        if ours and theirs:
+            lines.append(f"tcp/mooncake {op} {batch}: {ours['gbps'] / theirs['gbps']:.2f}x GB/s")
+        ours, theirs = by.get(("tcp", op, "1 x 4 KiB")), by.get(("mooncake-tcp", op, "1 x 4 KiB"))
+        if ours and theirs:
+            lines.append(f"tcp/mooncake {op} 4 KiB p50: {ours['p50_us'] / theirs['p50_us']:.2f}x")
+        for case in ("1 x 1 MiB", "1 x 16 MiB", batch):
+            ours, base = by.get(("shm", op, case)), by.get(("memcpy", "copy", case))
+            if ours and base:
+                lines.append(f"shm/memcpy {op} {case}: {100 * ours['gbps'] / base['gbps']:.0f}%")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.transfer",
@@ -255,12 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     missing = "skipped (--no-mooncake)" if args.no_mooncake else _mooncake_available()
     if missing is None:
         rows += run_mooncake(kinds, args.seconds, args.max_iters)
-    meta.update(load_after=os.getloadavg(), mooncake=missing or "measured")
+    meta.update(load_after=os.getloadavg(), mooncake=missing or "measured", ratios=_ratios(rows))
     if args.json:
         sys.stdout.write(orjson.dumps({"meta": meta, "rows": rows}, option=orjson.OPT_INDENT_2)
                          .decode() + "\n")  # fmt: skip
     else:
         print(_table(rows))
+        print("\n" + "\n".join(_ratios(rows)))
         print(f"\nload average before {meta['load_before']}, after {meta['load_after']}; "
               f"mooncake: {meta['mooncake']}")  # fmt: skip
     return 0
