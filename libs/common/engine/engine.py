@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import itertools
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import structlog
 import torch
@@ -49,7 +50,9 @@ class Engine:
       decoding from KV computed elsewhere;
     - `on_kv_event(event)` is called on the event loop, in order, for every
       change of the prefix cache (stored / removed page keys, with tier);
-    - `stop()` aborts what is left and is safe to call twice.
+    - `stop()` aborts what is left and is safe to call twice;
+    - `kv_allocator(nbytes)`, when given, provides the KV pool's memory (a buffer from
+      the transfer engine, so peers can reach the pages).
     """
 
     def __init__(
@@ -59,8 +62,10 @@ class Engine:
         model: LlamaModel | None = None,
         tokenizer: TextTokenizer | None = None,
         on_kv_event: Callable[[CacheEvent], None] | None = None,
+        kv_allocator: Callable[[int], Any] | None = None,
     ) -> None:
         self.config = config
+        self._kv_allocator = kv_allocator
         self._model, self._tokenizer = model, tokenizer
         self.on_kv_event = on_kv_event
         self.core: EngineCore | None = None
@@ -80,7 +85,8 @@ class Engine:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         loop = asyncio.get_running_loop()
         self.core = await loop.run_in_executor(
-            self._pool, lambda: EngineCore(self.config, self._model, self._tokenizer)
+            self._pool,
+            lambda: EngineCore(self.config, self._model, self._tokenizer, self._kv_allocator),
         )
         self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
 

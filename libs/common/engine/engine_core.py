@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
@@ -55,6 +57,7 @@ class EngineCore:
         config: EngineConfig,
         model: LlamaModel | None = None,
         tokenizer: TextTokenizer | None = None,
+        kv_allocator: Callable[[int], Any] | None = None,
     ) -> None:
         self.config = config
         if config.num_threads:
@@ -79,6 +82,7 @@ class EngineCore:
             c.num_kv_heads,
             c.head_dim,
             device=config.device,
+            allocate=kv_allocator,
         )
         attention = backend_class(config.attention_backend)(self.kv_cache, c.num_heads)
         self.runner = ModelRunner(model, attention)

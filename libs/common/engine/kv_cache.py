@@ -15,6 +15,10 @@ transfers move each page once; `page_ranges` gives a transfer its slices.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -36,6 +40,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        allocate: Callable[[int], Any] | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -49,7 +54,15 @@ class KVCache:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
-        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        if allocate is None:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            # Memory from the transfer engine (e.g. shared memory for the shm transport),
+            # so peers can read and write these pages directly.
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            raw = torch.frombuffer(allocate(nbytes), dtype=torch.uint8, count=nbytes)
+            self.buffer = raw.view(dtype).view(shape)
+            self.buffer.zero_()
 
     @staticmethod
     def page_nbytes_for(num_layers, page_size, num_kv_heads, head_dim, dtype) -> int:
