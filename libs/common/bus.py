@@ -282,6 +282,8 @@ async def discover(nc: Client, name: str | None = None, timeout: float = 0.5) ->
     replies: list[dict] = []
 
     async def collect(msg: Msg) -> None:
+        if not msg.data:  # the server's "no responders" status: nobody registered yet
+            return
         try:
             replies.append(orjson.loads(msg.data))
         except orjson.JSONDecodeError:

@@ -1,26 +1,202 @@
-"""The decode worker service."""
+"""The decode worker: reserves pages, takes the prompt's KV from a prefill worker, generates.
+
+    generate (tandem.decode.<id>.generate)
+      no prefill worker named -> prefill here too, stream from token 0
+      else: reserve pages -> PrefillRequest to that worker (it writes the KV into them and
+            streams token 0) -> verify PrefillResult.check -> decode from token 1
+    cancel (tandem.cancel) -> abort wherever the request is; its pages are freed
+
+Errors after the request was accepted end its stream with finish_reason "error"; the
+reservation is always released (by abort) whatever happens.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from libs.common.service import BaseService
+from libs.common.bus import BusError, Endpoint, HandlerError
+from libs.common.handoff import handoff_check
+from libs.common.log import get_logger, request_context
+from libs.common.messages import (
+    GenerateAccepted,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    Usage,
+)
+from libs.common.worker import WorkerService, logprobs_wire, sampling_params
 from services.decode.config import DecodeConfig
+from services.decode.stream import TokenStream
+
+log = get_logger(__name__)
 
 
-class DecodeService(BaseService):
+class DecodeService(WorkerService):
     """A model replica that receives prompt KV into reserved pages and generates tokens."""
 
     description = "Tandem decode worker"
+    role = "decode"
 
     def __init__(self, config: DecodeConfig):
         super().__init__(config)
         self.config: DecodeConfig = config
+        self._active: dict[str, asyncio.Task] = {}
+
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint(
+                name="generate",
+                subject=self.subject("decode", self.config.service_id, "generate"),
+                request_type=GenerateRequest,
+                handler=self._generate,
+                concurrent=True,
+            )
+        ]
+
+    async def _generate(self, req: GenerateRequest) -> GenerateAccepted:
+        with request_context(req.request_id):
+            try:
+                params = sampling_params(req.sampling)
+            except ValueError as e:
+                raise HandlerError(400, f"sampling: {e}") from None
+            if req.request_id in self._active:
+                raise HandlerError(409, f"request {req.request_id} is already running here")
+            pages: list[int] = []
+            if req.prefill_worker:
+                try:
+                    reserved = await self.engine.reserve(req.request_id, req.token_ids, params)
+                except ValueError as e:
+                    raise HandlerError(400, str(e)) from None
+                if reserved is None:
+                    raise HandlerError(429, "KV pool full: no pages for this prompt now")
+                pages = reserved
+                run = self._run_disaggregated(req, params, pages)
+            else:
+                run = self._run_local(req, params)
+            self.queued_prompt_tokens += len(req.token_ids)
+            task = self.bus.spawn(self._guard(req, run), name=f"decode-{req.request_id}")
+            self._active[req.request_id] = task
+            task.add_done_callback(lambda _t: self._active.pop(req.request_id, None))
+            log.info("request accepted", prompt_tokens=len(req.token_ids), pages=len(pages),
+                     prefill_worker=req.prefill_worker or "self")  # fmt: skip
+            return GenerateAccepted(
+                request_id=req.request_id,
+                decode_worker=self.config.service_id,
+                num_reserved_pages=len(pages),
+            )
+
+    async def _guard(self, req: GenerateRequest, run) -> None:
+        """Run a request to its end; any failure ends the stream with an error."""
+        stream = TokenStream(self.bus, req.stream_subject, req.request_id,
+                             self.config.service_id, next_index=0)  # fmt: skip
+        counted = False
+
+        def prompt_done() -> None:  # its prompt no longer waits: stop counting it as load
+            nonlocal counted
+            if not counted:
+                counted = True
+                self.queued_prompt_tokens -= len(req.token_ids)
+
+        with request_context(req.request_id):
+            try:
+                async with asyncio.timeout(req.timeout):
+                    await run(stream, prompt_done)
+            except asyncio.CancelledError:
+                await self.engine.abort(req.request_id)
+                await stream.finish("abort", None, "request cancelled")
+                raise
+            except Exception as e:  # every failure must reach the client
+                reason = "timed out" if isinstance(e, TimeoutError) else str(e)
+                log.warning("request failed", error=reason)
+                await self.engine.abort(req.request_id)
+                await stream.finish("error", None, reason or type(e).__name__)
+            finally:
+                prompt_done()
+
+    def _run_local(self, req: GenerateRequest, params):
+        async def run(stream: TokenStream, prompt_done) -> None:
+            await self._pump(
+                req, stream, self.engine.add_request(req.token_ids, params,
+                                                     request_id=req.request_id),
+                cached_extra={}, prompt_done=prompt_done, skip_first=False,
+            )  # fmt: skip
+
+        return run
+
+    def _run_disaggregated(self, req: GenerateRequest, params, pages: list[int]):
+        async def run(stream: TokenStream, prompt_done) -> None:
+            result = await self._handoff(req, pages)
+            prompt_done()
+            if result.finish_reason is not None:  # the prefill worker ended the stream
+                await self.engine.abort(req.request_id)
+                return
+            stream.next_index = 1
+            outputs = self.engine.decode_imported(req.request_id, result.first_token)
+            await self._pump(req, stream, outputs, cached_extra=result.cached_tokens,
+                             prompt_done=prompt_done, skip_first=True)  # fmt: skip
+
+        return run
+
+    async def _handoff(self, req: GenerateRequest, pages: list[int]) -> PrefillResult:
+        kv = self.engine.core.kv_cache
+        prefill = PrefillRequest(
+            request_id=req.request_id,
+            token_ids=req.token_ids,
+            sampling=req.sampling,
+            stream_subject=req.stream_subject,
+            decode_worker=self.config.service_id,
+            kv_region=self.kv_region.to_dict(),
+            page_indices=pages,
+            skip_pages=0,
+            model_id=self.model_id,
+            page_size=self.config.page_size,
+            kv_dtype=kv.dtype_name,
+            kv_num_pages=kv.num_pages,
+            timeout=req.timeout,
+        )
+        subject = self.subject("prefill", req.prefill_worker, "prefill")
+        try:
+            result = await self.bus.request(
+                subject, prefill, PrefillResult, timeout=self.config.handoff_timeout
+            )
+        except BusError as e:
+            raise RuntimeError(f"prefill on {req.prefill_worker} failed: {e}") from None
+        want = handoff_check(req.token_ids, pages, result.first_token)
+        if result.request_id != req.request_id or result.check != want:
+            raise RuntimeError(f"KV handoff from {req.prefill_worker} failed its check")
+        return result
+
+    async def _pump(self, req, stream, outputs, cached_extra, prompt_done, skip_first) -> None:
+        first = True
+        async for out in outputs:
+            if first:
+                prompt_done()
+            ids, text, lps = out.token_ids, out.text, logprobs_wire(out.logprobs)
+            if first and skip_first:  # token 0 (and its text) came from the prefill worker
+                ids, text, lps = ids[1:], "", lps[1:]
+            first = False
+            self.count_output_tokens(len(ids))
+            if ids or text:
+                await stream.add(ids, text, lps)
+            if out.finished:
+                cached = dict(cached_extra) or {"device": out.num_cached_tokens}
+                usage = Usage(
+                    prompt_tokens=out.num_prompt_tokens or len(req.token_ids),
+                    completion_tokens=out.num_output_tokens,
+                    cached_tokens=cached,
+                )
+                await stream.finish(out.finish_reason or "stop", usage)
+                log.info("request finished", reason=out.finish_reason,
+                         completion_tokens=out.num_output_tokens)  # fmt: skip
+                return
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        task = self._active.get(request_id)
+        if task is not None:
+            with request_context(request_id):
+                log.info("request cancelled", reason=reason)
+            task.cancel()
 
     def details(self) -> dict[str, Any]:
-        return {
-            "role": "decode",
-            "model": self.config.model,
-            "page_size": self.config.page_size,
-            "transport": self.config.transport,
-        }
+        return {**super().details(), "active_requests": len(self._active)}

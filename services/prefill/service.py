@@ -1,26 +1,148 @@
-"""The prefill worker service."""
+"""The prefill worker: computes a prompt and writes its KV into a decode worker's pages.
+
+prefill (tandem.prefill.<id>.prefill), from a decode worker:
+  refuse to pair on a different model id / page size / KV dtype (409)
+  run the prompt prefill-only (prefix-cache hits are not recomputed)
+  publish token 0 on the request's stream at once (the client sees it before the
+    handoff ends; with the final usage if token 0 already ends the request)
+  write the prompt's pages into the decode worker's reserved pages (transfer engine)
+  reply PrefillResult with the check value; release the pages here (full ones stay
+    in the prefix cache for the next prompt that shares them)
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
 
-from libs.common.service import BaseService
+from libs.common.bus import Endpoint, HandlerError
+from libs.common.handoff import KvLayout, handoff_check, page_copy_ops
+from libs.common.log import get_logger, request_context
+from libs.common.messages import PrefillRequest, PrefillResult, TokenChunk, Usage
+from libs.common.transfer import RegionDescriptor, TransferError
+from libs.common.worker import WorkerService, logprobs_wire, sampling_params
 from services.prefill.config import PrefillConfig
 
+log = get_logger(__name__)
 
-class PrefillService(BaseService):
+
+class PrefillService(WorkerService):
     """A model replica that computes prompts and hands their KV to a decode worker."""
 
     description = "Tandem prefill worker"
+    role = "prefill"
 
     def __init__(self, config: PrefillConfig):
         super().__init__(config)
         self.config: PrefillConfig = config
+        self._active: dict[str, asyncio.Task] = {}
 
-    def details(self) -> dict[str, Any]:
-        return {
-            "role": "prefill",
-            "model": self.config.model,
-            "page_size": self.config.page_size,
-            "transport": self.config.transport,
-        }
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint(
+                name="prefill",
+                subject=self.subject("prefill", self.config.service_id, "prefill"),
+                request_type=PrefillRequest,
+                handler=self._prefill,
+                concurrent=True,
+            )
+        ]
+
+    def _check_pairing(self, req: PrefillRequest) -> None:
+        mine = (self.model_id, self.config.page_size, self.kv_dtype)
+        theirs = (req.model_id, req.page_size, req.kv_dtype)
+        if mine != theirs:
+            raise HandlerError(
+                409,
+                f"cannot pair: decode worker {req.decode_worker} has model/page size/KV dtype "
+                f"{theirs}, this prefill worker {self.config.service_id} has {mine}",
+            )
+
+    async def _prefill(self, req: PrefillRequest) -> PrefillResult:
+        with request_context(req.request_id):
+            self._check_pairing(req)
+            try:
+                params = sampling_params(req.sampling)
+                remote = RegionDescriptor.from_dict(req.kv_region)
+            except ValueError as e:
+                raise HandlerError(400, str(e)) from None
+            task = asyncio.current_task()
+            self._active[req.request_id] = task
+            self.queued_prompt_tokens += len(req.token_ids)
+            try:
+                async with asyncio.timeout(req.timeout):
+                    return await self._compute_and_send(req, params, remote)
+            except asyncio.CancelledError:  # a cancel of this request, not of the service
+                raise HandlerError(499, "request cancelled") from None
+            except TimeoutError:
+                raise HandlerError(504, f"prefill timed out after {req.timeout:g}s") from None
+            except TransferError as e:
+                raise HandlerError(502, f"KV transfer to {req.decode_worker} failed: {e}") from None
+            finally:
+                self._active.pop(req.request_id, None)
+                self.queued_prompt_tokens -= len(req.token_ids)
+                if self.engine is not None:  # frees its pages; full ones stay cached
+                    await self.engine.abort(req.request_id)
+
+    async def _compute_and_send(self, req, params, remote: RegionDescriptor) -> PrefillResult:
+        last = None
+        async for out in self.engine.add_request(
+            req.token_ids, params, request_id=req.request_id, prefill_only=True
+        ):
+            last = out
+        if last is None or not last.token_ids:
+            reason = last.finish_reason if last else None
+            raise HandlerError(500, f"prefill produced no token (finish reason {reason})")
+        first = last.token_ids[0]
+        cached = {"device": last.num_cached_tokens}
+        finished = last.finish_reason is not None
+        self.count_output_tokens(1)
+        await self.bus.publish(
+            req.stream_subject,
+            TokenChunk(
+                request_id=req.request_id,
+                index=0,
+                token_ids=[first],
+                worker=self.config.service_id,
+                text=last.text,
+                logprobs=logprobs_wire(last.logprobs),
+                finish_reason=last.finish_reason,
+                usage=Usage(
+                    prompt_tokens=len(req.token_ids), completion_tokens=1, cached_tokens=cached
+                )
+                if finished
+                else None,
+            ),
+        )
+        if not finished:
+            await self._write_kv(req, last.page_table or [], remote)
+        log.info("prefill done", prompt_tokens=len(req.token_ids), cached=cached, finished=finished)
+        return PrefillResult(
+            request_id=req.request_id,
+            first_token=first,
+            check=handoff_check(req.token_ids, req.page_indices, first),
+            cached_tokens=cached,
+            finish_reason=last.finish_reason,
+        )
+
+    async def _write_kv(self, req: PrefillRequest, page_table: list[int], remote) -> None:
+        kv = self.engine.core.kv_cache
+        page_size = self.config.page_size
+        num_pages = -(-len(req.token_ids) // page_size)
+        wanted = range(req.skip_pages, num_pages)
+        if len(page_table) < num_pages or len(req.page_indices) != len(wanted):
+            raise HandlerError(
+                400,
+                f"prompt needs {len(wanted)} pages after {req.skip_pages} skipped; "
+                f"decode reserved {len(req.page_indices)}",
+            )
+        local = KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes)
+        theirs = KvLayout(kv.num_layers, req.kv_num_pages, kv.slice_nbytes)
+        ops = page_copy_ops(local, [page_table[i] for i in wanted], theirs, req.page_indices)
+        await self.transfer.write(self.kv_region, remote, ops)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        task = self._active.get(request_id)
+        if task is not None:
+            with request_context(request_id):
+                log.info("request cancelled", reason=reason)
+            task.cancel()
