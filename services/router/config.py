@@ -1,8 +1,9 @@
-"""Router flags."""
+"""Router flags (see docs/routing.md for the routing ones)."""
 
+import os
 from dataclasses import dataclass, field
 
-from libs.common.config import CommonConfig, require_range
+from libs.common.config import CommonConfig, flag_name, require_positive, require_range
 
 
 @dataclass
@@ -13,7 +14,81 @@ class RouterConfig(CommonConfig):
 
     host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP API listens on"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0 picks a free one)"})
+    model: str = field(
+        default="default",
+        metadata={"help": "model whose tokenizer and chat template to use (as the workers')"},
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "model name clients ask for (default: the --model value)"}
+    )
+    api_key: str = field(
+        default="", metadata={"help": "require `Authorization: Bearer <key>` (empty: open)"}
+    )
+    api_keys_file: str = field(
+        default="", metadata={"help": "file of accepted API keys, one a line (# comments)"}
+    )
+    max_pending: int = field(
+        default=256,
+        metadata={"help": "requests in flight at once; beyond it the API answers 429"},
+    )
+    max_n: int = field(default=16, metadata={"help": "largest accepted `n` (choices per prompt)"})
+    worker_timeout: float = field(
+        default=3.0, metadata={"help": "seconds without a load report before a worker is dropped"}
+    )
+    generate_timeout: float = field(
+        default=600.0, metadata={"help": "seconds one request may take end to end"}
+    )
+    prefill_page_weight: float = field(
+        default=1.0, metadata={"help": "cost per page a prefill worker must still compute"}
+    )
+    pool_page_weight: float = field(
+        default=0.1, metadata={"help": "cost per page a prefill worker reads from the pool"}
+    )
+    running_weight: float = field(
+        default=1.0, metadata={"help": "cost per running request, in pages (prefill choice)"}
+    )
+    decode_kv_weight: float = field(
+        default=4.0, metadata={"help": "decode cost of a full KV pool, in running requests"}
+    )
+    disagg_threshold: int = field(
+        default=128,
+        metadata={"help": "uncached prompt tokens at or below which decode prefills itself"},
+    )
+    kv_index_max_keys: int = field(
+        default=500_000, metadata={"help": "page keys the KV index keeps (LRU beyond)"}
+    )
+    kv_stream_max_age: float = field(
+        default=3600.0, metadata={"help": "seconds the KV events stream keeps events"}
+    )
+    kv_stream_max_mb: int = field(
+        default=256, metadata={"help": "megabytes the KV events stream keeps"}
+    )
 
     def validate(self) -> None:
         super().validate()
         require_range(self, "port", 0, 65535)
+        for name in (
+            "max_pending",
+            "max_n",
+            "worker_timeout",
+            "generate_timeout",
+            "kv_index_max_keys",
+            "kv_stream_max_age",
+            "kv_stream_max_mb",
+        ):
+            require_positive(self, name)
+        for name in ("prefill_page_weight", "pool_page_weight", "running_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{flag_name(name)}: must be >= 0, got {getattr(self, name)}")
+        if self.decode_kv_weight < 0:
+            raise ValueError(f"--decode-kv-weight: must be >= 0, got {self.decode_kv_weight}")
+        if self.disagg_threshold < 0:
+            raise ValueError(f"--disagg-threshold: must be >= 0, got {self.disagg_threshold}")
+        if not self.model:
+            raise ValueError("--model: must not be empty")
+        if self.api_keys_file and not os.path.isfile(self.api_keys_file):
+            raise ValueError(f"--api-keys-file: no such file: {self.api_keys_file!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

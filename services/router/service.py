@@ -1,20 +1,43 @@
-"""The router service: HTTP API (aiohttp) on top of the common service lifecycle."""
+"""The router service: loads the tokenizer, follows the workers and the KV events, serves HTTP.
+
+on_start: tokenizer (no weights) -> load-report subscription -> KV events stream
+          (replayed into the index) -> liveness task -> HTTP listener
+on_stop:  HTTP listener closes (in-flight requests get --drain-timeout, then are
+          cancelled, which cancels them on the workers) -> tasks -> subscriptions
+"""
 
 from __future__ import annotations
 
+import asyncio
+import pathlib
+import random
 from typing import Any
 
 from aiohttp import web
+from nats.aio.msg import Msg
 
+from libs.common.engine.model_source import load_tokenizer
 from libs.common.log import get_logger
+from libs.common.messages import LoadReport, MessageError
 from libs.common.service import BaseService
+from services.router.app import build_app
 from services.router.config import RouterConfig
+from services.router.dispatch import Dispatcher
+from services.router.kv_feed import KvFeed
+from services.router.kv_index import KvIndex
+from services.router.metrics import RouterMetrics
+from services.router.policy import PolicyConfig
+from services.router.routing import RouteSelector
+from services.router.state import RouterState
+from services.router.workers import WorkerTable
 
 log = get_logger(__name__)
 
+_PRUNE_S = 0.25
+
 
 class RouterService(BaseService):
-    """Serves HTTP; `GET /health` says whether the router can reach NATS."""
+    """HTTP in, NATS out. `port` is the bound HTTP port once started."""
 
     description = "Tandem router: OpenAI-compatible HTTP API and KV-aware routing"
 
@@ -23,27 +46,115 @@ class RouterService(BaseService):
         self.config: RouterConfig = config
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self.state: RouterState | None = None
+        self._feed: KvFeed | None = None
+        self._load_sub: Any = None
+        self._prune_task: asyncio.Task | None = None
 
     def details(self) -> dict[str, Any]:
-        return {"host": self.config.host, "port": self.port or self.config.port}
+        return {
+            "host": self.config.host,
+            "port": self.port or self.config.port,
+            "model": self.config.model_name,
+        }
 
     async def on_start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None)
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        tokenizer, model_id, max_len = await loop.run_in_executor(None, load_tokenizer, cfg.model)
+        workers = WorkerTable(cfg.worker_timeout)
+        index = KvIndex(cfg.kv_index_max_keys)
+        metrics = RouterMetrics(cfg.model_name)
+        policy = PolicyConfig(
+            prefill_page_weight=cfg.prefill_page_weight,
+            pool_page_weight=cfg.pool_page_weight,
+            running_weight=cfg.running_weight,
+            decode_kv_weight=cfg.decode_kv_weight,
+            disagg_threshold=cfg.disagg_threshold,
+        )
+        prefix = cfg.subject_prefix
+        queue_time = metrics.queue.labels(cfg.model_name)
+        self.state = RouterState(
+            config=cfg,
+            bus=self.bus,
+            tokenizer=tokenizer,
+            model_id=model_id,
+            max_model_len=max_len,
+            workers=workers,
+            index=index,
+            selector=RouteSelector(workers, index, policy, model_id, metrics, random.Random()),
+            dispatcher=Dispatcher(
+                self.bus, prefix, workers, cfg.request_timeout, on_accepted=queue_time.observe
+            ),
+            metrics=metrics,
+            api_keys=_api_keys(cfg),
+        )
+        self._load_sub = await self.bus.subscribe(
+            self.subject("workers", "*", "*", "load"), self._on_load
+        )
+        self._feed = KvFeed(self.bus, prefix, index, cfg.kv_stream_max_age, cfg.kv_stream_max_mb)
+        await self._feed.start()
+        self.state.replayed = lambda: self._feed is not None and self._feed.replayed
+        self._prune_task = asyncio.create_task(self._prune(), name="router-prune")
+        self._runner = web.AppRunner(
+            build_app(self.state),
+            access_log=None,
+            handler_cancellation=True,  # a client that goes away cancels its request
+            shutdown_timeout=cfg.drain_timeout,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        site = web.TCPSite(self._runner, cfg.host, cfg.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        log.info("router listening", url=f"http://{self.config.host}:{self.port}")
+        log.info("router listening", url=f"http://{cfg.host}:{self.port}", model_id=model_id)
 
-    async def _health(self, _request: web.Request) -> web.Response:
-        ok = self.bus.connected
-        return web.json_response(
-            {"status": "ok" if ok else "unavailable", "nats": ok}, status=200 if ok else 503
-        )
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            report = LoadReport.decode(msg.data)
+        except MessageError as e:
+            log.warning("unreadable load report dropped", subject=msg.subject, error=str(e))
+            return
+        if self.state is not None and self.state.workers.update(report):
+            log.info("worker joined", worker=report.worker, role=report.role)
+            if report.model_id != self.state.model_id:
+                log.warning(
+                    "worker serves another model; it will not be routed to",
+                    worker=report.worker,
+                    model_id=report.model_id,
+                    router_model_id=self.state.model_id,
+                )
+
+    async def _prune(self) -> None:
+        state = self.state
+        while state is not None:
+            await asyncio.sleep(_PRUNE_S)
+            for w in state.workers.prune():
+                log.warning("worker left rotation (no load report)", worker=w.id, role=w.role)
+                state.index.drop_source(w.id)
+                state.metrics.forget_worker(w)
 
     async def on_stop(self) -> None:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        task, self._prune_task = self._prune_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            await feed.stop()
+        sub, self._load_sub = self._load_sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception as e:  # the connection may already be closed
+                log.debug("load subscription not removed", error=str(e))
+
+
+def _api_keys(cfg: RouterConfig) -> frozenset[str]:
+    keys = {cfg.api_key} if cfg.api_key else set()
+    if cfg.api_keys_file:
+        text = pathlib.Path(cfg.api_keys_file).read_text()
+        keys |= {ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")}
+    return frozenset(keys)

@@ -1,0 +1,139 @@
+"""The aiohttp application: routes, request ids, API keys, errors in OpenAI's shape.
+
+    middleware  request id (x-request-id in and out; bound to every log line)
+                -> API key check on /v1/*
+                -> handler; ApiError / HTTP errors / anything else -> OpenAI error body
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics, GET /openapi.json. No response ever carries a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from libs.common.log import get_logger, request_context
+from services.router import handlers, openapi
+from services.router import openai_format as fmt
+from services.router.errors import ApiError
+from services.router.state import STATE, RouterState
+
+log = get_logger(__name__)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # must be safe inside a NATS subject
+MAX_BODY = 16 << 20
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(state: RouterState) -> web.Application:
+    app = web.Application(middlewares=[_middleware], client_max_size=MAX_BODY)
+    app[STATE] = state
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
+    return app
+
+
+def _json(body: object, status: int = 200, headers: dict[str, str] | None = None):
+    return web.Response(
+        body=orjson.dumps(body), status=status, headers=headers, content_type="application/json"
+    )
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    given = request.headers.get("x-request-id", "")
+    rid = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+    request["request_id"], request["arrived"] = rid, time.monotonic()
+    state = request.app[STATE]
+    with request_context(rid):
+        try:
+            _authorize(request, state)
+            response = await handler(request)
+        except ApiError as e:
+            response = _error(e, state)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            response = _error(ApiError(e.status, e.reason or "error", code=str(e.status)), state)
+        except ConnectionResetError:
+            log.info("client disconnected")
+            raise
+        except asyncio.CancelledError:
+            log.info("request cancelled (client disconnected)")
+            raise
+        except Exception:
+            log.exception("unexpected error")
+            response = _error(ApiError(500, "internal error; see the router log"), state)
+        if not response.prepared:
+            response.headers["x-request-id"] = rid
+        return response
+
+
+def _error(e: ApiError, state: RouterState) -> web.Response:
+    state.metrics.failure.labels(state.metrics.model, str(e.status)).inc()
+    if e.status >= 500:
+        log.warning("request failed", status=e.status, error=e.message)
+    return _json(e.body(), e.status, e.headers)
+
+
+def _authorize(request: web.Request, state: RouterState) -> None:
+    if not state.api_keys or not request.path.startswith("/v1/"):
+        return
+    auth = request.headers.get("Authorization", "")
+    key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    # compare_digest against every key: the time taken says nothing about the key.
+    ok = any(hmac.compare_digest(key.encode(), k.encode()) for k in state.api_keys)
+    if not ok:
+        raise ApiError(
+            401,
+            "a valid API key is required (Authorization: Bearer <key>)",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return _json(fmt.models_body(state.config.model_name, state.created, state.context_len()))
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    counts = {role: len(state.workers.live(role)) for role in ("prefill", "decode", "both")}
+    nats = state.bus.connected
+    ready = nats and state.workers.ready()
+    body = {
+        "status": "ok" if ready else "unavailable",
+        "nats": nats,
+        "workers": counts,
+        "kv_index_keys": len(state.index),
+        "kv_index_replayed": state.replayed(),
+    }
+    if not ready:
+        body["reason"] = "NATS is unreachable" if not nats else "no prefill+decode or both worker"
+    return _json(body, 200 if ready else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    for w in state.workers.live("prefill", "decode", "both"):
+        state.metrics.observe_worker(w)
+    state.metrics.index_keys.set(len(state.index))
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return _json(openapi.document(request.app[STATE].config.model_name))

@@ -1,0 +1,198 @@
+"""One generation on the workers: send GenerateRequest, read the TokenChunk stream in order.
+
+    generate(rid, ids, sampling, route)                       (an async generator)
+      subscribe tandem.stream.<rid>           before sending, so no chunk is missed
+      GenerateRequest -> tandem.decode.<d>.generate  -> GenerateAccepted (or an error)
+      yield TokenChunks in `index` order (they come from two connections: reordered here)
+      until the chunk with finish_reason
+
+Failure handling, in one place:
+- the decode worker refuses (error reply, no responder, no reply in time), a worker on
+  the route stops reporting, or the stream ends in an error, *before any token was
+  yielded*: retried once on a route that avoids the failed workers (`<rid>-r1`);
+- the same after tokens were yielded: `WorkerFailed`, the caller ends the response;
+- the caller stops iterating (client gone, stop, error), or the time is up:
+  `CancelRequest` on `tandem.cancel` so every worker frees the request's pages.
+Callers must close the generator (`contextlib.aclosing`) so the cancel is sent at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+from nats.aio.msg import Msg
+
+from libs.common.bus import Bus, BusError, RemoteError
+from libs.common.log import get_logger
+from libs.common.messages import (
+    CancelRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    MessageError,
+    SamplingSpec,
+    TokenChunk,
+)
+from services.router.errors import ApiError
+from services.router.policy import Route
+from services.router.workers import WorkerTable
+
+log = get_logger(__name__)
+
+_POLL_S = 0.25  # how often a waiting stream checks that its workers still report
+
+
+class WorkerFailed(Exception):
+    """A worker failed or vanished; `streamed` says whether tokens had gone out."""
+
+    def __init__(self, message: str, streamed: bool):
+        super().__init__(message)
+        self.streamed = streamed
+
+
+class Dispatcher:
+    """Runs generations over the bus; see the module docstring for the contract.
+
+    `route(exclude)` picks a route avoiding the worker ids in `exclude`, or None.
+    `on_accepted(seconds)` is told how long admission took (the queue-time metric).
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        prefix: str,
+        workers: WorkerTable,
+        request_timeout: float,
+        on_accepted: Callable[[float], None] = lambda _s: None,
+    ):
+        self.bus, self.prefix, self.workers = bus, prefix, workers
+        self.request_timeout = request_timeout
+        self.on_accepted = on_accepted
+
+    async def generate(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        sampling: SamplingSpec,
+        route: Callable[[set[str]], Route | None],
+        timeout: float,
+    ) -> AsyncIterator[TokenChunk]:
+        deadline = time.monotonic() + timeout
+        exclude: set[str] = set()
+        for attempt in range(2):
+            chosen = route(exclude)
+            if chosen is None:
+                raise ApiError(503, "no decode worker is live", headers={"Retry-After": "1"})
+            rid = request_id if attempt == 0 else f"{request_id}-r{attempt}"
+            streamed = False
+            try:
+                async for chunk in self._attempt(rid, token_ids, sampling, chosen, deadline):
+                    streamed = True
+                    yield chunk
+                return
+            except WorkerFailed as e:
+                if e.streamed or streamed or attempt == 1:
+                    msg = f"worker failed mid-request: {e}"
+                    raise ApiError(502, msg, code="worker_failed") from None
+                log.warning("retrying on another worker", error=str(e), route=chosen.decode)
+                exclude |= {chosen.decode, chosen.prefill} - {""}
+
+    async def _attempt(
+        self, rid: str, token_ids: list[int], sampling: SamplingSpec, route: Route, deadline: float
+    ) -> AsyncIterator[TokenChunk]:
+        subject = f"{self.prefix}.stream.{rid}"
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+        sub = await self.bus.nc.subscribe(subject, cb=queue.put)
+        decode = self.workers.get(route.decode)
+        prefill = self.workers.get(route.prefill) if route.prefill else None
+        finished = False
+        if decode is not None:
+            decode.inflight.add(rid)
+        pending = len(token_ids)
+        if prefill is not None:
+            prefill.pending_prefill_tokens += pending
+        try:
+            request = GenerateRequest(
+                request_id=rid,
+                token_ids=token_ids,
+                sampling=sampling,
+                stream_subject=subject,
+                prefill_worker=route.prefill,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
+            sent = time.monotonic()
+            try:
+                await self.bus.request(
+                    f"{self.prefix}.decode.{route.decode}.generate",
+                    request,
+                    GenerateAccepted,
+                    timeout=min(self.request_timeout, max(0.1, deadline - sent)),
+                )
+            except RemoteError as e:
+                if 400 <= e.code < 500 and e.code != 429:
+                    raise ApiError(400, f"refused by the worker: {e.message}") from None
+                raise WorkerFailed(f"decode worker {route.decode}: {e.message}", False) from None
+            except BusError as e:
+                raise WorkerFailed(str(e), False) from None
+            self.on_accepted(time.monotonic() - sent)
+            async for chunk in self._chunks(queue, route, deadline):
+                if prefill is not None and pending:
+                    prefill.pending_prefill_tokens -= pending
+                    pending = 0
+                if chunk.finish_reason == "error":
+                    raise WorkerFailed(chunk.error or "worker error", chunk.index > 0)
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if prefill is not None and pending:
+                prefill.pending_prefill_tokens -= pending
+            if decode is not None:
+                decode.inflight.discard(rid)
+            await _quietly(sub.unsubscribe())
+            if not finished:
+                cancel = CancelRequest(request_id=rid, reason="router ended the request")
+                await _quietly(self.bus.publish(f"{self.prefix}.cancel", cancel))
+
+    async def _chunks(
+        self, queue: asyncio.Queue[Msg], route: Route, deadline: float
+    ) -> AsyncIterator[TokenChunk]:
+        next_index, held = 0, {}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ApiError(504, "the request took longer than the router's timeout")
+            try:
+                msg = await asyncio.wait_for(queue.get(), timeout=min(_POLL_S, left))
+            except TimeoutError:
+                self._check_alive(route, next_index)
+                continue
+            try:
+                chunk = TokenChunk.decode(msg.data)
+            except MessageError as e:
+                log.warning("unreadable token chunk dropped", error=str(e))
+                continue
+            if chunk.index < next_index:
+                continue  # a duplicate
+            held[chunk.index] = chunk
+            while next_index in held:
+                chunk = held.pop(next_index)
+                next_index += len(chunk.token_ids)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+                if not chunk.token_ids:
+                    break  # an empty non-final chunk cannot advance the order
+
+    def _check_alive(self, route: Route, next_index: int) -> None:
+        if not self.workers.is_live(route.decode):
+            raise WorkerFailed(f"decode worker {route.decode} stopped reporting", next_index > 0)
+        if route.prefill and next_index == 0 and not self.workers.is_live(route.prefill):
+            raise WorkerFailed(f"prefill worker {route.prefill} stopped reporting", False)
+
+
+async def _quietly(awaitable) -> None:
+    try:
+        await asyncio.wait_for(awaitable, timeout=2)
+    except Exception as e:  # the connection may be gone; the request's timeout still frees it
+        log.debug("cleanup step failed", error=str(e) or type(e).__name__)

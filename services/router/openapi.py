@@ -1,0 +1,216 @@
+"""/openapi.json: the router's API as an OpenAPI 3.1 document.
+
+Request schemas are rendered from the same `Spec` tables the validator enforces
+(validation.py), so the document cannot drift from what the parser accepts;
+tests/router/test_openapi.py checks routes and real responses against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libs.common import __version__
+from services.router.validation import CHAT_SPECS, COMPLETION_SPECS, Spec
+
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_KINDS: dict[str, dict[str, Any]] = {
+    "integer": {"type": "integer"},
+    "number": {"type": "number"},
+    "boolean": {"type": "boolean"},
+    "string": {"type": "string"},
+    "object": {"type": "object"},
+    "ids": _IDS,
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "prompt": {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}},
+            _IDS,
+            {"type": "array", "items": _IDS},
+        ]
+    },
+    "messages": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["role"],
+            "properties": {"role": {"type": "string"}, "content": {}},
+        },
+    },
+}
+
+
+def _schema(specs: tuple[Spec, ...]) -> dict[str, Any]:
+    props: dict[str, Any] = {}
+    for s in specs:
+        prop = {**_KINDS[s.kind], "description": s.help}
+        if s.lo is not None:
+            prop["exclusiveMinimum" if s.lo_open else "minimum"] = s.lo
+        if s.hi is not None:
+            prop["maximum"] = s.hi
+        props[s.name] = prop
+    return {
+        "type": "object",
+        "required": [s.name for s in specs if s.required],
+        "properties": props,
+    }
+
+
+def _obj(required: list[str], **props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": props}
+
+
+_STR, _INT, _ANY = {"type": "string"}, {"type": "integer"}, {}
+_NULL_STR = {"type": ["string", "null"]}
+USAGE = _obj(
+    ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+    prompt_tokens=_INT,
+    completion_tokens=_INT,
+    total_tokens=_INT,
+    prompt_tokens_details=_obj(["cached_tokens"], cached_tokens=_INT),
+)
+ERROR = _obj(
+    ["error"],
+    error=_obj(
+        ["message", "type", "param", "code"],
+        message=_STR,
+        type=_STR,
+        param=_NULL_STR,
+        code=_NULL_STR,
+    ),
+)
+_CHOICE_COMMON = {"index": _INT, "logprobs": _ANY, "finish_reason": _NULL_STR}
+COMPLETION = _obj(
+    ["id", "object", "created", "model", "choices", "usage"],
+    id=_STR,
+    object={"const": "text_completion"},
+    created=_INT,
+    model=_STR,
+    choices={
+        "type": "array",
+        "items": _obj(["index", "text", "finish_reason"], text=_STR, **_CHOICE_COMMON),
+    },
+    usage=USAGE,
+)
+CHAT = _obj(
+    ["id", "object", "created", "model", "choices", "usage"],
+    id=_STR,
+    object={"const": "chat.completion"},
+    created=_INT,
+    model=_STR,
+    choices={
+        "type": "array",
+        "items": _obj(
+            ["index", "message", "finish_reason"],
+            message=_obj(["role", "content"], role={"const": "assistant"}, content=_STR),
+            **_CHOICE_COMMON,
+        ),
+    },
+    usage=USAGE,
+)
+MODELS = _obj(
+    ["object", "data"],
+    object={"const": "list"},
+    data={"type": "array", "items": _obj(["id", "object", "created", "owned_by"], id=_STR)},
+)
+HEALTH = _obj(["status", "nats", "workers"], status={"enum": ["ok", "unavailable"]})
+SCHEMAS = {
+    "CompletionRequest": _schema(COMPLETION_SPECS),
+    "ChatCompletionRequest": _schema(CHAT_SPECS),
+    "Completion": COMPLETION,
+    "ChatCompletion": CHAT,
+    "ModelList": MODELS,
+    "Health": HEALTH,
+    "Error": ERROR,
+}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+_ERRORS = {
+    str(code): _json("Error", text)
+    for code, text in (
+        (400, "malformed or out-of-range request, prompt longer than the context"),
+        (401, "missing or wrong API key (when the router has keys)"),
+        (404, "unknown model"),
+        (429, "the router's bound of requests in flight is reached (see Retry-After)"),
+        (502, "a worker failed after the response started or twice"),
+        (503, "no worker is live"),
+        (504, "the request ran past --generate-timeout"),
+    )
+}
+
+
+def _generate(request: str, response: str, summary: str) -> dict[str, Any]:
+    ok = _json(response, "the completion (stream: false)")
+    ok["content"]["text/event-stream"] = {
+        "schema": {"type": "string", "description": "SSE chunks, then `data: [DONE]`"}
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {"200": ok, **_ERRORS},
+        }
+    }
+
+
+def document(model_name: str) -> dict[str, Any]:
+    """The whole document; `model_name` is the one value of `model` this router serves."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Tandem router",
+            "version": __version__,
+            "description": f"OpenAI-compatible API serving '{model_name}'.",
+        },
+        "paths": {
+            "/v1/completions": _generate("CompletionRequest", "Completion", "Text completion"),
+            "/v1/chat/completions": _generate(
+                "ChatCompletionRequest", "ChatCompletion", "Chat completion"
+            ),
+            "/v1/models": {
+                "get": {
+                    "summary": "Served models",
+                    "responses": {
+                        "200": _json("ModelList", "the served model"),
+                        "401": _ERRORS["401"],
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "Readiness",
+                    "responses": {
+                        "200": _json("Health", "ready"),
+                        "503": _json("Health", "not ready"),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {"200": {"description": "text exposition format"}},
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": {"200": {"description": "OpenAPI 3.1"}},
+                }
+            },
+        },
+        "components": {
+            "schemas": SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

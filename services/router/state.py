@@ -1,0 +1,51 @@
+"""Everything the HTTP handlers of one router share, in one object (no module globals)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from libs.common.bus import Bus
+from libs.common.engine.tokenizer import TextTokenizer
+from services.router.config import RouterConfig
+from services.router.dispatch import Dispatcher
+from services.router.kv_index import KvIndex
+from services.router.metrics import RouterMetrics
+from services.router.routing import RouteSelector
+from services.router.workers import WorkerTable
+
+
+@dataclass
+class RouterState:
+    """The router's parts. `pending` counts requests in flight (the 429 bound)."""
+
+    config: RouterConfig
+    bus: Bus
+    tokenizer: TextTokenizer
+    model_id: str
+    max_model_len: int
+    workers: WorkerTable
+    index: KvIndex
+    selector: RouteSelector
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    api_keys: frozenset[str] = frozenset()
+    created: int = field(default_factory=lambda: int(time.time()))
+    pending: int = 0
+    replayed: Callable[[], bool] = lambda: False  # the KV index has read the stream
+
+    def context_len(self) -> int:
+        """The smallest context of the live workers (they may be configured below the
+        model's own), or the model's when none reports one."""
+        lens = [w.report.max_model_len for w in self.workers.live("prefill", "decode", "both")]
+        lens = [n for n in lens if n > 0]
+        return min([*lens, self.max_model_len]) if lens else self.max_model_len
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special=False)
+
+
+STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)

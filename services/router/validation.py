@@ -1,0 +1,244 @@
+"""Request bodies of /v1/completions and /v1/chat/completions -> a typed `ApiRequest`.
+
+One table of `Spec`s per endpoint is the single truth about what the API accepts: the
+parser checks bodies against it and `openapi.py` renders it into /openapi.json. Any bad
+value becomes a 400 naming the parameter; unknown fields are ignored (as OpenAI's API and
+vLLM do), so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.router.errors import bad_request
+
+MAX_LOGPROBS = 20  # the engine's cap (libs/common/engine/sampling_params.py)
+MAX_STOP = 16
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One accepted field: JSON kind, bounds (`lo_open`: the lower bound is excluded)."""
+
+    name: str
+    kind: str  # integer, number, boolean, string, stop, ids, prompt, messages, object
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    required: bool = False
+
+
+_SAMPLING = (
+    Spec("model", "string", "model name, as listed by GET /v1/models", required=True),
+    Spec("n", "integer", "choices per prompt", lo=1),
+    Spec("stream", "boolean", "stream Server-Sent Events"),
+    Spec("stream_options", "object", "`{include_usage: bool}` for streams"),
+    Spec("max_tokens", "integer", "tokens to generate at most", lo=1),
+    Spec("temperature", "number", "0 is greedy", lo=0, hi=2),
+    Spec("top_p", "number", "nucleus sampling", lo=0, hi=1, lo_open=True),
+    Spec("top_k", "integer", "keep the k likeliest tokens (0 or -1: off)", lo=-1),
+    Spec("min_p", "number", "drop tokens below min_p x the top probability", lo=0, hi=1),
+    Spec("seed", "integer", "reproducible sampling", lo=0, hi=2**63 - 1),
+    Spec("stop", "stop", "string or list of strings that end the completion"),
+    Spec("stop_token_ids", "ids", "token ids that end the completion"),
+    Spec("ignore_eos", "boolean", "keep generating past end-of-sequence"),
+    Spec("presence_penalty", "number", "additive, on generated tokens", lo=-2, hi=2),
+    Spec("frequency_penalty", "number", "additive, per occurrence", lo=-2, hi=2),
+    Spec("repetition_penalty", "number", "multiplicative, 1 is off", lo=0, lo_open=True),
+    Spec("user", "string", "end-user id (logged)"),
+)
+COMPLETION_SPECS = (
+    Spec("prompt", "prompt", "string, list of strings, token ids or lists of ids", required=True),
+    *_SAMPLING,
+    Spec("logprobs", "integer", "log probabilities of the top n tokens", lo=0, hi=MAX_LOGPROBS),
+    Spec("echo", "boolean", "prepend the prompt to the completion"),
+)
+CHAT_SPECS = (
+    Spec("messages", "messages", "the conversation: [{role, content}]", required=True),
+    *_SAMPLING,
+    Spec("max_completion_tokens", "integer", "tokens to generate at most", lo=1),
+    Spec("logprobs", "boolean", "return log probabilities of the output tokens"),
+    Spec("top_logprobs", "integer", "alternatives per token", lo=0, hi=MAX_LOGPROBS),
+)
+# Accepted only at their neutral value: anything else is refused, never silently ignored.
+_NEUTRAL = {
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "best_of": (None, 1),
+}
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+)
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass
+class ApiRequest:
+    """A validated request. `prompts` holds strings or token-id lists (completions);
+    chat requests have `messages` instead. `max_tokens` None means up to the context."""
+
+    endpoint: str  # "completions" or "chat"
+    model: str
+    prompts: list[str | list[int]] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)
+    user: str = ""
+
+
+def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
+    """Check `body` (decoded JSON) against the endpoint's specs; raise ApiError(400)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    specs = COMPLETION_SPECS if endpoint == "completions" else CHAT_SPECS
+    v = {s.name: _check(s, body.get(s.name)) for s in specs}
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) not in neutral:
+            raise bad_request(f"'{name}' is not supported by this server", name)
+    req = ApiRequest(endpoint=endpoint, model=v["model"])
+    req.n = 1 if v["n"] is None else v["n"]
+    if req.n > max_n:
+        raise bad_request(f"'n' must be <= {max_n}, got {req.n}", "n")
+    req.stream = bool(v["stream"])
+    options = v["stream_options"] or {}
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+    if options and not req.stream:
+        raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
+    req.include_usage = include
+    req.user = v["user"] or ""
+    sampling = {k: v[k] for k in _SAMPLING_KEYS if v[k] is not None}
+    sampling["stop"] = [v["stop"]] if isinstance(v["stop"], str) else list(v["stop"] or [])
+    sampling["stop_token_ids"] = list(v["stop_token_ids"] or [])
+    req.sampling = sampling
+    if endpoint == "completions":
+        req.prompts = _prompts(v["prompt"])
+        req.max_tokens = 16 if v["max_tokens"] is None else v["max_tokens"]  # OpenAI's default
+        req.logprobs, req.echo = v["logprobs"], bool(v["echo"])
+    else:
+        req.messages = _messages(v["messages"])
+        req.max_tokens = v["max_completion_tokens"] or v["max_tokens"]
+        if v["top_logprobs"] is not None and not v["logprobs"]:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        req.logprobs = (v["top_logprobs"] or 0) if v["logprobs"] else None
+    return req
+
+
+def _check(spec: Spec, value: Any) -> Any:
+    name = spec.name
+    if value is None:
+        if spec.required:
+            raise bad_request(f"'{name}' is required", name)
+        return None
+    kind = spec.kind
+    if kind == "integer":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad_request(f"'{name}' must be an integer, got {_show(value)}", name)
+        _bounds(spec, value)
+    elif kind == "number":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad_request(f"'{name}' must be a number, got {_show(value)}", name)
+        if not math.isfinite(value):
+            raise bad_request(f"'{name}' must be finite", name)
+        _bounds(spec, value)
+    elif kind == "boolean" and not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a boolean, got {_show(value)}", name)
+    elif kind == "string" and not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string, got {_show(value)}", name)
+    elif kind == "object" and not isinstance(value, dict):
+        raise bad_request(f"'{name}' must be an object, got {_show(value)}", name)
+    elif kind == "stop":
+        items = [value] if isinstance(value, str) else value
+        ok = isinstance(items, list) and all(isinstance(s, str) and s for s in items)
+        if not ok or len(items) > MAX_STOP:
+            raise bad_request(f"'{name}' must be a string or up to {MAX_STOP} strings", name)
+    elif kind == "ids" and not _is_ids(value):
+        raise bad_request(f"'{name}' must be a list of non-negative integers", name)
+    return value
+
+
+def _bounds(spec: Spec, value: float) -> None:
+    low_bad = spec.lo is not None and (value <= spec.lo if spec.lo_open else value < spec.lo)
+    high_bad = spec.hi is not None and value > spec.hi
+    if low_bad or high_bad:
+        lo = "(" if spec.lo_open else "["
+        lo += "-inf" if spec.lo is None else f"{spec.lo:g}"
+        hi = "inf)" if spec.hi is None else f"{spec.hi:g}]"
+        raise bad_request(f"'{spec.name}' must be in {lo}, {hi}, got {value}", spec.name)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value
+    )
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if _is_ids(value):
+            return [list(value)]
+        if all(_is_ids(p) and p for p in value):
+            return [list(p) for p in value]
+    raise bad_request(
+        "'prompt' must be a string, a non-empty list of strings, a list of token ids or a "
+        "list of such lists",
+        "prompt",
+    )
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise bad_request(f"'{where}' needs a 'role' among {', '.join(_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is served here
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad_request(
+                        f"'{where}.content': only text parts are supported", "messages"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"'{where}.content': a text part needs 'text'", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and m["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad_request(f"'{where}.content' must be a string or text parts", "messages")
+        out.append(
+            {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        )
+    return out
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
