@@ -80,6 +80,7 @@ class RdmaTransferEngine(TransferEngine):
         self._port: tuple[int, str, int] = (0, "", 0)  # lid, gid, mtu
         self._links: dict[str, tuple[Link, list[Any]]] = {}
         self._accepted: dict[str, list[Any]] = {}
+        self._connect_locks: dict[str, asyncio.Lock] = {}
         self._tracker = WorkTracker()
         self._batches: dict[int, asyncio.Future[None]] = {}
         self._credits: dict[int, asyncio.Semaphore] = {}  # per QP number
@@ -200,12 +201,22 @@ class RdmaTransferEngine(TransferEngine):
         link, qps = self._links.get(peer, (Link(peer), []))
         if link.usable:
             return qps
-        for qp in qps:
+        # One exchange per peer at a time; batches that raced here reuse its result.
+        async with self._connect_locks.setdefault(peer, asyncio.Lock()):
+            link, qps = self._links.get(peer, (Link(peer), []))
+            return qps if link.usable else await self._connect(remote, link, qps)
+
+    async def _connect(self, remote: RegionDescriptor, link: Link, old: list[Any]) -> list[Any]:
+        peer = remote.endpoint
+        for qp in old:
+            self._credits.pop(qp.qp_num, None)
             qp.close()
         link.move(LinkState.CONNECTING)
         self._links[peer] = (link, [])
+        pairs: list[tuple[Any, QpInfo]] = []
         try:
-            pairs = [self._new_qp() for _ in range(self._nqps)]
+            for _ in range(self._nqps):
+                pairs.append(self._new_qp())
             request = QpExchange(self._engine_id, tuple(i for _, i in pairs),
                                  remote.region_id, remote.token)  # fmt: skip
             reply = QpExchange.from_dict(await self._connect_peer(peer, request.to_dict()))
@@ -214,6 +225,9 @@ class RdmaTransferEngine(TransferEngine):
             for (qp, info), theirs in zip(pairs, reply.qps, strict=True):
                 self._to_rts(qp, info, theirs)
         except BaseException as exc:
+            for qp, _ in pairs:
+                self._credits.pop(qp.qp_num, None)
+                qp.close()
             link.move(LinkState.IDLE, str(exc))
             raise
         qps = [qp for qp, _ in pairs]
