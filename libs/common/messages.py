@@ -254,6 +254,7 @@ class PrefillRequest(Message):
     model_id: str
     page_size: int
     kv_dtype: str
+    kv_num_pages: int
     timeout: float = 600.0
 
 
@@ -262,9 +263,11 @@ class PrefillResult(Message):
     """Prefill -> decode worker: the prompt's KV is in place.
 
     `check` is a digest over the prompt's token ids, the written page indices and the first
-    token; the decode worker recomputes it and refuses a handoff that does not match
-    (a stale or mismatched reply). `cached_tokens` counts prompt tokens served from each
-    tier (`device`, `host`, `pool`) instead of computed.
+    token (`handoff_check`); the decode worker recomputes it and refuses a handoff that
+    does not match (a stale or mismatched reply). `cached_tokens` counts prompt tokens
+    served from each tier (`device`, `host`, `pool`) instead of computed. When the first
+    token already ends the request (`finish_reason` set), the prefill worker has sent the
+    final chunk itself and the decode worker just frees its reservation.
     """
 
     TYPE: ClassVar[str] = "prefill_result"
@@ -272,7 +275,7 @@ class PrefillResult(Message):
     first_token: int
     check: str
     cached_tokens: dict[str, int] = field(default_factory=dict)
-    first_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None  # set when the first token already ends the request
 
 
 @dataclass
@@ -362,3 +365,202 @@ class KvEvent(Message):
     parent_key: str = ""
     num_tokens: int = 0
     timestamp: float = 0.0
+
+
+# --- the KV pool ---------------------------------------------------------------------------
+#
+#   store                        master (tandem.pool.master.*, queue group)      client
+#     |-- PoolMount ------------->| segment descriptor + what the store holds       |
+#     |-- PoolHeartbeat (1 s) --->|                                                 |
+#     |<== PoolStoreUpdate =======| objects added/removed on this store (publish)   |
+#     |                           |<-- PoolPutStart (keys, sizes, checksums) ------|
+#     |                           |--> PoolPutStartReply (where to write) -------->|
+#     |<======= bytes, transfer engine write (client -> store segment) ============|
+#     |                           |<-- PoolPutEnd / PoolPutRevoke -----------------|
+#     |                           |<-- PoolGet -> replicas + lease ----------------|
+#     |======== bytes, transfer engine read (store segment -> client) ===========>|
+#
+# Keys are page keys (kv_hash: 32 hex chars), checksums xxh3-64 as 16 hex chars.
+# `segment` fields are transfer-engine RegionDescriptor dicts (plain data).
+
+
+@dataclass
+class PoolObjectRecord(Message):
+    """One object a store holds: what a store reports on mount and the master confirms."""
+
+    TYPE: ClassVar[str] = "pool_object"
+    key: str
+    offset: int
+    size: int
+    checksum: str
+
+
+@dataclass
+class PoolMount(Message):
+    """Store -> master: mount (or re-mount) my segment; `objects` is what it holds.
+
+    A re-mount of the same region (same `segment.region_id`) keeps what the master knows
+    of it; a new region (the store restarted) replaces it with `objects`.
+    """
+
+    TYPE: ClassVar[str] = "pool_mount"
+    store_id: str
+    segment: dict[str, Any]
+    objects: list[PoolObjectRecord] = field(default_factory=list)
+
+
+@dataclass
+class PoolMountReply(Message):
+    """Master -> store: the objects the master now records on this store (authoritative)."""
+
+    TYPE: ClassVar[str] = "pool_mount_reply"
+    store_id: str
+    objects: list[PoolObjectRecord]
+    rejected: int
+    update_seq: int
+
+
+@dataclass
+class PoolStoreRef(Message):
+    """Names one store (unmount, heartbeat)."""
+
+    TYPE: ClassVar[str] = "pool_store_ref"
+    store_id: str
+    region_id: int = 0
+    update_seq: int = 0
+
+
+@dataclass
+class PoolHeartbeatReply(Message):
+    """`known` false: the master lost this store (restart, timeout): mount again."""
+
+    TYPE: ClassVar[str] = "pool_heartbeat_reply"
+    known: bool
+    update_seq: int = 0
+
+
+@dataclass
+class PoolStoreUpdate(Message):
+    """Master -> store (publish on `tandem.pool.store.<id>.update`): index changes.
+
+    `seq` counts updates to this store from 1 per master run; a store that sees a gap
+    re-mounts to get the authoritative list.
+    """
+
+    TYPE: ClassVar[str] = "pool_store_update"
+    seq: int
+    added: list[PoolObjectRecord] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PoolPutSpec(Message):
+    """One object a client wants to write: its key, byte size and xxh3-64 checksum."""
+
+    TYPE: ClassVar[str] = "pool_put_spec"
+    key: str
+    size: int
+    checksum: str
+
+
+@dataclass
+class PoolPutStart(Message):
+    """Client -> master: reserve room for these objects on `replicas` distinct stores."""
+
+    TYPE: ClassVar[str] = "pool_put_start"
+    objects: list[PoolPutSpec]
+    replicas: int = 0  # 0: the master's --replicas
+
+
+@dataclass
+class PoolLocation(Message):
+    """Where one replica lives: the store's segment descriptor and the object's offset."""
+
+    TYPE: ClassVar[str] = "pool_location"
+    store_id: str
+    segment: dict[str, Any]
+    offset: int
+
+
+@dataclass
+class PoolPlacement(Message):
+    """Per object: `status` is `ok` (write to every location), `exists` or `full`."""
+
+    TYPE: ClassVar[str] = "pool_placement"
+    key: str
+    status: str
+    locations: list[PoolLocation] = field(default_factory=list)
+
+
+@dataclass
+class PoolPutStartReply(Message):
+    """`put_id` names this reservation; put_end/put_revoke must present it."""
+
+    TYPE: ClassVar[str] = "pool_put_start_reply"
+    put_id: str
+    placements: list[PoolPlacement]
+    put_timeout: float
+
+
+@dataclass
+class PoolPutFinish(Message):
+    """Client -> master: put_end (make `keys` visible) or put_revoke (free them)."""
+
+    TYPE: ClassVar[str] = "pool_put_finish"
+    put_id: str
+    keys: list[str]
+
+
+@dataclass
+class PoolKeys(Message):
+    """A batch of keys (get, exists, remove; put_end's reply: the keys made visible)."""
+
+    TYPE: ClassVar[str] = "pool_keys"
+    keys: list[str]
+
+
+@dataclass
+class PoolCount(Message):
+    """How many keys a request affected (put_revoke, remove) or found (exists)."""
+
+    TYPE: ClassVar[str] = "pool_count"
+    count: int
+
+
+@dataclass
+class PoolObjectInfo(Message):
+    """A get result: size, checksum and replicas (empty when the key is not in the pool)."""
+
+    TYPE: ClassVar[str] = "pool_object_info"
+    key: str
+    size: int = 0
+    checksum: str = ""
+    locations: list[PoolLocation] = field(default_factory=list)
+
+
+@dataclass
+class PoolGetReply(Message):
+    """Replicas of each key, leased for `lease_ttl` seconds from when the master answered.
+
+    A reader must finish within the lease (counted from when it sent the request) or
+    treat the bytes as invalid: after it the master may free and reuse them.
+    """
+
+    TYPE: ClassVar[str] = "pool_get_reply"
+    objects: list[PoolObjectInfo]
+    lease_ttl: float
+
+
+@dataclass
+class PoolStats(Message):
+    """Master statistics; `stores` maps store id -> {capacity, used, objects}."""
+
+    TYPE: ClassVar[str] = "pool_stats"
+    objects: int
+    pending: int
+    bytes: int
+    capacity: int
+    hits: int
+    misses: int
+    evictions: int
+    stores: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from libs.common.config import CommonConfig, require_positive
+from libs.common.config import CommonConfig, flag_name, require_positive, require_range
 
 
 @dataclass
@@ -15,8 +15,37 @@ class CacheMasterConfig(CommonConfig):
         default=10.0, metadata={"help": "seconds of store silence before its replicas are dropped"}
     )
     lease_ttl: float = field(default=10.0, metadata={"help": "seconds a read lease lasts"})
+    replicas: int = field(
+        default=1, metadata={"help": "copies of each object, on distinct stores (when there)"}
+    )
+    max_object_size: int = field(
+        default=64 << 20, metadata={"help": "largest object a put may store, bytes"}
+    )
+    put_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds a put may stay unfinished before its ranges are reclaimed"},
+    )
+    high_watermark: float = field(
+        default=0.9, metadata={"help": "segment use (0-1) at which LRU eviction starts"}
+    )
+    low_watermark: float = field(
+        default=0.8, metadata={"help": "segment use (0-1) eviction brings a segment down to"}
+    )
+    sweep_interval: float = field(
+        default=0.5,
+        metadata={"help": "seconds between sweeps (dead stores, stale puts, ended leases)"},
+    )
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "heartbeat_timeout")
-        require_positive(self, "lease_ttl")
+        for name in ("heartbeat_timeout", "lease_ttl", "replicas", "max_object_size"):
+            require_positive(self, name)
+        for name in ("put_timeout", "sweep_interval"):
+            require_positive(self, name)
+        require_range(self, "high_watermark", 0.01, 1.0)
+        require_range(self, "low_watermark", 0.0, 1.0)
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"{flag_name('low_watermark')}: must be below --high-watermark "
+                f"({self.high_watermark}), got {self.low_watermark}"
+            )

@@ -1,11 +1,51 @@
-"""The cache master service."""
+"""The cache master service: the pool's metadata behind NATS micro endpoints.
+
+Every endpoint is `tandem.pool.master.<name>` in queue group `tandem-pool-master`. The
+master holds no bytes: it answers where to write and where to read; stores and clients
+move the bytes with the transfer engine. After every change it publishes, per store,
+a `PoolStoreUpdate` (the store's own index, so a restarted master can be told what each
+store holds) and `KvEvent`s with tier `pool` (so the router knows what the pool holds).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
+from libs.common.bus import Endpoint, HandlerError
+from libs.common.kv_events import ensure_kv_stream, events_subject
+from libs.common.log import get_logger
+from libs.common.messages import (
+    InfoRequest,
+    KvEvent,
+    Message,
+    PoolCount,
+    PoolGetReply,
+    PoolHeartbeatReply,
+    PoolKeys,
+    PoolLocation,
+    PoolMount,
+    PoolMountReply,
+    PoolObjectInfo,
+    PoolObjectRecord,
+    PoolPlacement,
+    PoolPutFinish,
+    PoolPutStart,
+    PoolPutStartReply,
+    PoolStats,
+    PoolStoreRef,
+    PoolStoreUpdate,
+)
 from libs.common.service import BaseService
+from libs.common.transfer import RegionDescriptor
 from services.cache_master.config import CacheMasterConfig
+from services.cache_master.metadata import PoolLimits, PoolMetadata
+from services.cache_master.objects import Changes, PoolRequestError, Replica
+
+log = get_logger(__name__)
+
+QUEUE_GROUP = "tandem-pool-master"
 
 
 class CacheMasterService(BaseService):
@@ -16,9 +56,197 @@ class CacheMasterService(BaseService):
     def __init__(self, config: CacheMasterConfig):
         super().__init__(config)
         self.config: CacheMasterConfig = config
+        self.meta = PoolMetadata(
+            PoolLimits(
+                replicas=config.replicas,
+                max_object_size=config.max_object_size,
+                lease_ttl=config.lease_ttl,
+                put_timeout=config.put_timeout,
+                high_watermark=config.high_watermark,
+                low_watermark=config.low_watermark,
+            )
+        )
+        self._event_seq: dict[str, int] = {}
+        self._sweeper: asyncio.Task | None = None
 
     def details(self) -> dict[str, Any]:
         return {
             "heartbeat_timeout": self.config.heartbeat_timeout,
             "lease_ttl": self.config.lease_ttl,
+            "replicas": self.config.replicas,
+            "stores": len(self.meta.segments),
+            "objects": len(self.meta.lru),
         }
+
+    def endpoints(self) -> list[Endpoint]:
+        handlers = {
+            "mount": (PoolMount, self._mount),
+            "unmount": (PoolStoreRef, self._unmount),
+            "heartbeat": (PoolStoreRef, self._heartbeat),
+            "put_start": (PoolPutStart, self._put_start),
+            "put_end": (PoolPutFinish, self._put_end),
+            "put_revoke": (PoolPutFinish, self._put_revoke),
+            "get": (PoolKeys, self._get),
+            "exists": (PoolKeys, self._exists),
+            "remove": (PoolKeys, self._remove),
+            "stats": (InfoRequest, self._stats),
+        }
+        return [
+            Endpoint(name, self.subject("pool", "master", name), kind, handler, QUEUE_GROUP)
+            for name, (kind, handler) in handlers.items()
+        ]
+
+    async def on_start(self) -> None:
+        try:
+            await ensure_kv_stream(self.bus, self.config.subject_prefix)
+        except Exception as e:  # events still flow on core NATS without the stream
+            log.warning("kv events stream unavailable", error=str(e) or type(e).__name__)
+        self._sweeper = asyncio.create_task(self._sweep_loop())
+
+    async def on_stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+
+    # --- stores --------------------------------------------------------------------------
+
+    async def _mount(self, req: PoolMount) -> PoolMountReply:
+        try:
+            RegionDescriptor.from_dict(req.segment)
+        except ValueError as e:
+            raise HandlerError(400, f"segment: {e}") from None
+        segment, rejected = self._call(
+            self.meta.mount, req.store_id, req.segment, req.objects, time.monotonic()
+        )
+        records = []
+        for key in sorted(segment.keys):
+            obj = self.meta.objects.get(key)
+            replica = obj.on(req.store_id) if obj is not None else None
+            if obj is not None and obj.complete and replica is not None:
+                records.append(PoolObjectRecord(key, replica.offset, obj.size, obj.checksum))
+        log.info("store mounted", store=req.store_id, objects=len(records), rejected=rejected,
+                 capacity=segment.capacity)  # fmt: skip
+        # The store takes `records` from this reply; events only, no index update.
+        await self._publish(self.meta.take_changes(), update_stores=False)
+        return PoolMountReply(req.store_id, records, rejected, segment.update_seq)
+
+    async def _unmount(self, req: PoolStoreRef) -> PoolCount:
+        if not self.meta.unmount(req.store_id):
+            raise HandlerError(404, f"unknown store segment {req.store_id!r}")
+        log.info("store unmounted", store=req.store_id)
+        await self._publish(self.meta.take_changes())
+        return PoolCount(1)
+
+    async def _heartbeat(self, req: PoolStoreRef) -> PoolHeartbeatReply:
+        segment = self.meta.heartbeat(req.store_id, req.region_id, time.monotonic())
+        if segment is None:
+            return PoolHeartbeatReply(known=False)
+        return PoolHeartbeatReply(known=True, update_seq=segment.update_seq)
+
+    # --- objects -------------------------------------------------------------------------
+
+    async def _put_start(self, req: PoolPutStart) -> PoolPutStartReply:
+        put_id, results = self._call(
+            self.meta.put_start, req.objects, req.replicas, time.monotonic()
+        )
+        await self._publish(self.meta.take_changes())  # evictions made room
+        placements = [
+            PoolPlacement(key, status, [self._location(r) for r in replicas])
+            for key, status, replicas in results
+        ]
+        return PoolPutStartReply(put_id, placements, self.config.put_timeout)
+
+    async def _put_end(self, req: PoolPutFinish) -> PoolKeys:
+        visible = self.meta.put_end(req.put_id, req.keys)
+        await self._publish(self.meta.take_changes())
+        return PoolKeys(visible)
+
+    async def _put_revoke(self, req: PoolPutFinish) -> PoolCount:
+        count = self.meta.put_revoke(req.put_id, req.keys)
+        await self._publish(self.meta.take_changes())
+        return PoolCount(count)
+
+    async def _get(self, req: PoolKeys) -> PoolGetReply:
+        infos = []
+        for key, obj in self.meta.get(req.keys, time.monotonic()):
+            if obj is None:
+                infos.append(PoolObjectInfo(key))
+            else:
+                locations = [self._location(r) for r in obj.replicas]
+                infos.append(PoolObjectInfo(key, obj.size, obj.checksum, locations))
+        return PoolGetReply(infos, self.config.lease_ttl)
+
+    async def _exists(self, req: PoolKeys) -> PoolCount:
+        return PoolCount(self.meta.exists(req.keys))
+
+    async def _remove(self, req: PoolKeys) -> PoolCount:
+        count = self.meta.remove(req.keys, time.monotonic())
+        await self._publish(self.meta.take_changes())
+        return PoolCount(count)
+
+    async def _stats(self, _req: InfoRequest) -> PoolStats:
+        return PoolStats(**self.meta.stats())
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except PoolRequestError as e:
+            raise HandlerError(e.code, e.message) from None
+
+    def _location(self, replica: Replica) -> PoolLocation:
+        segment = self.meta.segments[replica.store_id]
+        return PoolLocation(replica.store_id, segment.descriptor, replica.offset)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval)
+            try:
+                await self.sweep()
+            except Exception:  # a sweep bug must not stop the next sweeps
+                log.exception("sweep failed")
+
+    async def sweep(self) -> None:
+        now = time.monotonic()
+        for store_id in self.meta.expire_stores(now, self.config.heartbeat_timeout):
+            log.warning("store silent; its replicas are dropped", store=store_id,
+                        timeout=self.config.heartbeat_timeout)  # fmt: skip
+        stale = self.meta.expire_puts(now)
+        if stale:
+            log.info("unfinished puts reclaimed", count=stale)
+        self.meta.reap(now)
+        self.meta.enforce_watermarks(now)
+        await self._publish(self.meta.take_changes())
+
+    async def _publish(self, changes: Changes, update_stores: bool = True) -> None:
+        """Index updates to each live store, then KV events. Built first, then sent, so
+        the per-store sequence numbers go out in order."""
+        out: list[tuple[str, Message]] = []
+        for store_id in changes.stores:
+            added = changes.added.get(store_id, [])
+            removed = changes.removed.get(store_id, [])
+            segment = self.meta.segments.get(store_id)
+            if update_stores and segment is not None:
+                segment.update_seq += 1
+                update = PoolStoreUpdate(
+                    segment.update_seq, [PoolObjectRecord(*a) for a in added], removed
+                )
+                out.append((self.subject("pool", "store", store_id, "update"), update))
+            subject = events_subject(self.config.subject_prefix, store_id)
+            if removed:
+                out.append((subject, self._event(store_id, "removed", removed)))
+            if added:
+                out.append((subject, self._event(store_id, "stored", [a[0] for a in added])))
+        for subject, message in out:
+            try:
+                await self.bus.publish(subject, message)
+            except Exception as e:  # a lost update is repaired by the store's re-mount
+                log.warning("pool publish failed", subject=subject, error=str(e))
+
+    def _event(self, store_id: str, kind: str, keys: list[str]) -> KvEvent:
+        # Seeded from the clock so a restarted master continues above its predecessor's.
+        seq = self._event_seq.get(store_id, time.time_ns() // 1000) + 1
+        self._event_seq[store_id] = seq
+        return KvEvent(store_id, seq, kind, "pool", keys, timestamp=time.time())

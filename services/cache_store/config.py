@@ -1,8 +1,20 @@
 """Cache store flags."""
 
+import re
 from dataclasses import dataclass, field
 
-from libs.common.config import CommonConfig, require_positive
+from libs.common.config import CommonConfig, flag_name, require_positive
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """`4GiB`, `512MiB`, `64k`, `1048576` -> bytes (K/M/G/T are powers of 1024)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"expected bytes like 1048576, 64MiB or 4GiB, got {text!r}")
+    power = "kmgt".find(match.group(2).lower()) + 1 if match.group(2) else 0
+    return int(match.group(1)) << (10 * power)
 
 
 @dataclass
@@ -11,12 +23,16 @@ class CacheStoreConfig(CommonConfig):
 
     SERVICE = "cache_store"
 
-    segment_size: int = field(
-        default=1 << 30, metadata={"help": "bytes of the memory segment this store contributes"}
+    segment_size: str = field(
+        default="1GiB",
+        metadata={"help": "bytes of the memory segment this store contributes (e.g. 4GiB)"},
     )
     segment_file: str = field(
         default="",
-        metadata={"help": "back the segment with this file so a restart keeps its contents"},
+        metadata={
+            "help": "back the segment with this file (shared mapping) so a restart keeps its "
+            "contents; its index is kept next to it in PATH.index.json"
+        },
     )
     transport: str = field(
         default="auto",
@@ -25,7 +41,29 @@ class CacheStoreConfig(CommonConfig):
             "choices": ("auto", "rdma", "tcp", "shm"),
         },
     )
+    transfer_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address the transfer engine listens on and gives to peers (tcp)"},
+    )
+    heartbeat_interval: float = field(
+        default=1.0, metadata={"help": "seconds between heartbeats to the cache master"}
+    )
+
+    @property
+    def segment_bytes(self) -> int:
+        return parse_size(self.segment_size)
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "segment_size")
+        try:
+            size = self.segment_bytes
+        except ValueError as e:
+            raise ValueError(f"{flag_name('segment_size')}: {e}") from None
+        if size < 4096:
+            raise ValueError(f"{flag_name('segment_size')}: must be >= 4096 bytes, got {size}")
+        require_positive(self, "heartbeat_interval")
+        if self.segment_file and self.transport == "shm":
+            raise ValueError(
+                f"{flag_name('segment_file')}: the shm transport serves only its own shared "
+                "memory; use --transport tcp (or rdma) with a segment file"
+            )

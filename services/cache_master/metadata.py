@@ -1,0 +1,344 @@
+"""The pool's metadata and its rules: mounts, two-phase puts, leases, LRU eviction.
+
+Pure Python, no I/O and no clock of its own: every method that depends on time takes
+`now` (monotonic seconds), so tests drive time by hand. The service calls these methods
+from one event loop (no locking) and publishes `take_changes()` after each call.
+
+Invariants (tests/pool/test_metadata.py):
+  - a key is visible (exists/get) only after put_end, and never while pending;
+  - eviction and remove never free bytes of an object under a lease;
+  - every replica's byte range is allocated in its segment's allocator exactly once;
+  - the replicas of one object are on distinct stores.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.cache_master.allocator import AllocationError, OffsetAllocator
+from services.cache_master.eviction import evict_segment
+from services.cache_master.objects import (
+    Changes,
+    PoolObject,
+    PoolRequestError,
+    Replica,
+    Segment,
+    check_checksum,
+    check_key,
+)
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """The master's policy knobs (its flags)."""
+
+    replicas: int = 1
+    max_object_size: int = 64 << 20
+    lease_ttl: float = 10.0
+    put_timeout: float = 30.0
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    alignment: int = 64
+
+
+class PoolMetadata:
+    """Segments and objects of the pool, in memory; see the module docstring."""
+
+    def __init__(self, limits: PoolLimits):
+        self.limits = limits
+        self.segments: dict[str, Segment] = {}
+        self.objects: dict[str, PoolObject] = {}  # complete and pending, by key
+        self.lru: OrderedDict[str, None] = OrderedDict()  # complete keys, oldest first
+        self.doomed: list[PoolObject] = []  # removed while leased: bytes held until expiry
+        self.changes = Changes()
+        self.hits = self.misses = self.evictions = 0
+
+    def take_changes(self) -> Changes:
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    # --- stores --------------------------------------------------------------------------
+
+    def mount(
+        self, store_id: str, descriptor: dict[str, Any], reported: Iterable[Any], now: float
+    ) -> tuple[Segment, int]:
+        """Mount or re-mount a store's segment; return it and how many reports were refused.
+
+        Same region as mounted: the master's records stay and reports it lacks are added
+        (a store that missed an update). A new region: the store restarted, so what the
+        master had there is dropped and the store's reports are the truth.
+        """
+        length = descriptor.get("length")
+        if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+            raise PoolRequestError(400, "segment.length: expected a positive integer")
+        old = self.segments.get(store_id)
+        if old is not None and old.region_id == descriptor.get("region_id"):
+            segment = old
+            segment.last_seen = now
+        else:
+            if old is not None:
+                self._drop_segment(old)
+            allocator = OffsetAllocator(length, self.limits.alignment)
+            segment = Segment(store_id, descriptor, allocator, last_seen=now)
+            self.segments[store_id] = segment
+        rejected = 0
+        for record in reported:
+            if not self._adopt(segment, record):
+                rejected += 1
+        return segment, rejected
+
+    def _adopt(self, segment: Segment, record: Any) -> bool:
+        """Take a store's report of one object it holds, if it fits what is known."""
+        try:
+            key, checksum = check_key(record.key), check_checksum(record.checksum)
+        except PoolRequestError:
+            return False
+        obj = self.objects.get(key)
+        if obj is not None and obj.on(segment.store_id) is not None:
+            return obj.on(segment.store_id).offset == record.offset  # already known here
+        if obj is not None and (not obj.complete or (obj.size, obj.checksum) != (
+            record.size, checksum)):  # fmt: skip
+            return False  # a put in progress, or other bytes under the same key
+        if not 0 < record.size <= self.limits.max_object_size:
+            return False
+        try:
+            segment.allocator.allocate_at(record.offset, record.size)
+        except AllocationError:
+            return False
+        if obj is None:
+            obj = PoolObject(key, record.size, checksum, [], complete=True)
+            self.objects[key] = obj
+            self.lru[key] = None
+        obj.replicas.append(Replica(segment.store_id, record.offset))
+        segment.keys.add(key)
+        self.changes.add(segment.store_id, obj, record.offset)
+        return True
+
+    def heartbeat(self, store_id: str, region_id: int, now: float) -> Segment | None:
+        segment = self.segments.get(store_id)
+        if segment is None or segment.region_id != region_id:
+            return None
+        segment.last_seen = now
+        return segment
+
+    def unmount(self, store_id: str) -> bool:
+        segment = self.segments.get(store_id)
+        if segment is not None:
+            self._drop_segment(segment)
+        return segment is not None
+
+    def expire_stores(self, now: float, timeout: float) -> list[str]:
+        dead = [s for s in self.segments.values() if now - s.last_seen > timeout]
+        for segment in dead:
+            self._drop_segment(segment)
+        return [s.store_id for s in dead]
+
+    def _drop_segment(self, segment: Segment) -> None:
+        """The store is gone: its bytes are unreachable, leased or not."""
+        del self.segments[segment.store_id]
+        for key in list(segment.keys):
+            obj = self.objects.get(key)
+            if obj is not None:
+                self.drop_replica(obj, segment, free=False)
+        self.doomed = [o for o in self.doomed if self._prune_doomed(o, segment.store_id)]
+
+    def _prune_doomed(self, obj: PoolObject, store_id: str) -> bool:
+        obj.replicas = [r for r in obj.replicas if r.store_id != store_id]
+        return bool(obj.replicas)
+
+    # --- writes --------------------------------------------------------------------------
+
+    def put_start(
+        self, specs: Sequence[Any], replicas: int, now: float
+    ) -> tuple[str, list[tuple[str, str, list[Replica]]]]:
+        """Reserve ranges for each spec; return the put id and (key, status, replicas).
+
+        Status `ok` (write every replica, then put_end), `exists` (the key is visible or
+        being written: never overwritten), or `full` (no store has room, even after
+        evicting unleased objects).
+        """
+        want = replicas or self.limits.replicas
+        if want < 1:
+            raise PoolRequestError(400, f"replicas: must be >= 1, got {replicas}")
+        biggest = max((s.capacity for s in self.segments.values()), default=0)
+        for spec in specs:  # refuse the whole batch before reserving anything
+            check_key(spec.key)
+            check_checksum(spec.checksum)
+            if spec.size <= 0:
+                raise PoolRequestError(400, f"size of {spec.key}: must be > 0, got {spec.size}")
+            if spec.size > self.limits.max_object_size or (self.segments and spec.size > biggest):
+                limit = min(self.limits.max_object_size, biggest or self.limits.max_object_size)
+                raise PoolRequestError(413, f"size of {spec.key}: {spec.size} > limit {limit}")
+        put_id = secrets.token_hex(8)
+        out = []
+        for spec in specs:
+            if spec.key in self.objects:
+                out.append((spec.key, "exists", []))
+                continue
+            obj = PoolObject(spec.key, spec.size, spec.checksum, [], put_id=put_id,
+                             put_deadline=now + self.limits.put_timeout)  # fmt: skip
+            for segment in self._placement(spec.size, want, now):
+                offset = segment.allocator.allocate(spec.size)
+                if offset is not None:  # _placement made room
+                    obj.replicas.append(Replica(segment.store_id, offset))
+                    segment.keys.add(spec.key)
+            if not obj.replicas:
+                out.append((spec.key, "full", []))
+                continue
+            self.objects[spec.key] = obj
+            out.append((spec.key, "ok", list(obj.replicas)))
+        self.enforce_watermarks(now)
+        return put_id, out
+
+    def _placement(self, size: int, want: int, now: float) -> list[Segment]:
+        """Up to `want` distinct stores with room for `size`, least used first."""
+        chosen: list[Segment] = []
+        for segment in sorted(self.segments.values(), key=lambda s: (s.use, s.store_id)):
+            if len(chosen) == want:
+                break
+            if segment.allocator.largest_free < segment.allocator.aligned(size):
+                self.evictions += evict_segment(self, segment, now, need=size)
+            if segment.allocator.largest_free >= segment.allocator.aligned(size):
+                chosen.append(segment)
+        return chosen
+
+    def put_end(self, put_id: str, keys: Iterable[str]) -> list[str]:
+        """Make the put's `keys` visible; return those that were (others: expired/unknown)."""
+        done: list[str] = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or obj.complete or obj.put_id != put_id or not obj.replicas:
+                continue
+            obj.complete = True
+            self.lru[key] = None
+            for replica in obj.replicas:
+                self.changes.add(replica.store_id, obj, replica.offset)
+            done.append(key)
+        return done
+
+    def put_revoke(self, put_id: str, keys: Iterable[str]) -> int:
+        done = 0
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is not None and not obj.complete and obj.put_id == put_id:
+                self._delete(obj)
+                done += 1
+        return done
+
+    def expire_puts(self, now: float) -> int:
+        stale = [o for o in self.objects.values() if not o.complete and o.put_deadline < now]
+        for obj in stale:
+            self._delete(obj)
+        return len(stale)
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def get(self, keys: Iterable[str], now: float) -> list[tuple[str, PoolObject | None]]:
+        """Visible objects, each leased until now + lease_ttl; None for a miss."""
+        out: list[tuple[str, PoolObject | None]] = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or not obj.complete or not obj.replicas:
+                self.misses += 1
+                out.append((key, None))
+                continue
+            self.hits += 1
+            obj.lease_until = max(obj.lease_until, now + self.limits.lease_ttl)
+            self.lru.move_to_end(key)
+            out.append((key, obj))
+        return out
+
+    def exists(self, keys: Iterable[str]) -> int:
+        """How many leading keys are visible (a prompt's cached prefix in pages)."""
+        count = 0
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or not obj.complete:
+                break
+            count += 1
+        return count
+
+    # --- removal and eviction ------------------------------------------------------------
+
+    def remove(self, keys: Iterable[str], now: float) -> int:
+        done = 0
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or not obj.complete:
+                continue
+            if obj.leased(now):  # invisible now; bytes stay until the reader is done
+                self._unlist(obj)
+                for replica in obj.replicas:
+                    self.segments[replica.store_id].keys.discard(key)
+                    self.changes.remove(replica.store_id, key)
+                self.doomed.append(obj)
+            else:
+                self._delete(obj)
+            done += 1
+        return done
+
+    def reap(self, now: float) -> int:
+        """Free the bytes of removed objects whose lease has ended."""
+        ended = [o for o in self.doomed if not o.leased(now)]
+        self.doomed = [o for o in self.doomed if o.leased(now)]
+        for obj in ended:
+            for replica in obj.replicas:
+                segment = self.segments.get(replica.store_id)
+                if segment is not None:
+                    segment.allocator.free(replica.offset)
+        return len(ended)
+
+    def enforce_watermarks(self, now: float) -> int:
+        evicted = 0
+        for segment in list(self.segments.values()):
+            if segment.use > self.limits.high_watermark:
+                evicted += evict_segment(self, segment, now)
+        self.evictions += evicted
+        return evicted
+
+    def _delete(self, obj: PoolObject) -> None:
+        for replica in list(obj.replicas):
+            segment = self.segments.get(replica.store_id)
+            if segment is not None:
+                self.drop_replica(obj, segment, free=True)
+
+    def drop_replica(self, obj: PoolObject, segment: Segment, free: bool) -> None:
+        """Forget `obj`'s replica on `segment` (freeing its range when `free`)."""
+        replica = obj.on(segment.store_id)
+        if replica is None:
+            return
+        obj.replicas.remove(replica)
+        segment.keys.discard(obj.key)
+        if free:
+            segment.allocator.free(replica.offset)
+        if obj.complete:
+            self.changes.remove(segment.store_id, obj.key)
+        if not obj.replicas:
+            self._unlist(obj)
+
+    def _unlist(self, obj: PoolObject) -> None:
+        if self.objects.get(obj.key) is obj:
+            del self.objects[obj.key]
+        self.lru.pop(obj.key, None)
+
+    # --- stats ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        visible = [o for o in self.objects.values() if o.complete]
+        return {
+            "objects": len(visible),
+            "pending": len(self.objects) - len(visible),
+            "bytes": sum(o.size for o in visible),
+            "capacity": sum(s.capacity for s in self.segments.values()),
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "stores": {
+                s.store_id: {"capacity": s.capacity, "used": s.used, "objects": len(s.keys)}
+                for s in self.segments.values()
+            },
+        }
