@@ -32,6 +32,7 @@ from .engine import TransferEngine
 from .errors import AccessRefused, TransferError
 from .ops import Op, slice_ops, spread
 from .pyverbs_shim import load as load_pyverbs
+from .rdma_device import VerbsDevice
 from .rdma_link import Link, LinkState, QpExchange, QpInfo, WorkTracker
 from .region import Region
 from .registry import rdma_devices
@@ -69,15 +70,11 @@ class RdmaTransferEngine(TransferEngine):
         self._device = device
         self._port_num = port_num
         self._gid_index = gid_index
+        self._dev: VerbsDevice | None = None
         self._nqps = qps_per_peer
         self._slice_bytes = slice_bytes
         self._max_send_wr = max_send_wr
         self._batch_timeout_s = batch_timeout_s
-        self._v: Any = None
-        self._ctx: Any = None
-        self._pd: Any = None
-        self._cq: Any = None
-        self._port: tuple[int, str, int] = (0, "", 0)  # lid, gid, mtu
         self._links: dict[str, tuple[Link, list[Any]]] = {}
         self._accepted: dict[str, list[Any]] = {}
         self._connect_locks: dict[str, asyncio.Lock] = {}
@@ -99,17 +96,13 @@ class RdmaTransferEngine(TransferEngine):
         return out
 
     async def _start(self) -> None:
-        v = self._v = load_pyverbs()
         devices = rdma_devices()
         if not devices:
             raise RuntimeError("rdma: no device under /sys/class/infiniband")
         self._device = self._device or devices[0]
-        self._ctx = v.Context(name=self._device)
-        self._pd = v.PD(self._ctx)
-        self._cq = v.CQ(self._ctx, 4 * self._max_send_wr * self._nqps * 8)
-        port = self._ctx.query_port(self._port_num)
-        gid = self._ctx.query_gid(self._port_num, self._gid_index)
-        self._port = (port.lid, str(gid.gid).replace(":", ""), int(port.active_mtu))
+        self._dev = VerbsDevice(self._device, self._port_num, self._gid_index, self._max_send_wr)
+        # CQ sized for every QP of 8 peers with full send queues.
+        self._dev.open(4 * self._max_send_wr * self._nqps * 8, load_pyverbs())
         self._poller = asyncio.get_running_loop().create_task(self._poll(), name="rdma-poll")
 
     async def _stop(self) -> None:
@@ -126,14 +119,11 @@ class RdmaTransferEngine(TransferEngine):
                 qp.close()
         for region in self._regions.all():
             self._on_unregister(region)
-        for resource in (self._cq, self._pd, self._ctx):
-            if resource is not None:
-                resource.close()
+        if self._dev is not None:
+            self._dev.close()
 
     def _on_register(self, region: Region) -> None:
-        e = self._v.e
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
-        region.extra["mr"] = self._v.MR(self._pd, region.length, access, address=region.addr)
+        region.extra["mr"] = self._device_or_fail().register(region.addr, region.length)
 
     def _on_unregister(self, region: Region) -> None:
         mr = region.extra.pop("mr", None)
@@ -149,30 +139,15 @@ class RdmaTransferEngine(TransferEngine):
 
     # -- queue pairs -------------------------------------------------------------------
 
+    def _device_or_fail(self) -> VerbsDevice:
+        if self._dev is None:
+            raise RuntimeError("rdma: device is not open")
+        return self._dev
+
     def _new_qp(self) -> tuple[Any, QpInfo]:
-        v = self._v
-        cap = v.QPCap(max_send_wr=self._max_send_wr, max_recv_wr=1, max_send_sge=1,
-                      max_recv_sge=1)  # fmt: skip
-        attr = v.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap)
-        qp = v.QP(self._pd, attr)
-        lid, gid, mtu = self._port
-        info = QpInfo(qp.qp_num, secrets.randbelow(1 << 24), lid, gid, mtu)
+        qp, info = self._device_or_fail().new_qp()
         self._credits[qp.qp_num] = asyncio.Semaphore(self._max_send_wr)
         return qp, info
-
-    def _to_rts(self, qp: Any, local: QpInfo, remote: QpInfo) -> None:
-        v, e = self._v, self._v.e
-        attr = v.QPAttr(port_num=self._port_num)
-        attr.qp_access_flags = (
-            e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
-        )
-        attr.path_mtu = min(local.mtu, remote.mtu)
-        attr.dest_qp_num, attr.rq_psn, attr.sq_psn = remote.qpn, remote.psn, local.psn
-        attr.max_dest_rd_atomic = attr.max_rd_atomic = 16
-        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
-        gr = v.GlobalRoute(dgid=_gid(v, remote.gid), sgid_index=self._gid_index)
-        attr.ah_attr = v.AHAttr(gr=gr, is_global=1, dlid=remote.lid, port_num=self._port_num)
-        qp.to_rts(attr)
 
     async def accept_peer(self, request: dict[str, Any]) -> dict[str, Any]:
         """Serve a peer's QP exchange (the service calls this from its NATS handler)."""
@@ -189,7 +164,7 @@ class RdmaTransferEngine(TransferEngine):
         qps, infos = [], []
         for remote in exchange.qps:
             qp, info = self._new_qp()
-            self._to_rts(qp, info, remote)
+            self._device_or_fail().to_rts(qp, info, remote)
             qps.append(qp)
             infos.append(info)
         self._accepted[exchange.engine_id] = qps
@@ -223,7 +198,7 @@ class RdmaTransferEngine(TransferEngine):
             if len(reply.qps) != len(pairs):
                 raise ValueError("qps: peer answered with a different number of QPs")
             for (qp, info), theirs in zip(pairs, reply.qps, strict=True):
-                self._to_rts(qp, info, theirs)
+                self._device_or_fail().to_rts(qp, info, theirs)
         except BaseException as exc:
             for qp, _ in pairs:
                 self._credits.pop(qp.qp_num, None)
@@ -248,8 +223,7 @@ class RdmaTransferEngine(TransferEngine):
             qps = await self._qps(remote)
         except Exception as exc:
             raise TransferError(peer, f"cannot connect: {exc}") from exc
-        v, e = self._v, self._v.e
-        opcode = e.IBV_WR_RDMA_WRITE if kind == "write" else e.IBV_WR_RDMA_READ
+        dev = self._device_or_fail()
         lkey = region.extra["mr"].lkey
         batch_id = next(self._batch_ids)
         future = self._batches[batch_id] = asyncio.get_running_loop().create_future()
@@ -261,11 +235,9 @@ class RdmaTransferEngine(TransferEngine):
                     await credits.acquire()  # never overrun the send queue
                     wr_id = self._tracker.post(batch_id, s.op_index)
                     self._wr_qp[wr_id] = qp.qp_num
-                    sge = v.SGE(region.addr + s.local_off, s.length, lkey)
-                    wr = v.SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge],
-                                  send_flags=e.IBV_SEND_SIGNALED)  # fmt: skip
-                    wr.set_wr_rdma(remote.rkey, remote.addr + s.remote_off)
-                    qp.post_send(wr)
+                    local = (region.addr + s.local_off, s.length, lkey)
+                    dev.post(qp, kind == "write", wr_id, local, remote.addr + s.remote_off,
+                             remote.rkey)  # fmt: skip
                     self._posted.set()
             async with asyncio.timeout(self._batch_timeout_s):
                 await future
@@ -288,22 +260,21 @@ class RdmaTransferEngine(TransferEngine):
             if not self._tracker.outstanding:
                 self._posted.clear()
                 await self._posted.wait()
-            count, wcs = self._cq.poll(64)
-            if count <= 0:
+            completions = self._device_or_fail().poll(64)
+            if not completions:
                 idle_spins += 1
                 await asyncio.sleep(0 if idle_spins < 64 else 0.0002)
                 continue
             idle_spins = 0
-            for wc in wcs:
-                self._complete(wc)
+            for wr_id, ok, status in completions:
+                self._complete(wr_id, ok, status)
             await asyncio.sleep(0)
 
-    def _complete(self, wc: Any) -> None:
-        qpn = self._wr_qp.pop(wc.wr_id, None)
+    def _complete(self, wr_id: int, ok: bool, status: int) -> None:
+        qpn = self._wr_qp.pop(wr_id, None)
         if qpn is not None and qpn in self._credits:
             self._credits[qpn].release()
-        ok = wc.status == self._v.e.IBV_WC_SUCCESS
-        done = self._tracker.complete(wc.wr_id, ok, f"completion status {wc.status}")
+        done = self._tracker.complete(wr_id, ok, f"completion status {status}")
         if done is None:
             return
         batch_id, batch = done
@@ -314,7 +285,3 @@ class RdmaTransferEngine(TransferEngine):
             future.set_result(None)
         else:
             future.set_exception(TransferError("rdma peer", batch.error, batch.op_index))
-
-
-def _gid(v: Any, hex_gid: str) -> Any:
-    return v.GID(":".join(hex_gid[i : i + 4] for i in range(0, 32, 4)))
