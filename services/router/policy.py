@@ -14,10 +14,16 @@ The formulas (docs/routing.md has the reasoning and the flags):
       pool_pages(w)   = covered(w) - local(w): pages w must read from the pool
       queued_pages(w) = prompt tokens queued at w / page_size
 
-Conditional disaggregation: when the decode worker's own uncached part
-(prompt_len - covered(d) * page_size) is at most `disagg_threshold` tokens, or no
-prefill worker is live, the decode worker prefills itself. A `both` worker chosen for
-decode also competes for its own prefill, and wins it when cheapest.
+A plan is a decode worker d plus who prefills; its cost is D(d) plus the prefill's P:
+
+    P(d) itself   when no prefill worker is live, or d's uncached part
+                  (prompt_len - covered(d) * page_size) is at most `disagg_threshold`
+                  tokens (conditional disaggregation), or d is a `both` worker no
+                  dearer than the best prefill worker
+    P(p*)         otherwise, p* = the prefill worker of least P
+
+The cheapest plan wins, so a decode worker that holds the prompt's prefix attracts the
+request when that makes its own prefill short.
 
 Ties are broken at random (a seeded `random.Random` in tests). Pure Python.
 """
@@ -88,18 +94,24 @@ def choose(
         return None
     need = math.ceil((prompt_len + 1) / page_size)
     roomy = [w for w in decodes if w.report.free_pages >= need] or list(decodes)
-    d = _cheapest(roomy, lambda w: decode_cost(w, cfg), rng)
-    self_covered = match.covered.get(d.id, 0)
-    uncached = prompt_len - self_covered * page_size
-    if not prefills and d.role != "both":
-        return Route(d.id, "", self_covered, "no_prefill_worker")
-    if uncached <= cfg.disagg_threshold:
-        return Route(d.id, "", self_covered, "below_threshold")
-    candidates = [*prefills, d] if d.role == "both" else list(prefills)
-    p = _cheapest(candidates, lambda w: prefill_cost(w, prompt_len, page_size, match, cfg), rng)
-    if p.id == d.id:
-        return Route(d.id, "", self_covered, "self_prefill")
-    return Route(d.id, p.id, match.covered.get(p.id, 0), "disaggregated")
+    p_cost = {w.id: prefill_cost(w, prompt_len, page_size, match, cfg) for w in prefills}
+    best_p = _cheapest(prefills, lambda w: p_cost[w.id], rng) if prefills else None
+    plans: dict[str, tuple[float, Route]] = {}
+    for d in roomy:
+        covered = match.covered.get(d.id, 0)
+        own = prefill_cost(d, prompt_len, page_size, match, cfg)
+        if best_p is None:
+            plan = own, Route(d.id, "", covered, "no_prefill_worker")
+        elif prompt_len - covered * page_size <= cfg.disagg_threshold:
+            plan = own, Route(d.id, "", covered, "below_threshold")
+        elif d.role == "both" and own <= p_cost[best_p.id]:
+            plan = own, Route(d.id, "", covered, "self_prefill")
+        else:
+            cached = match.covered.get(best_p.id, 0)
+            plan = p_cost[best_p.id], Route(d.id, best_p.id, cached, "disaggregated")
+        plans[d.id] = (decode_cost(d, cfg) + plan[0], plan[1])
+    chosen = _cheapest(roomy, lambda w: plans[w.id][0], rng)
+    return plans[chosen.id][1]
 
 
 def _cheapest(
