@@ -57,16 +57,18 @@ class PoolProcesses:
             return proc.wait()
 
     def stop_all(self) -> None:
-        """SIGTERM to all at once (stores before the master), then wait for each."""
+        """SIGTERM to the stores at once (they unmount), then to the master."""
         procs, self.procs = self.procs, {}
-        for proc in reversed(list(procs.values())):
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        master = procs.pop("master", None)
+        for group in (list(procs.values()), [master] if master else []):
+            for proc in group:
+                proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     def log(self, sid: str) -> str:
         return (self.logs / f"{sid}.log").read_text(errors="replace")
@@ -137,4 +139,3 @@ async def pool(pool_procs, nats_url):
     finally:
         await engine.stop()
         await bus.close()
-

@@ -1,0 +1,104 @@
+"""Bad requests get error replies and the master keeps serving; eviction under pressure."""
+
+import asyncio
+import os
+
+import nats
+import pytest
+
+from libs.common.bus import RemoteError
+from libs.common.messages import PoolStoreRef
+
+
+async def _master_still_serves(pool) -> None:
+    pool.fill(0, os.urandom(4096))
+    key = f"alive-{os.urandom(4).hex()}"
+    assert (await pool.client.batch_put([key], pool.mem, [0], [4096]))[0].ok
+
+
+async def test_bad_requests_get_error_replies_and_the_master_keeps_serving(pool, nats_url):
+    pool.procs.store("store-a", size="4MiB")
+    await pool.wait_stores(1)
+    nc = await nats.connect(nats_url)
+    try:
+        cases = [
+            ("put_start", b"{not json", "400"),
+            ("put_start", b'{"objects": [{"key": "k", "size": -5, '
+             b'"checksum": "0123456789abcdef"}]}', "400"),
+            ("put_start", b'{"objects": [{"key": "k", "size": 1073741824, '
+             b'"checksum": "0123456789abcdef"}]}', "413"),
+            ("put_start", b'{"objects": "many"}', "400"),
+            ("unmount", b'{"store_id": "no-such-store"}', "404"),
+            ("mount", b'{"store_id": "x", "segment": {"length": 5}}', "400"),
+            ("get", b'{"keys": [1, 2]}', "400"),
+        ]  # fmt: skip
+        for name, body, code in cases:
+            msg = await nc.request(f"tandem.pool.master.{name}", body, timeout=5)
+            assert (msg.headers or {}).get("Nats-Service-Error-Code") == code, (name, body)
+    finally:
+        await nc.close()
+    await _master_still_serves(pool)
+
+
+async def test_oversized_put_raises_remote_error_413_from_the_client(pool):
+    pool.procs.store("store-a", size="4MiB")
+    await pool.wait_stores(1)
+    with pytest.raises(RemoteError) as e:
+        await pool.client.batch_put(["big"], pool.mem, [0], [5 << 20])
+    assert e.value.code == 413
+    await _master_still_serves(pool)
+
+
+async def test_pressure_evicts_unleased_objects_only_and_keeps_the_rest_intact(pool):
+    pool.procs.store("store-a", size="1MiB")
+    await pool.wait_stores(1)
+    size = 32 << 10  # 32 objects fill the segment
+    blobs = {}
+
+    async def put(key):
+        blob = os.urandom(size)
+        pool.fill(0, blob)
+        result = (await pool.client.batch_put([key], pool.mem, [0], [size]))[0]
+        if result.ok:
+            blobs[key] = blob
+        return result
+
+    for i in range(24):
+        await put(f"old-{i}")
+    leased = [f"old-{i}" for i in range(8)]  # the oldest: eviction's first choice
+    got = await pool.client.batch_get(leased, pool.mem, [pool.half + i * size for i in range(8)],
+                                      size)  # fmt: skip
+    assert all(r.ok for r in got)
+    for i in range(40):  # far more than fits: evictions must happen
+        assert (await put(f"new-{i}")).ok
+    stats = await pool.client.stats()
+    assert stats.evictions > 0
+    assert await pool.client.batch_exists(leased) == len(leased)  # leased: never evicted
+    present = [k for k in blobs if await pool.client.batch_exists([k]) == 1]
+    assert len(blobs) - len(present) == stats.evictions  # gone only when evicted
+    dst = [pool.half + i * size for i in range(len(present))]
+    got = []
+    for start in range(0, len(present), 8):
+        got += await pool.client.batch_get(present[start:start + 8], pool.mem,
+                                           dst[:len(present[start:start + 8])], size)  # fmt: skip
+        for key, d in zip(present[start : start + 8], dst, strict=False):
+            assert pool.read(d, size) == blobs[key], key  # what is not evicted is intact
+    assert all(r.ok for r in got)
+
+
+async def test_store_that_stops_heartbeating_loses_its_replicas(pool):
+    pool.procs.store("store-a")
+    await pool.wait_stores(1)
+    await _master_still_serves(pool)
+    pool.procs.kill("store-a")  # --heartbeat-timeout 3 in the test master
+    await asyncio.wait_for(pool.wait_stores(0, timeout=20), timeout=25)
+    assert (await pool.client.stats()).objects == 0
+
+
+async def test_heartbeat_from_an_unknown_store_asks_it_to_mount(pool):
+    from libs.common.messages import PoolHeartbeatReply
+
+    await pool.wait_stores(0)
+    reply = await pool.bus.request("tandem.pool.master.heartbeat", PoolStoreRef("ghost", 1),
+                                   PoolHeartbeatReply)  # fmt: skip
+    assert reply.known is False
