@@ -37,13 +37,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(state: RouterState) -> web.Application:
     app = web.Application(middlewares=[_middleware], client_max_size=MAX_BODY)
     app[STATE] = state
-    app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/openapi.json", _openapi)
+    for method, path, handler in routes():
+        app.router.add_route(method, path, handler)
     return app
+
+
+def routes() -> list[tuple[str, str, Handler]]:
+    """Every route of the API (the OpenAPI test compares this list with the document)."""
+    return [
+        ("POST", "/v1/completions", handlers.completions),
+        ("POST", "/v1/chat/completions", handlers.chat_completions),
+        ("GET", "/v1/models", _models),
+        ("GET", "/health", _health),
+        ("GET", "/metrics", _metrics),
+        ("GET", "/openapi.json", _openapi),
+    ]
 
 
 def _json(body: object, status: int = 200, headers: dict[str, str] | None = None):

@@ -1,0 +1,64 @@
+"""/openapi.json stays true: its paths are the app's routes, its request schemas are the
+validator's fields, and real responses of a router process match its response schemas
+(completion and chat bodies are checked against real workers in test_router_e2e.py)."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from services.router import app, openapi
+from services.router.validation import CHAT_SPECS, COMPLETION_SPECS, parse_request
+from tests.router.conftest import Routers
+from tests.router.schema_check import check, response_schema
+
+DOC = openapi.document("default")
+
+
+def test_documented_paths_are_exactly_the_routes():
+    routes = {(path, method.lower()) for method, path, _ in app.routes()}
+    documented = {(path, method) for path, ops in DOC["paths"].items() for method in ops}
+    assert routes == documented
+
+
+@pytest.mark.parametrize(
+    ("name", "specs"),
+    [("CompletionRequest", COMPLETION_SPECS), ("ChatCompletionRequest", CHAT_SPECS)],
+)
+def test_request_schemas_list_every_accepted_field(name, specs):
+    schema = DOC["components"]["schemas"][name]
+    assert set(schema["properties"]) == {s.name for s in specs}
+    assert set(schema["required"]) == {s.name for s in specs if s.required}
+
+
+def test_documented_bounds_are_the_enforced_bounds():
+    schema = DOC["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert schema["temperature"]["maximum"] == 2 and schema["top_p"]["exclusiveMinimum"] == 0
+    body = {"model": "m", "prompt": "x", "temperature": 2, "top_p": 1e-9, "logprobs": 20}
+    parse_request("completions", body, max_n=1)  # the documented edges are accepted
+    assert not check(body, {"$ref": "#/components/schemas/CompletionRequest"}, DOC)
+
+
+@pytest.fixture(scope="module")
+def router(module_nats, tmp_path_factory):
+    routers = Routers(module_nats.url, tmp_path_factory.mktemp("router-logs"))
+    try:
+        yield routers.start("router-openapi")
+    finally:
+        routers.stop()
+
+
+async def test_served_document_equals_the_module_and_real_responses_match_it(router):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{router}/openapi.json") as r:
+            assert await r.json() == DOC
+        async with http.get(f"{router}/v1/models") as r:
+            body = await r.json()
+            assert not check(body, response_schema(DOC, "/v1/models", "GET", 200), DOC)
+        async with http.get(f"{router}/health") as r:
+            body = await r.json()
+            assert not check(body, response_schema(DOC, "/health", "GET", r.status), DOC)
+        async with http.post(f"{router}/v1/completions", json={"model": "x", "prompt": 1}) as r:
+            body = await r.json()
+            schema = response_schema(DOC, "/v1/completions", "POST", r.status)
+            assert r.status == 400 and not check(body, schema, DOC)
