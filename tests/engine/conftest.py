@@ -1,0 +1,58 @@
+"""Engine fixtures: the default model and the transformers reference, loaded once per session."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from libs.common.engine.engine_config import EngineConfig
+from libs.common.engine.engine_core import EngineCore
+from libs.common.engine.model import LlamaModel
+from libs.common.engine.model_source import default_model_path, load_model
+
+
+@pytest.fixture(scope="session")
+def model_and_tokenizer():
+    torch.set_num_threads(2)
+    loaded, tokenizer = load_model("default")
+    return LlamaModel(loaded), tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_and_tokenizer):
+    return model_and_tokenizer[1]
+
+
+@pytest.fixture
+def make_core(model_and_tokenizer):
+    """Build an EngineCore over the shared model with a fresh, small KV pool."""
+    model, tokenizer = model_and_tokenizer
+
+    def make(**overrides) -> EngineCore:
+        settings = {"kv_cache_mb": 96, "max_num_batched_tokens": 2048, "max_num_seqs": 32}
+        settings.update(overrides)
+        return EngineCore(EngineConfig(**settings), model, tokenizer)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """transformers loading the same GGUF (dequantized, fp32): the correctness reference."""
+    transformers = pytest.importorskip("transformers")
+    path = pathlib.Path(default_model_path())
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def run_to_end(core: EngineCore) -> dict[str, list[int]]:
+    """Step until idle; generated ids per request id."""
+    out: dict[str, list[int]] = {}
+    while core.has_work():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
