@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-stamp
 REQS := $(wildcard requirements/*.txt)
 
-.PHONY: run test lint format bench venv clean
+.PHONY: run test lint format bench venv clean compose-test
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
+
+# Builds the image and runs compose.yaml for real (Docker from Debian's packages, a local base
+# image); minutes, needs root. Not part of `make test`.
+compose-test: $(STAMP)
+	$(PY) -m scripts.compose_test $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

