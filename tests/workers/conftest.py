@@ -1,0 +1,160 @@
+"""A real worker cluster for the module: nats-server, 2 prefill + 2 decode workers.
+
+Starting workers loads the model (seconds each on 2 cores), so the cluster is shared by
+the tests of a module; each test uses its own request ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from libs.common.bus import Bus
+from libs.common.engine.engine import Engine
+from libs.common.engine.engine_config import EngineConfig
+from libs.common.engine.sampling_params import SamplingParams
+from libs.common.messages import GenerateAccepted, GenerateRequest, SamplingSpec, TokenChunk, Usage
+from scripts.cluster import LocalCluster
+from scripts.nats_server import NatsServer
+
+WORKER_ARGS = ["--kv-cache-mb", "48", "--max-num-batched-tokens", "64", "--num-threads", "1"]
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    usage: Usage | None
+    finish_reason: str | None
+    error: str | None
+    workers: list[str]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, service_env) -> Iterator[tuple[str, LocalCluster]]:
+    workdir = tmp_path_factory.mktemp("cluster")
+    server = NatsServer(workdir / "nats").start()
+    cluster = LocalCluster(server.url, env=service_env, capture=workdir / "logs")
+    try:
+        for name, sid in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1"), ("decode", "d2")):
+            cluster.start_one(name, "--service-id", sid, *WORKER_ARGS)
+            cluster.procs[sid] = cluster.procs.pop(name)  # several of one service
+        asyncio.run(_wait_workers(server.url, {"p1", "p2", "d1", "d2"}))
+        yield server.url, cluster
+    finally:
+        cluster.stop()
+        server.stop()
+
+
+async def _wait_workers(url: str, ids: set[str], timeout: float = 180.0) -> None:
+    bus = Bus(url, "test-wait", 5, 2)
+    await bus.connect()
+    seen: set[str] = set()
+    all_seen = asyncio.Event()
+
+    async def on_load(msg) -> None:
+        seen.add(msg.subject.split(".")[3])
+        if ids <= seen:
+            all_seen.set()
+
+    sub = await bus.subscribe("tandem.workers.*.*.load", on_load)
+    try:
+        async with asyncio.timeout(timeout):
+            await all_seen.wait()
+    finally:
+        await sub.unsubscribe()
+        await bus.close()
+
+
+@pytest.fixture(scope="module")
+def service_env() -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["TANDEM_LOG_FORMAT"] = "json"
+    return env
+
+
+async def reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of the engine in this process, without prefix cache.
+
+    Prompts run batched: the engine's own tests prove batched equals alone.
+    """
+    engine = Engine(EngineConfig(kv_cache_mb=48, enable_prefix_cache=False))
+    await engine.start()
+
+    async def one(ids: list[int]) -> list[int]:
+        out: list[int] = []
+        async for o in engine.add_request(ids, SamplingParams(max_tokens=max_tokens,
+                                                              temperature=0)):  # fmt: skip
+            out += o.token_ids
+        return out
+
+    try:
+        return list(await asyncio.gather(*(one(ids) for ids in prompts)))
+    finally:
+        await engine.stop()
+
+
+async def generate(
+    bus: Bus,
+    request_id: str,
+    token_ids: list[int],
+    decode: str,
+    prefill: str = "",
+    max_tokens: int = 16,
+    timeout: float = 120.0,
+) -> Completion:
+    """Send a GenerateRequest and collect its stream, ordered by index."""
+    subject = f"tandem.stream.{request_id}"
+    chunks: list[TokenChunk] = []
+    done = asyncio.Event()
+
+    async def on_chunk(msg) -> None:
+        chunk = TokenChunk.decode(msg.data)
+        chunks.append(chunk)
+        if chunk.finish_reason:
+            done.set()
+
+    sub = await bus.subscribe(subject, on_chunk)
+    try:
+        await bus.request(
+            f"tandem.decode.{decode}.generate",
+            GenerateRequest(
+                request_id=request_id,
+                token_ids=token_ids,
+                sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0),
+                stream_subject=subject,
+                prefill_worker=prefill,
+            ),
+            GenerateAccepted,
+            timeout=30,
+        )
+        async with asyncio.timeout(timeout):
+            await done.wait()
+            await asyncio.sleep(0.05)  # a reordered earlier chunk may still be in flight
+    finally:
+        await sub.unsubscribe()
+    chunks.sort(key=lambda c: c.index)
+    last = chunks[-1]
+    ids = [t for c in chunks for t in c.token_ids]
+    return Completion(ids, "".join(c.text for c in chunks), last.usage, last.finish_reason,
+                      last.error, sorted({c.worker for c in chunks}))  # fmt: skip
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    """A deterministic prompt of n token ids from ordinary vocabulary."""
+    base = [504, 3458, 282, 4649, 314, 253, 1219, 28, 1953, 260, 1345, 2107, 30, 378, 3117]
+    return [1] + [base[(i * 7 + seed) % len(base)] + seed for i in range(n - 1)]
+
+
+@pytest.fixture
+async def bus(cluster) -> Bus:
+    url, _ = cluster
+    b = Bus(url, "test-client", 5, 30)
+    await b.connect()
+    yield b
+    await b.close()

@@ -1,0 +1,102 @@
+"""Prefill/decode disaggregation with real workers: outputs equal the engine's own."""
+
+import asyncio
+
+import orjson
+
+from libs.common.bus import RemoteError
+from libs.common.messages import (
+    GenerateAccepted,
+    GenerateRequest,
+    InfoRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingSpec,
+    ServiceInfo,
+)
+from tests.workers.conftest import generate, prompt_ids, reference
+
+SHORT, LONG, CHUNKED = prompt_ids(9), prompt_ids(70, seed=1), prompt_ids(150, seed=2)
+REPEATED = prompt_ids(150, seed=40)  # no other test shares its first page
+
+
+async def test_disaggregated_greedy_equals_engine_for_short_long_and_chunked_prompts(bus):
+    expected = await reference([SHORT, LONG, CHUNKED], max_tokens=12)
+    for i, ids in enumerate([SHORT, LONG, CHUNKED]):
+        got = await generate(bus, f"pd-{i}", ids, decode="d1", prefill="p1", max_tokens=12)
+        assert got.error is None, got.error
+        assert got.token_ids == expected[i]
+        assert got.workers == ["d1", "p1"]  # token 0 from prefill, the rest from decode
+        assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 12
+
+
+async def test_decode_alone_equals_disaggregated(bus):
+    alone = await generate(bus, "alone-1", LONG, decode="d2", max_tokens=10)
+    split = await generate(bus, "split-1", LONG, decode="d2", prefill="p2", max_tokens=10)
+    assert alone.token_ids == split.token_ids and alone.text == split.text
+    assert alone.workers == ["d2"]
+
+
+async def test_sixteen_concurrent_requests_over_two_by_two_workers_are_exact(bus):
+    prompts = [prompt_ids(5 + 9 * i, seed=i) for i in range(16)]
+    expected = await reference(prompts, max_tokens=8)
+    results = await asyncio.gather(
+        *(
+            generate(
+                bus,
+                f"many-{i}",
+                p,
+                decode=f"d{1 + i % 2}",
+                prefill=f"p{1 + (i // 2) % 2}",
+                max_tokens=8,
+                timeout=240,
+            )
+            for i, p in enumerate(prompts)
+        )
+    )
+    assert [r.token_ids for r in results] == expected
+
+
+async def test_repeated_prefix_reports_cached_tokens_with_equal_output(bus):
+    first = await generate(bus, "rep-1", REPEATED, decode="d1", prefill="p2", max_tokens=6)
+    second = await generate(bus, "rep-2", REPEATED, decode="d1", prefill="p2", max_tokens=6)
+    assert second.token_ids == first.token_ids
+    assert first.usage.cached_tokens.get("device", 0) == 0
+    # every full page but the last one (at least one token is always computed)
+    assert second.usage.cached_tokens["device"] == (len(REPEATED) - 1) // 16 * 16
+
+
+async def test_prefill_refuses_to_pair_with_a_different_page_size(bus):
+    info = await bus.request("tandem.decode.d1.info", InfoRequest(), ServiceInfo)
+    req = PrefillRequest(
+        request_id="pair-1", token_ids=SHORT, sampling=SamplingSpec(), stream_subject="x",
+        decode_worker="d1", kv_region={}, page_indices=[0], skip_pages=0,
+        model_id=info.details["model_id"], page_size=32, kv_dtype=info.details["kv_dtype"],
+        kv_num_pages=10,
+    )  # fmt: skip
+    try:
+        await bus.request("tandem.prefill.p1.prefill", req, PrefillResult)
+        raise AssertionError("pairing with another page size must be refused")
+    except RemoteError as e:
+        assert e.code == 409 and "page size" in e.message
+
+
+async def test_bad_generate_requests_get_error_replies_and_worker_keeps_serving(bus):
+    raw = await bus.nc.request("tandem.decode.d2.generate", b"{nope", timeout=5)
+    assert raw.headers["Nats-Service-Error-Code"] == "400"
+    bad = GenerateRequest(request_id="bad-1", token_ids=SHORT,
+                          sampling=SamplingSpec(temperature=-1), stream_subject="x")  # fmt: skip
+    try:
+        await bus.request("tandem.decode.d2.generate", bad, GenerateAccepted)
+        raise AssertionError("negative temperature must be refused")
+    except RemoteError as e:
+        assert e.code == 400 and "temperature" in e.message
+    ok = await generate(bus, "after-bad", SHORT, decode="d2", max_tokens=3)
+    assert ok.error is None and len(ok.token_ids) == 3
+
+
+async def test_info_shows_transport_and_pairing_facts(bus):
+    info = await bus.request("tandem.prefill.p1.info", InfoRequest(), ServiceInfo)
+    assert info.details["transport"] == "tcp" and info.details["page_size"] == 16
+    assert info.details["kv_dtype"] == "float32" and info.details["model_id"]
+    orjson.dumps(info.details)  # plain data
