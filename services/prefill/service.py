@@ -138,7 +138,10 @@ class PrefillService(WorkerService):
         local = KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes)
         theirs = KvLayout(kv.num_layers, req.kv_num_pages, kv.slice_nbytes)
         ops = page_copy_ops(local, [page_table[i] for i in wanted], theirs, req.page_indices)
-        await self.transfer.write(self.kv_region, remote, ops)
+        try:
+            await self.transfer.write(self.kv_region, remote, ops)
+        except ValueError as e:  # the descriptor or pages do not fit the decode's region
+            raise HandlerError(400, f"bad KV target: {e}") from None
 
     async def cancel(self, request_id: str, reason: str) -> None:
         task = self._active.get(request_id)

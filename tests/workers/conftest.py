@@ -1,7 +1,7 @@
-"""A real worker cluster for the module: nats-server, 2 prefill + 2 decode workers.
+"""A real worker cluster: nats-server, 2 prefill + 2 decode workers, shared by tests/workers.
 
-Starting workers loads the model (seconds each on 2 cores), so the cluster is shared by
-the tests of a module; each test uses its own request ids.
+Starting workers loads the model (seconds each on 2 cores), so the cluster is started once
+per session; each test uses its own request ids and prompts.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from libs.common.messages import GenerateAccepted, GenerateRequest, SamplingSpec
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 
-WORKER_ARGS = ["--kv-cache-mb", "48", "--max-num-batched-tokens", "64", "--num-threads", "1"]
+WORKER_ARGS = ["--kv-cache-mb", "48", "--max-num-batched-tokens", "64", "--num-threads", "1",
+               "--handoff-timeout", "5"]  # fmt: skip
 
 
 @dataclass
@@ -33,11 +34,11 @@ class Completion:
     workers: list[str]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, service_env) -> Iterator[tuple[str, LocalCluster]]:
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, worker_env) -> Iterator[tuple[str, LocalCluster]]:
     workdir = tmp_path_factory.mktemp("cluster")
     server = NatsServer(workdir / "nats").start()
-    cluster = LocalCluster(server.url, env=service_env, capture=workdir / "logs")
+    cluster = LocalCluster(server.url, env=worker_env, capture=workdir / "logs")
     try:
         for name, sid in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1"), ("decode", "d2")):
             cluster.start_one(name, "--service-id", sid, *WORKER_ARGS)
@@ -69,8 +70,8 @@ async def _wait_workers(url: str, ids: set[str], timeout: float = 180.0) -> None
         await bus.close()
 
 
-@pytest.fixture(scope="module")
-def service_env() -> dict[str, str]:
+@pytest.fixture(scope="session")
+def worker_env() -> dict[str, str]:
     import os
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}

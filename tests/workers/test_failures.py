@@ -1,0 +1,115 @@
+"""Worker failure and cancel paths: each fails one request only and frees its pages."""
+
+import asyncio
+
+from libs.common.bus import Bus, RemoteError
+from libs.common.kv_hash import PageHasher
+from libs.common.messages import (
+    CancelRequest,
+    InfoRequest,
+    KvEvent,
+    LoadReport,
+    PrefillRequest,
+    PrefillResult,
+    SamplingSpec,
+    ServiceInfo,
+)
+from tests.workers.conftest import generate, prompt_ids
+
+
+async def _free_pages(bus: Bus, worker: str, want: int | None = None, timeout: float = 10):
+    """Free pages (free + evictable cached) from the worker's load reports: the next report,
+    or, with `want`, the first report showing `want` (the last seen if none does in time)."""
+    last: list[int] = []
+    matched = asyncio.Event()
+
+    async def on_load(msg) -> None:
+        last.append(LoadReport.decode(msg.data).free_pages)
+        if want is None or last[-1] == want:
+            matched.set()
+
+    sub = await bus.subscribe(f"tandem.workers.*.{worker}.load", on_load)
+    try:
+        await asyncio.wait_for(matched.wait(), timeout)
+    except TimeoutError:
+        pass
+    finally:
+        await sub.unsubscribe()
+    return last[-1]
+
+
+async def test_cancel_ends_the_stream_and_frees_pages_on_both_workers(bus):
+    before = {w: await _free_pages(bus, w) for w in ("p1", "d1")}
+    prompt = prompt_ids(40, seed=60)
+    task = asyncio.create_task(
+        generate(bus, "cancel-1", prompt, decode="d1", prefill="p1", max_tokens=400)
+    )
+    await asyncio.sleep(3.0)  # prefilled and decoding by now
+    await bus.publish("tandem.cancel", CancelRequest(request_id="cancel-1"))
+    done = await asyncio.wait_for(task, 30)
+    assert done.finish_reason == "abort"
+    assert len(done.token_ids) < 400
+    for worker, free in before.items():
+        assert await _free_pages(bus, worker, want=free) == free
+
+
+async def test_unreachable_prefill_worker_fails_the_request_and_releases_the_reservation(bus):
+    before = await _free_pages(bus, "d2")
+    done = await generate(bus, "ghost-1", prompt_ids(50, seed=61), decode="d2",
+                          prefill="ghost", max_tokens=4, timeout=30)  # fmt: skip
+    assert done.finish_reason == "error" and "ghost" in done.error
+    assert await _free_pages(bus, "d2", want=before) == before
+    ok = await generate(bus, "ghost-2", prompt_ids(20, seed=62), decode="d2", prefill="p2",
+                        max_tokens=3)  # fmt: skip
+    assert ok.error is None and len(ok.token_ids) == 3
+
+
+async def test_transfer_refused_by_peer_fails_that_prefill_only(bus):
+    info = await bus.request("tandem.decode.d1.info", InfoRequest(), ServiceInfo)
+    region = {
+        "v": 1, "transport": "tcp", "endpoint": info.details["transfer_endpoint"],
+        "region_id": 999, "length": 1 << 30, "token": "00" * 16, "addr": 0, "rkey": 0,
+    }  # fmt: skip
+    before = await _free_pages(bus, "p1")
+    req = PrefillRequest(
+        request_id="xfer-1", token_ids=prompt_ids(40, seed=63), sampling=SamplingSpec(),
+        stream_subject="tandem.stream.xfer-1", decode_worker="d1", kv_region=region,
+        page_indices=[0, 1, 2], skip_pages=0, model_id=info.details["model_id"],
+        page_size=16, kv_dtype=info.details["kv_dtype"], kv_num_pages=10,
+    )  # fmt: skip
+    try:
+        await bus.request("tandem.prefill.p1.prefill", req, PrefillResult, timeout=30)
+        raise AssertionError("a transfer into an unknown region must fail")
+    except RemoteError as e:
+        assert e.code == 502 and "transfer" in e.message
+    assert await _free_pages(bus, "p1", want=before) == before
+    ok = await generate(bus, "xfer-2", prompt_ids(20, seed=64), decode="d1", prefill="p1",
+                        max_tokens=3)  # fmt: skip
+    assert ok.error is None and len(ok.token_ids) == 3
+
+
+async def test_kv_events_name_the_pages_each_worker_stored(bus):
+    events: list[KvEvent] = []
+
+    async def on_event(msg) -> None:
+        events.append(KvEvent.decode(msg.data))
+
+    sub = await bus.subscribe("tandem.kv.events.>", on_event)
+    prompt = prompt_ids(70, seed=65)
+    try:
+        done = await generate(bus, "events-1", prompt, decode="d2", prefill="p1", max_tokens=4)
+        await asyncio.sleep(0.5)
+    finally:
+        await sub.unsubscribe()
+    info = await bus.request("tandem.prefill.p1.info", InfoRequest(), ServiceInfo)
+    hasher = PageHasher(info.details["model_id"], info.details["kv_dtype"], 16)
+    prompt_keys = hasher.keys(prompt)  # 4 full pages
+    stored = {
+        src: [k for e in events if e.source == src and e.kind == "stored" for k in e.keys]
+        for src in ("p1", "d2")
+    }
+    assert stored["p1"] == prompt_keys
+    assert all(e.tier == "device" for e in events)
+    # the decode worker holds the prompt's pages too (and any full page of the output)
+    full_seq = hasher.keys(prompt + done.token_ids[:-1])
+    assert stored["d2"] == full_seq[: len(stored["d2"])] and len(stored["d2"]) >= len(prompt_keys)
