@@ -32,16 +32,14 @@ from typing import Any
 
 import xxhash
 
-from libs.common.bus import Bus
+from libs.common.bus import Bus, BusError
 from libs.common.log import get_logger
 from libs.common.messages import (
     InfoRequest,
     PoolCount,
     PoolGetReply,
     PoolKeys,
-    PoolLocation,
     PoolPutFinish,
-    PoolPutSpec,
     PoolPutStart,
     PoolPutStartReply,
     PoolStats,
@@ -155,59 +153,59 @@ class PoolClient:
         loop = asyncio.get_running_loop()
         sent = loop.time()
         reply = await self._ask("get", PoolKeys(list(keys)), PoolGetReply)
+        if len(reply.sizes) != len(keys):
+            raise BusError(f"{self._subject('get')}: {len(reply.sizes)} answers, {len(keys)} keys")
         deadline = sent + reply.lease_ttl  # the master's lease began after `sent`
         results: list[GetResult | None] = [None] * len(keys)
-        todo: dict[int, list[PoolLocation]] = {}
-        for i, info in enumerate(reply.objects[: len(keys)]):
-            if not info.locations:
+        todo: dict[int, list[tuple[str, int]]] = {}  # index -> replicas left to try
+        for i, size in enumerate(reply.sizes):
+            if not reply.stores[i]:
                 results[i] = GetResult(keys[i], 0, "missing")
-            elif info.size > caps[i]:
-                results[i] = GetResult(keys[i], info.size, "too_large")
+            elif size > caps[i]:
+                results[i] = GetResult(keys[i], size, "too_large")
             else:
-                todo[i] = list(info.locations)
+                todo[i] = list(zip(reply.stores[i], reply.offsets[i], strict=True))
         while todo:  # each round reads every pending key from its next replica
             groups: dict[str, list[int]] = {}
-            for i, locations in todo.items():
-                groups.setdefault(locations[0].store_id, []).append(i)
-            reads = [self._read(memory, g, todo, offsets, reply) for g in groups.values()]
+            for i, replicas in todo.items():
+                groups.setdefault(replicas[0][0], []).append(i)
+            reads = [
+                self._transfer("read", memory, reply.segments[store],
+                               [(offsets[i], todo[i][0][1], reply.sizes[i]) for i in group], store)
+                for store, group in groups.items()
+            ]  # fmt: skip
             outcomes = await asyncio.gather(*reads)
             for group, ok in zip(groups.values(), outcomes, strict=True):
                 for i in group:
                     todo[i].pop(0)
-                    if ok:
+                    if ok or not todo[i]:
                         del todo[i]
-                        results[i] = GetResult(keys[i], reply.objects[i].size)
-                    elif not todo[i]:
-                        del todo[i]
-                        results[i] = GetResult(keys[i], reply.objects[i].size, "unreachable")
+                        results[i] = GetResult(keys[i], reply.sizes[i], "" if ok else "unreachable")
         if loop.time() > deadline:
             log.error("pool read outlived its lease; bytes refused", keys=len(keys),
                       lease_ttl=reply.lease_ttl)  # fmt: skip
             return [r if not r.ok else GetResult(r.key, r.size, "lease_expired") for r in results]
         return await self._verify(results, memory, offsets, reply)
 
-    async def _read(
-        self,
-        memory: LocalMemory,
-        group: list[int],
-        todo: dict[int, list[PoolLocation]],
-        offsets: Sequence[int],
-        reply: PoolGetReply,
+    async def _transfer(
+        self, kind: str, memory: LocalMemory, segment: dict[str, Any], ops: list, store: str
     ) -> bool:
-        ops = [(offsets[i], todo[i][0].offset, reply.objects[i].size) for i in group]
-        segment = todo[group[0]][0].segment
+        """One batch with one store; False (logged) when it failed."""
         try:
-            await self.engine.read(memory.region, RegionDescriptor.from_dict(segment), ops)
+            remote = RegionDescriptor.from_dict(segment)
+            if kind == "read":
+                await self.engine.read(memory.region, remote, ops)
+            else:
+                await self.engine.write(memory.region, remote, ops)
         except (TransferError, OSError, ValueError) as e:
-            # ValueError: the descriptor or a range does not fit; the next replica may.
-            log.warning("pool read failed; trying the next replica",
-                        store=todo[group[0]][0].store_id, error=str(e))  # fmt: skip
+            # ValueError: a descriptor or range that does not fit; another replica may.
+            log.warning("pool transfer failed", kind=kind, store=store, error=str(e))
             return False
         return True
 
     async def _verify(
         self,
-        results: list[GetResult | None],
+        results: list[GetResult],
         memory: LocalMemory,
         offsets: Sequence[int],
         reply: PoolGetReply,
@@ -215,12 +213,11 @@ class PoolClient:
         bad: list[str] = []
         out: list[GetResult] = []
         for i, result in enumerate(results):
-            if result is not None and result.ok:
-                info = reply.objects[i]
-                data = memory.view[offsets[i] : offsets[i] + info.size]
-                if checksum(data) != info.checksum:
-                    bad.append(info.key)
-                    result = GetResult(info.key, info.size, "checksum")
+            if result.ok:
+                data = memory.view[offsets[i] : offsets[i] + result.size]
+                if checksum(data) != reply.checksums[i]:
+                    bad.append(result.key)
+                    result = GetResult(result.key, result.size, "checksum")
             out.append(result)
         if bad:
             log.error("pool object failed its checksum; removing it", keys=bad[:8],
@@ -262,44 +259,33 @@ class PoolClient:
         for off, size in zip(offsets, sizes, strict=True):
             if off < 0 or size < 0 or off + size > view.nbytes:
                 raise ValueError(f"offsets/sizes: {off}+{size} outside local memory")
-        specs = [PoolPutSpec(k, s, checksum(view[o : o + s]))
-                 for k, o, s in zip(keys, offsets, sizes, strict=True)]  # fmt: skip
-        reply = await self._ask("put_start", PoolPutStart(specs, replicas), PoolPutStartReply)
-        placements = reply.placements[: len(keys)]
-        errors = {i: p.status for i, p in enumerate(placements) if p.status != "ok"}
-        by_store: dict[str, tuple[dict[str, Any], list[tuple[int, int, int]], list[int]]] = {}
-        for i, placement in enumerate(placements):
-            for loc in placement.locations if i not in errors else ():
-                entry = by_store.setdefault(loc.store_id, (loc.segment, [], []))
-                entry[1].append((offsets[i], loc.offset, sizes[i]))
-                entry[2].append(i)
-        outcomes = await asyncio.gather(
-            *(self._write(memory, seg, ops, store) for store, (seg, ops, _) in by_store.items())
-        )
-        for (_, _, written), ok in zip(by_store.values(), outcomes, strict=True):
+        sums = [checksum(view[o : o + n]) for o, n in zip(offsets, sizes, strict=True)]
+        request = PoolPutStart(list(keys), list(sizes), sums, replicas)
+        reply = await self._ask("put_start", request, PoolPutStartReply)
+        if len(reply.statuses) != len(keys):
+            raise BusError(f"{self._subject('put_start')}: answers do not match the keys")
+        errors = {i: s for i, s in enumerate(reply.statuses) if s != "ok"}
+        by_store: dict[str, tuple[list[tuple[int, int, int]], list[int]]] = {}
+        for i in range(len(keys)):
+            for store, remote_off in zip(reply.stores[i], reply.offsets[i], strict=True):
+                if i not in errors:
+                    entry = by_store.setdefault(store, ([], []))
+                    entry[0].append((offsets[i], remote_off, sizes[i]))
+                    entry[1].append(i)
+        writes = [self._transfer("write", memory, reply.segments[store], ops, store)
+                  for store, (ops, _) in by_store.items()]  # fmt: skip
+        for (_, written), ok in zip(by_store.values(), await asyncio.gather(*writes), strict=True):
             if not ok:
                 errors.update({i: "failed" for i in written})
-        done = [p.key for i, p in enumerate(placements) if p.status == "ok" and i not in errors]
-        failed = [p.key for i, p in enumerate(placements) if p.status == "ok" and i in errors]
+        done = [k for i, k in enumerate(keys) if i not in errors]
+        failed = [k for i, k in enumerate(keys) if errors.get(i) == "failed"]
         ends = [self._ask("put_end", PoolPutFinish(reply.put_id, done), PoolKeys)] if done else []
         if failed:
             ends.append(self._ask("put_revoke", PoolPutFinish(reply.put_id, failed), PoolCount))
         finished = await asyncio.gather(*ends)
         visible = set(finished[0].keys) if done else set()
-        return [
-            PutResult(p.key, errors.get(i, "" if p.key in visible else "failed"))
-            for i, p in enumerate(placements)
-        ]
-
-    async def _write(
-        self, memory: LocalMemory, segment: dict[str, Any], ops: list, store: str
-    ) -> bool:
-        try:
-            await self.engine.write(memory.region, RegionDescriptor.from_dict(segment), ops)
-        except (TransferError, OSError, ValueError) as e:
-            log.warning("pool write failed; revoking", store=store, error=str(e))
-            return False
-        return True
+        return [PutResult(k, errors.get(i, "" if k in visible else "failed"))
+                for i, k in enumerate(keys)]  # fmt: skip
 
     async def remove(self, keys: Sequence[str]) -> int:
         """Remove objects (bytes freed once no reader holds a lease); returns how many."""

@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from services.cache_master.allocator import OffsetAllocator
 
 KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")
 CHECKSUM_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+class PutSpec(NamedTuple):
+    """One object a put wants room for."""
+
+    key: str
+    size: int
+    checksum: str
 
 
 @dataclass

@@ -24,15 +24,13 @@ from libs.common.messages import (
     PoolGetReply,
     PoolHeartbeatReply,
     PoolKeys,
-    PoolLocation,
+    PoolLocations,
     PoolMount,
     PoolMountReply,
-    PoolObjectInfo,
-    PoolObjectRecord,
-    PoolPlacement,
     PoolPutFinish,
     PoolPutStart,
     PoolPutStartReply,
+    PoolRecord,
     PoolStats,
     PoolStoreRef,
     PoolStoreUpdate,
@@ -41,7 +39,7 @@ from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor
 from services.cache_master.config import CacheMasterConfig
 from services.cache_master.metadata import PoolLimits, PoolMetadata
-from services.cache_master.objects import Changes, PoolRequestError, Replica
+from services.cache_master.objects import Changes, PoolRequestError, PutSpec, Replica
 
 log = get_logger(__name__)
 
@@ -112,24 +110,28 @@ class CacheMasterService(BaseService):
     # --- stores --------------------------------------------------------------------------
 
     async def _mount(self, req: PoolMount) -> PoolMountReply:
+        if not req.store_id:
+            raise HandlerError(400, "store_id: required")
         try:
             RegionDescriptor.from_dict(req.segment)
         except ValueError as e:
             raise HandlerError(400, f"segment: {e}") from None
         segment, rejected = self._call(
-            self.meta.mount, req.store_id, req.segment, req.objects, time.monotonic()
+            self.meta.mount, req.store_id, req.segment, req.records(), time.monotonic()
         )
         records = []
         for key in sorted(segment.keys):
             obj = self.meta.objects.get(key)
             replica = obj.on(req.store_id) if obj is not None else None
             if obj is not None and obj.complete and replica is not None:
-                records.append(PoolObjectRecord(key, replica.offset, obj.size, obj.checksum))
+                records.append(PoolRecord(key, replica.offset, obj.size, obj.checksum))
         log.info("store mounted", store=req.store_id, objects=len(records), rejected=rejected,
                  capacity=segment.capacity)  # fmt: skip
         # The store takes `records` from this reply; events only, no index update.
         await self._publish(self.meta.take_changes(), update_stores=False)
-        return PoolMountReply(req.store_id, records, rejected, segment.update_seq)
+        reply = PoolMountReply(rejected=rejected, update_seq=segment.update_seq)
+        reply.set_records(records)
+        return reply
 
     async def _unmount(self, req: PoolStoreRef) -> PoolCount:
         if not self.meta.unmount(req.store_id):
@@ -147,15 +149,13 @@ class CacheMasterService(BaseService):
     # --- objects -------------------------------------------------------------------------
 
     async def _put_start(self, req: PoolPutStart) -> PoolPutStartReply:
-        put_id, results = self._call(
-            self.meta.put_start, req.objects, req.replicas, time.monotonic()
-        )
+        specs = [PutSpec(*s) for s in zip(req.keys, req.sizes, req.checksums, strict=True)]
+        put_id, results = self._call(self.meta.put_start, specs, req.replicas, time.monotonic())
         await self._publish(self.meta.take_changes())  # evictions made room
-        placements = [
-            PoolPlacement(key, status, [self._location(r) for r in replicas])
-            for key, status, replicas in results
-        ]
-        return PoolPutStartReply(put_id, placements, self.config.put_timeout)
+        reply = PoolPutStartReply(put_id=put_id, put_timeout=self.config.put_timeout)
+        reply.statuses = [status for _, status, _ in results]
+        self._locate(reply, [replicas for _, _, replicas in results])
+        return reply
 
     async def _put_end(self, req: PoolPutFinish) -> PoolKeys:
         visible = self.meta.put_end(req.put_id, req.keys)
@@ -168,14 +168,12 @@ class CacheMasterService(BaseService):
         return PoolCount(count)
 
     async def _get(self, req: PoolKeys) -> PoolGetReply:
-        infos = []
-        for key, obj in self.meta.get(req.keys, time.monotonic()):
-            if obj is None:
-                infos.append(PoolObjectInfo(key))
-            else:
-                locations = [self._location(r) for r in obj.replicas]
-                infos.append(PoolObjectInfo(key, obj.size, obj.checksum, locations))
-        return PoolGetReply(infos, self.config.lease_ttl)
+        found = [obj for _, obj in self.meta.get(req.keys, time.monotonic())]
+        reply = PoolGetReply(lease_ttl=self.config.lease_ttl)
+        reply.sizes = [obj.size if obj else 0 for obj in found]
+        reply.checksums = [obj.checksum if obj else "" for obj in found]
+        self._locate(reply, [obj.replicas if obj else [] for obj in found])
+        return reply
 
     async def _exists(self, req: PoolKeys) -> PoolCount:
         return PoolCount(self.meta.exists(req.keys))
@@ -196,9 +194,12 @@ class CacheMasterService(BaseService):
         except PoolRequestError as e:
             raise HandlerError(e.code, e.message) from None
 
-    def _location(self, replica: Replica) -> PoolLocation:
-        segment = self.meta.segments[replica.store_id]
-        return PoolLocation(replica.store_id, segment.descriptor, replica.offset)
+    def _locate(self, reply: PoolLocations, replicas: list[list[Replica]]) -> None:
+        """Fill the location columns; each segment descriptor goes once per reply."""
+        reply.stores = [[r.store_id for r in rs] for rs in replicas]
+        reply.offsets = [[r.offset for r in rs] for rs in replicas]
+        named = {sid for ids in reply.stores for sid in ids}
+        reply.segments = {sid: self.meta.segments[sid].descriptor for sid in named}
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -230,9 +231,8 @@ class CacheMasterService(BaseService):
             segment = self.meta.segments.get(store_id)
             if update_stores and segment is not None:
                 segment.update_seq += 1
-                update = PoolStoreUpdate(
-                    segment.update_seq, [PoolObjectRecord(*a) for a in added], removed
-                )
+                update = PoolStoreUpdate(seq=segment.update_seq, removed=removed)
+                update.set_records([PoolRecord(*a) for a in added])
                 out.append((self.subject("pool", "store", store_id, "update"), update))
             subject = events_subject(self.config.subject_prefix, store_id)
             if removed:

@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from libs.common.messages import PoolObjectRecord
+from libs.common.messages import PoolRecord
 from libs.common.transfer import TransferEngine
 
 INDEX_VERSION = 1
@@ -40,7 +40,7 @@ class StoreSegment:
         self.view = view
         self.path = path
         self._mm = mm
-        self.index: dict[str, PoolObjectRecord] = {}
+        self.index: dict[str, PoolRecord] = {}
         self.dirty = False
 
     @classmethod
@@ -81,18 +81,18 @@ class StoreSegment:
 
     # --- the index -----------------------------------------------------------------------
 
-    def replace(self, records: list[PoolObjectRecord]) -> None:
+    def replace(self, records: list[PoolRecord]) -> None:
         self.index = {r.key: r for r in records}
         self.dirty = True
 
-    def apply(self, added: list[PoolObjectRecord], removed: list[str]) -> None:
+    def apply(self, added: list[PoolRecord], removed: list[str]) -> None:
         for key in removed:
             self.index.pop(key, None)
         for record in added:
             self.index[record.key] = record
         self.dirty = True
 
-    def load(self) -> list[PoolObjectRecord]:
+    def load(self) -> list[PoolRecord]:
         """Objects of the saved index whose bytes still match their checksum."""
         path = self.index_path
         if path is None or not path.exists():
@@ -101,25 +101,25 @@ class StoreSegment:
             data = orjson.loads(path.read_bytes())
             if data.get("v") != INDEX_VERSION or data.get("size") != self.size:
                 return []
-            records = [PoolObjectRecord(str(k), int(o), int(n), str(c))
+            records = [PoolRecord(str(k), int(o), int(n), str(c))
                        for k, o, n, c in data.get("objects", [])]  # fmt: skip
         except (OSError, ValueError, TypeError, AttributeError):
             return []  # an unreadable index: start empty rather than serve doubtful bytes
         return [r for r in records if self.verify(r)]
 
-    def verify(self, record: PoolObjectRecord) -> bool:
+    def verify(self, record: PoolRecord) -> bool:
         if record.offset < 0 or record.size <= 0 or record.offset + record.size > self.size:
             return False
         return checksum(self.view[record.offset : record.offset + record.size]) == record.checksum
 
-    def snapshot(self) -> list[PoolObjectRecord] | None:
+    def snapshot(self) -> list[PoolRecord] | None:
         """The index to save (segment file only, when changed); call from the event loop."""
         if self.index_path is None or not self.dirty:
             return None
         self.dirty = False
         return list(self.index.values())
 
-    def save(self, records: list[PoolObjectRecord] | None) -> None:
+    def save(self, records: list[PoolRecord] | None) -> None:
         """Write a snapshot (any thread): the data is flushed first, then the index."""
         path = self.index_path
         if path is None or records is None:

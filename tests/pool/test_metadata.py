@@ -2,9 +2,9 @@
 
 import pytest
 
-from libs.common.messages import PoolObjectRecord, PoolPutSpec
+from libs.common.messages import PoolRecord
 from services.cache_master.metadata import PoolLimits, PoolMetadata
-from services.cache_master.objects import PoolRequestError
+from services.cache_master.objects import PoolRequestError, PutSpec
 
 CK = "0123456789abcdef"
 UNIT = 4096
@@ -18,7 +18,7 @@ def meta_with(stores: int, units: int = 10, **limits) -> PoolMetadata:
 
 
 def put(meta: PoolMetadata, keys, now=0.0, replicas=0, size=UNIT):
-    put_id, results = meta.put_start([PoolPutSpec(k, size, CK) for k in keys], replicas, now)
+    put_id, results = meta.put_start([PutSpec(k, size, CK) for k in keys], replicas, now)
     ok = [k for k, status, _ in results if status == "ok"]
     meta.put_end(put_id, ok)
     return {k: status for k, status, _ in results}
@@ -26,7 +26,7 @@ def put(meta: PoolMetadata, keys, now=0.0, replicas=0, size=UNIT):
 
 def test_pending_object_is_invisible_until_put_end():
     meta = meta_with(1)
-    put_id, _ = meta.put_start([PoolPutSpec("k", UNIT, CK)], 0, 0.0)
+    put_id, _ = meta.put_start([PutSpec("k", UNIT, CK)], 0, 0.0)
     assert meta.exists(["k"]) == 0 and meta.get(["k"], 0.0) == [("k", None)]
     meta.put_end(put_id, ["k"])
     assert meta.exists(["k"]) == 1
@@ -34,21 +34,21 @@ def test_pending_object_is_invisible_until_put_end():
 
 def test_put_end_with_another_put_id_does_not_publish():
     meta = meta_with(1)
-    meta.put_start([PoolPutSpec("k", UNIT, CK)], 0, 0.0)
+    meta.put_start([PutSpec("k", UNIT, CK)], 0, 0.0)
     assert meta.put_end("someone-else", ["k"]) == []
     assert meta.exists(["k"]) == 0
 
 
 def test_second_put_of_a_pending_key_answers_exists():
     meta = meta_with(1)
-    meta.put_start([PoolPutSpec("k", UNIT, CK)], 0, 0.0)
-    _, results = meta.put_start([PoolPutSpec("k", UNIT, CK)], 0, 0.0)
+    meta.put_start([PutSpec("k", UNIT, CK)], 0, 0.0)
+    _, results = meta.put_start([PutSpec("k", UNIT, CK)], 0, 0.0)
     assert results[0][1] == "exists"
 
 
 def test_unfinished_put_is_reclaimed_after_its_timeout():
     meta = meta_with(1, put_timeout=5.0)
-    meta.put_start([PoolPutSpec("k", UNIT, CK)], 0, 0.0)
+    meta.put_start([PutSpec("k", UNIT, CK)], 0, 0.0)
     assert meta.expire_puts(4.0) == 0
     assert meta.expire_puts(6.0) == 1
     assert meta.segments["s0"].used == 0 and "k" not in meta.objects
@@ -56,14 +56,14 @@ def test_unfinished_put_is_reclaimed_after_its_timeout():
 
 def test_revoke_frees_the_ranges():
     meta = meta_with(1)
-    put_id, _ = meta.put_start([PoolPutSpec("k", UNIT, CK)], 0, 0.0)
+    put_id, _ = meta.put_start([PutSpec("k", UNIT, CK)], 0, 0.0)
     assert meta.put_revoke(put_id, ["k"]) == 1
     assert meta.segments["s0"].used == 0
 
 
 def test_replicas_are_on_distinct_stores_and_capped_by_store_count():
     meta = meta_with(2)
-    _, results = meta.put_start([PoolPutSpec("k", UNIT, CK)], 3, 0.0)
+    _, results = meta.put_start([PutSpec("k", UNIT, CK)], 3, 0.0)
     stores = [r.store_id for r in results[0][2]]
     assert sorted(stores) == ["s0", "s1"]
 
@@ -71,14 +71,14 @@ def test_replicas_are_on_distinct_stores_and_capped_by_store_count():
 def test_bad_sizes_and_keys_refuse_the_whole_batch():
     meta = meta_with(1, max_object_size=8 * UNIT)
     for spec, code in [
-        (PoolPutSpec("k", -1, CK), 400),
-        (PoolPutSpec("k", 0, CK), 400),
-        (PoolPutSpec("k", 9 * UNIT, CK), 413),
-        (PoolPutSpec("bad key", UNIT, CK), 400),
-        (PoolPutSpec("k", UNIT, "xyz"), 400),
+        (PutSpec("k", -1, CK), 400),
+        (PutSpec("k", 0, CK), 400),
+        (PutSpec("k", 9 * UNIT, CK), 413),
+        (PutSpec("bad key", UNIT, CK), 400),
+        (PutSpec("k", UNIT, "xyz"), 400),
     ]:
         with pytest.raises(PoolRequestError) as e:
-            meta.put_start([PoolPutSpec("fine", UNIT, CK), spec], 0, 0.0)
+            meta.put_start([PutSpec("fine", UNIT, CK), spec], 0, 0.0)
         assert e.value.code == code
     assert not meta.objects  # nothing reserved
 
@@ -131,16 +131,16 @@ def test_mount_of_a_new_region_replaces_and_same_region_merges():
     meta.mount("s0", {"region_id": 100, "length": 10 * UNIT}, [], now=1.0)
     assert meta.exists(["a", "b"]) == 2
     # New region (the store restarted): only what it reports survives.
-    report = [PoolObjectRecord("a", offsets["a"], UNIT, CK)]
+    report = [PoolRecord("a", offsets["a"], UNIT, CK)]
     meta.mount("s0", {"region_id": 999, "length": 10 * UNIT}, report, now=2.0)
     assert meta.exists(["a"]) == 1 and meta.exists(["b"]) == 0
 
 
 def test_restarted_master_rebuilds_from_store_reports_and_refuses_conflicts():
     meta = meta_with(0)
-    good = PoolObjectRecord("k", 0, UNIT, CK)
-    overlapping = PoolObjectRecord("j", 64, UNIT, CK)
-    other_bytes = PoolObjectRecord("k", 2 * UNIT, UNIT, "fedcba9876543210")
+    good = PoolRecord("k", 0, UNIT, CK)
+    overlapping = PoolRecord("j", 64, UNIT, CK)
+    other_bytes = PoolRecord("k", 2 * UNIT, UNIT, "fedcba9876543210")
     _, rejected = meta.mount("s0", {"region_id": 1, "length": 10 * UNIT}, [good, overlapping],
                              now=0.0)  # fmt: skip
     assert rejected == 1

@@ -61,10 +61,10 @@ async def test_corrupted_bytes_are_reported_as_a_miss_and_the_object_dropped(poo
     await pool.wait_stores(1)
     await _put_blobs(pool, ["cor"], 4096)
     reply = await pool.bus.request("tandem.pool.master.get", PoolKeys(["cor"]), PoolGetReply)
-    loc = reply.objects[0].locations[0]
+    store, offset = reply.stores[0][0], reply.offsets[0][0]
     pool.fill(0, b"\xff" * 16)  # overwrite the stored copy through the transfer engine
-    await pool.engine.write(pool.mem.region, RegionDescriptor.from_dict(loc.segment),
-                            [(0, loc.offset, 16)])  # fmt: skip
+    remote = RegionDescriptor.from_dict(reply.segments[store])
+    await pool.engine.write(pool.mem.region, remote, [(0, offset, 16)])
     got, _ = await _get_all(pool, ["cor"], 4096)
     assert got[0].error == "checksum"
     assert await pool.client.batch_exists(["cor"]) == 0

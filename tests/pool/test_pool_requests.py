@@ -21,13 +21,13 @@ async def test_bad_requests_get_error_replies_and_the_master_keeps_serving(pool,
     await pool.wait_stores(1)
     nc = await nats.connect(nats_url)
     try:
+        ck = b'"checksums": ["0123456789abcdef"]'
         cases = [
             ("put_start", b"{not json", "400"),
-            ("put_start", b'{"objects": [{"key": "k", "size": -5, '
-             b'"checksum": "0123456789abcdef"}]}', "400"),
-            ("put_start", b'{"objects": [{"key": "k", "size": 1073741824, '
-             b'"checksum": "0123456789abcdef"}]}', "413"),
-            ("put_start", b'{"objects": "many"}', "400"),
+            ("put_start", b'{"keys": ["k"], "sizes": [-5], ' + ck + b"}", "400"),
+            ("put_start", b'{"keys": ["k"], "sizes": [1073741824], ' + ck + b"}", "413"),
+            ("put_start", b'{"keys": ["k", "j"], "sizes": [5], ' + ck + b"}", "400"),
+            ("put_start", b'{"keys": "many", "sizes": [], "checksums": []}', "400"),
             ("unmount", b'{"store_id": "no-such-store"}', "404"),
             ("mount", b'{"store_id": "x", "segment": {"length": 5}}', "400"),
             ("get", b'{"keys": [1, 2]}', "400"),

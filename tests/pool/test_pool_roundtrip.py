@@ -38,8 +38,7 @@ async def test_replicas_land_on_distinct_stores(pool):
     from libs.common.messages import PoolGetReply, PoolKeys
 
     reply = await pool.bus.request("tandem.pool.master.get", PoolKeys(keys), PoolGetReply)
-    for info in reply.objects:
-        stores = [loc.store_id for loc in info.locations]
+    for stores in reply.stores:
         assert len(stores) == 2 and len(set(stores)) == 2
 
 
