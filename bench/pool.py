@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
 
 from bench.pool_common import CASES, BenchProcs, row, timed
 from libs.common.bus import Bus
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="MiB a case may put (keep under the stores' total)")  # fmt: skip
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake even if present")
     args = parser.parse_args(argv)
+    # stdout carries the table / JSON; logs go to stderr.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     if args.seconds <= 0 or args.max_iters < 5:
         parser.error("--seconds must be positive and --max-iters at least 5")
     meta: dict[str, Any] = {

@@ -14,6 +14,7 @@ crash mid-write, an index older than the data) is dropped, never served.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from pathlib import Path
@@ -66,6 +67,18 @@ class StoreSegment:
         finally:
             os.close(fd)
         return cls(memoryview(mm), file, mm)
+
+    def prefault(self) -> None:
+        """Touch every page of an anonymous segment now (call in a thread).
+
+        First-touch page faults cost a put of 1 MiB into fresh memory ~10x its copy time
+        (measured: 11 ms vs 0.4 ms under load); a store pays them once at start instead,
+        and its memory use is the segment size from then on, like pinned RDMA memory.
+        File-backed segments are left alone: writing would destroy their contents.
+        """
+        if self._mm is None:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(self.view))
+            ctypes.memset(addr, 0, self.size)
 
     @property
     def size(self) -> int:

@@ -77,6 +77,7 @@ class CacheStoreService(BaseService):
         self.segment = StoreSegment.open(
             self.engine, self.config.segment_bytes, self.config.segment_file
         )
+        await asyncio.to_thread(self.segment.prefault)
         self.region = self.engine.register(self.segment.view)
         kept = await asyncio.to_thread(self.segment.load)
         self.segment.replace(kept)
