@@ -15,7 +15,10 @@ from libs.common.engine.model_source import default_model_path, load_model
 
 @pytest.fixture(scope="session")
 def model_and_tokenizer():
-    torch.set_num_threads(2)
+    # One thread: the dev machines' 2 cores are shared by parallel test runs, and
+    # OpenMP's spinning barriers with 2 threads on oversubscribed cores make each
+    # step ~10x slower; 1 thread degrades gracefully.
+    torch.set_num_threads(1)
     loaded, tokenizer = load_model("default")
     return LlamaModel(loaded), tokenizer
 

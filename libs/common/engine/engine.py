@@ -179,6 +179,17 @@ class Engine:
             self._require().release(request_id)
             self._flush_events()
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(core, *args)` in the engine thread between steps (see cache_io.py)."""
+        core = self._require()
+        async with self._lock:
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._pool, lambda: fn(core, *args)
+                )
+            finally:
+                self._flush_events()
+
     async def export_pages(self, page_ids: list[int]) -> torch.Tensor:
         """A copy of pages' KV, [n, layers, 2, page_size, kv_heads, head_dim]."""
         async with self._lock:
