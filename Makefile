@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-stamp
 REQS := $(wildcard requirements/*.txt)
 
-.PHONY: run test lint format bench venv clean compose-test
+.PHONY: run test lint format bench bench-tiers venv clean compose-test
 
 venv: $(STAMP)
 
@@ -25,6 +25,15 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
+
+# Serving benchmark against a running OpenAI-compatible endpoint (`make run` first, or any
+# other server): make bench ARGS="--base-url http://127.0.0.1:8000/v1 --workload multi-turn"
+bench: $(STAMP)
+	$(PY) -m bench.serve $(ARGS)
+
+# The cache-tier experiment: starts each configuration itself (minutes; see docs/benchmarks.md).
+bench-tiers: $(STAMP)
+	$(PY) -m bench.tiers $(ARGS)
 
 # Builds the image and runs compose.yaml for real (Docker from Debian's packages, a local base
 # image); minutes, needs root. Not part of `make test`.
