@@ -1,9 +1,11 @@
 """The whole system as local processes: `make run` (that is, `python -m scripts.cluster`).
 
-Starts a nats-server (JetStream on, port 4222 by default), then cache_master, cache_store,
-prefill, decode and router, each as `python -m services.<name>`; waits until every one
-answers micro discovery; prints where the router listens; and on Ctrl-C (or SIGTERM) stops
-them in reverse order with SIGTERM, then the nats-server, leaving nothing running.
+Starts a nats-server (JetStream on, port 4222 by default), then the topology of
+compose.yaml: cache_master, two cache_stores, prefill, decode and router, each as
+`python -m services.<name>`, configured by the same TANDEM_* environment variables; streams
+their logs to the terminal, each line prefixed by the service; waits until every one answers
+micro discovery; prints where the router listens; and on Ctrl-C (or SIGTERM) stops them in
+reverse order with SIGTERM, then the nats-server, leaving nothing running.
 Tests use `LocalCluster` to start the same processes against their own nats-server.
 """
 
@@ -15,8 +17,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import nats
 
@@ -25,6 +29,54 @@ from scripts.nats_server import NatsServer
 
 SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router")
 REPO = Path(__file__).resolve().parent.parent
+# `make run`: (label, service, extra flags), the processes of compose.yaml.
+TOPOLOGY = (
+    ("cache_master", "cache_master", ()),
+    ("cache_store_1", "cache_store", ("--service-id", "store-1")),
+    ("cache_store_2", "cache_store", ("--service-id", "store-2")),
+    ("prefill", "prefill", ()),
+    ("decode", "decode", ()),
+    ("router", "router", ()),
+)
+_COLORS = ("36", "33", "35", "32", "34", "31", "96", "93")
+
+
+class LogPrefixer:
+    """Copies each process's output line by line to one stream, prefixed by its label.
+
+    One reader thread per process; a lock keeps lines whole. Colors only on a terminal.
+    """
+
+    def __init__(self, out: IO[str] = sys.stdout, width: int = 13):
+        self.out, self.width = out, width
+        self.color = out.isatty()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def follow(self, label: str, stream: IO[bytes]) -> None:
+        prefix = f"{label:<{self.width}}| "
+        if self.color:
+            code = _COLORS[len(self._threads) % len(_COLORS)]
+            prefix = f"\033[{code}m{prefix}\033[0m"
+        thread = threading.Thread(
+            target=self._copy, args=(prefix, stream), name=f"log-{label}", daemon=True
+        )
+        thread.start()
+        self._threads.append(thread)
+
+    def _copy(self, prefix: str, stream: IO[bytes]) -> None:
+        with stream:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                with self._lock:
+                    self.out.write(prefix + line + "\n")
+                    self.out.flush()
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Wait for the readers to reach the end of their (exited) processes' output."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class LocalCluster:
@@ -36,24 +88,33 @@ class LocalCluster:
         args: dict[str, list[str]] | None = None,
         env: dict[str, str] | None = None,
         capture: Path | None = None,
+        prefix: LogPrefixer | None = None,
     ):
+        """`capture`: each service's output to <capture>/<label>.log; else `prefix`: to one
+        stream, line by line, prefixed by the label; else inherited (the terminal)."""
         self.nats_url = nats_url
         self.args = args or {}
         self.env = {**os.environ, **(env or {})}
         self.capture = capture
+        self.prefix = prefix
         self.procs: dict[str, subprocess.Popen] = {}
+        self.services: dict[str, str] = {}  # label -> service, where they differ
 
     def start(self, names: tuple[str, ...] = SERVICES) -> None:
         for name in names:
             self.start_one(name)
 
-    def start_one(self, name: str, *extra: str) -> subprocess.Popen:
+    def start_one(self, name: str, *extra: str, label: str | None = None) -> subprocess.Popen:
+        """Start `services.<name>`; it is `procs[label]` (default: the name)."""
+        label = label or name
         cmd = [sys.executable, "-m", f"services.{name}", "--nats-url", self.nats_url]
-        cmd += [*self.args.get(name, []), *extra]
+        cmd += [*self.args.get(label, self.args.get(name, [])), *extra]
         out = None
         if self.capture is not None:
             self.capture.mkdir(parents=True, exist_ok=True)
-            out = open(self.capture / f"{name}.log", "ab")
+            out = open(self.capture / f"{label}.log", "ab")
+        elif self.prefix is not None:
+            out = subprocess.PIPE
         proc = subprocess.Popen(
             cmd,
             cwd=REPO,
@@ -63,14 +124,18 @@ class LocalCluster:
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # Ctrl-C reaches only the launcher, which stops in order
         )
-        if out is not None:
+        if out is subprocess.PIPE:
+            self.prefix.follow(label, proc.stdout)
+        elif out is not None:
             out.close()
-        self.procs[name] = proc
+        self.procs[label] = proc
+        if label != name:
+            self.services[label] = name
         return proc
 
     async def wait_ready(self, timeout: float = 60.0) -> list[dict]:
         """Wait until every started service answers `$SRV.PING`; raise if one exits."""
-        wanted = {f"tandem-{name}" for name in self.procs}
+        wanted = {f"tandem-{self.services.get(label, label)}" for label in self.procs}
         nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=5)
         try:
             deadline = time.monotonic() + timeout
@@ -110,14 +175,22 @@ async def _run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as e:
         print(f"cannot start nats-server on port {args.nats_port}: {e}", file=sys.stderr)
         return 1
-    cluster = LocalCluster(nats_server.url, args={"router": ["--port", str(args.router_port)]})
+    prefixer = LogPrefixer()
+    env = {} if os.environ.get("TANDEM_LOG_FORMAT") else {"TANDEM_LOG_FORMAT": "console"}
+    cluster = LocalCluster(
+        nats_server.url,
+        args={"router": ["--port", str(args.router_port)]},
+        env=env,
+        prefix=prefixer,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     code = 0
     try:
-        cluster.start()
+        for label, service, extra in TOPOLOGY:
+            cluster.start_one(service, *extra, label=label)
         await cluster.wait_ready(timeout=args.ready_timeout)
         print(
             f"\nTandem is up: router at http://127.0.0.1:{args.router_port} "
@@ -140,6 +213,7 @@ async def _run(args: argparse.Namespace) -> int:
         code = 1
     finally:
         codes = cluster.stop()
+        prefixer.join()
         nats_server.stop()
         print(f"stopped: {codes}", flush=True)
     return code
