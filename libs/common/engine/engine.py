@@ -39,8 +39,9 @@ class Engine:
 
     Contract:
     - `add_request(...)` is an async generator: iterating it queues the request
-      and yields RequestOutput deltas until one has `finished`; leaving the
-      loop early (break, cancel, exception) aborts the request and frees its
+      and yields RequestOutput deltas until one has `finished`; closing it
+      early (`aclose()`, `contextlib.aclosing`, a cancelled consumer, or its
+      garbage collection after a `break`) aborts the request and frees its
       pages;
     - `abort(request_id)` ends a request in any state (queued, running, held,
       reserved); its stream ends with finish_reason "abort";
