@@ -38,6 +38,10 @@ class RouterConfig(CommonConfig):
     generate_timeout: float = field(
         default=600.0, metadata={"help": "seconds one request may take end to end"}
     )
+    queue_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds a request may wait for room on a full decode worker"},
+    )
     prefill_page_weight: float = field(
         default=1.0, metadata={"help": "cost per page a prefill worker must still compute"}
     )
@@ -72,6 +76,7 @@ class RouterConfig(CommonConfig):
             "max_n",
             "worker_timeout",
             "generate_timeout",
+            "queue_timeout",
             "kv_index_max_keys",
             "kv_stream_max_age",
             "kv_stream_max_mb",

@@ -7,6 +7,8 @@
       until the chunk with finish_reason
 
 Failure handling, in one place:
+- the decode worker has no room (429): wait with backoff and route again, up to
+  --queue-timeout, then 429 to the client;
 - the decode worker refuses (error reply, no responder, no reply in time), a worker on
   the route stops reporting, or the stream ends in an error, *before any token was
   yielded*: retried once on a route that avoids the failed workers (`<rid>-r1`);
@@ -43,6 +45,10 @@ log = get_logger(__name__)
 _POLL_S = 0.25  # how often a waiting stream checks that its workers still report
 
 
+class WorkerBusy(Exception):
+    """The decode worker has no room now (429): wait and route again, not a failure."""
+
+
 class WorkerFailed(Exception):
     """A worker failed or vanished; `streamed` says whether tokens had gone out."""
 
@@ -64,10 +70,11 @@ class Dispatcher:
         prefix: str,
         workers: WorkerTable,
         request_timeout: float,
+        queue_timeout: float,
         on_accepted: Callable[[float], None] = lambda _s: None,
     ):
         self.bus, self.prefix, self.workers = bus, prefix, workers
-        self.request_timeout = request_timeout
+        self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
         self.on_accepted = on_accepted
 
     async def generate(
@@ -78,25 +85,39 @@ class Dispatcher:
         route: Callable[[set[str]], Route | None],
         timeout: float,
     ) -> AsyncIterator[TokenChunk]:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         exclude: set[str] = set()
-        for attempt in range(2):
+        attempt, pause, tries = 0, 0.05, 0
+        while attempt < 2:
             chosen = route(exclude)
             if chosen is None:
                 raise ApiError(503, "no decode worker is live", headers={"Retry-After": "1"})
-            rid = request_id if attempt == 0 else f"{request_id}-r{attempt}"
+            tries += 1
+            rid = request_id if tries == 1 else f"{request_id}-r{tries - 1}"
             streamed = False
             try:
                 async for chunk in self._attempt(rid, token_ids, sampling, chosen, deadline):
                     streamed = True
                     yield chunk
                 return
+            except WorkerBusy:
+                # Full KV pools are back-pressure: wait for room, up to --queue-timeout.
+                if time.monotonic() + pause > min(deadline, start + self.queue_timeout):
+                    raise ApiError(
+                        429, "every decode worker's KV pool is full; retry shortly",
+                        code="workers_full", headers={"Retry-After": "1"},
+                    ) from None  # fmt: skip
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
             except WorkerFailed as e:
                 if e.streamed or streamed or attempt == 1:
                     msg = f"worker failed mid-request: {e}"
                     raise ApiError(502, msg, code="worker_failed") from None
                 log.warning("retrying on another worker", error=str(e), route=chosen.decode)
                 exclude |= {chosen.decode, chosen.prefill} - {""}
+                attempt += 1
 
     async def _attempt(
         self, rid: str, token_ids: list[int], sampling: SamplingSpec, route: Route, deadline: float
@@ -130,7 +151,9 @@ class Dispatcher:
                     timeout=min(self.request_timeout, max(0.1, deadline - sent)),
                 )
             except RemoteError as e:
-                if 400 <= e.code < 500 and e.code != 429:
+                if e.code == 429:
+                    raise WorkerBusy(e.message) from None
+                if 400 <= e.code < 500:
                     raise ApiError(400, f"refused by the worker: {e.message}") from None
                 raise WorkerFailed(f"decode worker {route.decode}: {e.message}", False) from None
             except BusError as e:

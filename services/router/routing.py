@@ -49,7 +49,9 @@ class RouteSelector:
         keys_by_salt: dict[tuple[str, str, int], list[str]] = {}
 
         def route(exclude: set[str]) -> Route | None:
-            decodes = self.eligible("decode", exclude)
+            # A retry avoids the workers that failed, but a lone decode worker is still
+            # tried again (with another prefill worker, or prefilling itself).
+            decodes = self.eligible("decode", exclude) or self.eligible("decode")
             if not decodes:
                 return None
             # One cluster has one page size and dtype; mixed ones are routed by the first.

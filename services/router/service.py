@@ -84,7 +84,12 @@ class RouterService(BaseService):
             index=index,
             selector=RouteSelector(workers, index, policy, model_id, metrics, random.Random()),
             dispatcher=Dispatcher(
-                self.bus, prefix, workers, cfg.request_timeout, on_accepted=queue_time.observe
+                self.bus,
+                prefix,
+                workers,
+                cfg.request_timeout,
+                cfg.queue_timeout,
+                on_accepted=queue_time.observe,
             ),
             metrics=metrics,
             api_keys=_api_keys(cfg),

@@ -58,11 +58,18 @@ class Routers:
 
     def start(self, service_id: str, *args: str) -> str:
         """Start a router (sync: for module-scoped fixtures); return its base URL."""
+        self._spawn(service_id, args)
+        return f"http://127.0.0.1:{asyncio.run(router_port(self.nats_url, service_id))}"
+
+    async def astart(self, service_id: str, *args: str) -> str:
+        """`start` for async tests."""
+        self._spawn(service_id, args)
+        return f"http://127.0.0.1:{await router_port(self.nats_url, service_id)}"
+
+    def _spawn(self, service_id: str, args: tuple[str, ...]) -> None:
         cluster = LocalCluster(self.nats_url, env=router_env(), capture=self.logs / service_id)
         self.clusters.append(cluster)
         cluster.start_one("router", "--service-id", service_id, "--port", "0", *args)
-        port = asyncio.run(router_port(self.nats_url, service_id))
-        return f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
         for cluster in self.clusters:
