@@ -22,7 +22,6 @@ seconds of CPU on a busy 2-core host); tls:// and ws:// URLs fall back to nats-p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import os
@@ -31,9 +30,7 @@ import secrets
 import socket
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 
 from libs.common.config import CommonConfig, env_names
@@ -68,6 +65,9 @@ def load_config(service: str, env: Mapping[str, str]) -> tuple[CommonConfig, boo
 
 
 def check_http(url: str, timeout: float) -> str:
+    import urllib.error
+    import urllib.request
+
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             return f"{url}: {reply.status}"
@@ -174,6 +174,8 @@ def check_nats_service(
     service = config.SERVICE
     urls = [u.strip() for u in config.nats_url.split(",") if u.strip()]
     if any(not u.startswith("nats://") for u in urls):
+        import asyncio
+
         return asyncio.run(_check_with_nats_py(config, explicit_id, timeout, hostname))
     errors = []
     for url in urls:
