@@ -246,15 +246,19 @@ class WorkerConfig(CommonConfig):
     )
     load_interval: float = field(default=0.25, metadata={"help": "seconds between load reports"})
     handoff_timeout: float = field(
-        default=60.0,
-        metadata={"help": "seconds a KV handoff between prefill and decode may take"},
+        default=300.0,
+        metadata={"help": "seconds a KV handoff (queueing included) may take at most"},
+    )
+    peer_timeout: float = field(
+        default=3.0,
+        metadata={"help": "seconds without load reports after which a peer worker is dead"},
     )
 
     def validate(self) -> None:
         super().validate()
         for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
             require_positive(self, name)
-        for name in ("load_interval", "handoff_timeout"):
+        for name in ("load_interval", "handoff_timeout", "peer_timeout"):
             require_positive(self, name)
         if self.num_threads < 0:
             raise ValueError(f"--num-threads: must be >= 0, got {self.num_threads}")

@@ -27,6 +27,8 @@ from libs.common.engine.sampling_params import SamplingParams
 from libs.common.kv_events import KvEventPublisher, ensure_kv_stream
 from libs.common.log import get_logger
 from libs.common.messages import CancelRequest, LoadReport, MessageError, SamplingSpec
+from libs.common.pool_client import PoolClient
+from libs.common.pool_tier import PoolTier
 from libs.common.radix_cache import CacheEvent
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
@@ -60,6 +62,7 @@ class WorkerService(BaseService):
         self.engine: Engine | None = None
         self.transfer: TransferEngine | None = None
         self.kv_region: RegionDescriptor | None = None
+        self.pool: PoolTier | None = None
         self.events = KvEventPublisher(
             self.bus, config.subject_prefix, config.service_id, tier="device"
         )
@@ -128,6 +131,10 @@ class WorkerService(BaseService):
         )
         await self.engine.start()
         self.kv_region = self.transfer.register(self.engine.core.kv_cache.buffer)
+        if not self.config.no_pool and not self.config.no_prefix_cache:
+            # Pool pages enter through the prefix cache, so the pool needs it on.
+            client = PoolClient(self.bus, self.transfer, self.config.subject_prefix)
+            self.pool = PoolTier(client, self.engine, self.transfer)
         await ensure_kv_stream(self.bus, self.config.subject_prefix)
         self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self._on_cancel_msg)
         self._loops = [
@@ -149,6 +156,23 @@ class WorkerService(BaseService):
         transfer, self.transfer = self.transfer, None
         if transfer is not None:
             await transfer.stop()
+
+    # --- the pool (L3) ---------------------------------------------------------------------
+
+    def page_keys(self, token_ids: list[int], num_tokens: int) -> list[str]:
+        """Keys of the full pages among the first `num_tokens` tokens (none without a cache)."""
+        hasher = self.engine.core.hasher
+        if hasher is None:
+            return []
+        n = num_tokens // self.config.page_size * self.config.page_size
+        return hasher.keys(token_ids[:n])
+
+    def write_back(self, token_ids: list[int], num_tokens: int) -> None:
+        """Copy computed full pages to the pool in the background (write-through)."""
+        if self.pool is not None:
+            keys = self.page_keys(token_ids, num_tokens)
+            if keys:
+                self.bus.spawn(self.pool.write_back(keys), name="pool-write-back")
 
     # --- cancels ---------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ reservation is always released (by abort) whatever happens.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from libs.common.bus import BusError, Endpoint, HandlerError
@@ -42,6 +43,16 @@ class DecodeService(WorkerService):
         super().__init__(config)
         self.config: DecodeConfig = config
         self._active: dict[str, asyncio.Task] = {}
+        self._prefill_seen: dict[str, float] = {}  # prefill worker -> last load report
+        self._peers_sub = None
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        subject = self.subject("workers", "prefill", "*", "load")
+        self._peers_sub = await self.bus.subscribe(subject, self._on_prefill_load)
+
+    async def _on_prefill_load(self, msg) -> None:
+        self._prefill_seen[msg.subject.split(".")[3]] = time.monotonic()
 
     def endpoints(self) -> list[Endpoint]:
         return [
@@ -116,11 +127,14 @@ class DecodeService(WorkerService):
 
     def _run_local(self, req: GenerateRequest, params):
         async def run(stream: TokenStream, prompt_done) -> None:
-            await self._pump(
-                req, stream, self.engine.add_request(req.token_ids, params,
-                                                     request_id=req.request_id),
-                cached_extra={}, prompt_done=prompt_done, skip_first=False,
-            )  # fmt: skip
+            pool_tokens = 0
+            if self.pool is not None:  # L1 first, then the pool
+                keys = self.page_keys(req.token_ids, len(req.token_ids) - 1)
+                _, from_pool = await self.pool.fetch_prefix(keys)
+                pool_tokens = from_pool * self.config.page_size
+            outputs = self.engine.add_request(req.token_ids, params, request_id=req.request_id)
+            await self._pump(req, stream, outputs, pool_tokens=pool_tokens,
+                             prompt_done=prompt_done, skip_first=False)  # fmt: skip
 
         return run
 
@@ -133,7 +147,7 @@ class DecodeService(WorkerService):
                 return
             stream.next_index = 1
             outputs = self.engine.decode_imported(req.request_id, result.first_token)
-            await self._pump(req, stream, outputs, cached_extra=result.cached_tokens,
+            await self._pump(req, stream, outputs, prefilled=result.cached_tokens,
                              prompt_done=prompt_done, skip_first=True)  # fmt: skip
 
         return run
@@ -156,19 +170,45 @@ class DecodeService(WorkerService):
             timeout=req.timeout,
         )
         subject = self.subject("prefill", req.prefill_worker, "prefill")
+        call = asyncio.ensure_future(
+            self.bus.request(subject, prefill, PrefillResult, timeout=self.config.handoff_timeout)
+        )
+        watch = asyncio.ensure_future(self._watch_prefill(req.prefill_worker))
         try:
-            result = await self.bus.request(
-                subject, prefill, PrefillResult, timeout=self.config.handoff_timeout
-            )
+            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                raise RuntimeError(
+                    f"prefill worker {req.prefill_worker} stopped reporting "
+                    f"(silent for {self.config.peer_timeout:g}s)"
+                )
+            result = call.result()
         except BusError as e:
             raise RuntimeError(f"prefill on {req.prefill_worker} failed: {e}") from None
+        finally:
+            call.cancel()
+            watch.cancel()
         want = handoff_check(req.token_ids, pages, result.first_token)
         if result.request_id != req.request_id or result.check != want:
             raise RuntimeError(f"KV handoff from {req.prefill_worker} failed its check")
         return result
 
-    async def _pump(self, req, stream, outputs, cached_extra, prompt_done, skip_first) -> None:
-        first = True
+    async def _watch_prefill(self, worker: str) -> None:
+        """Returns when `worker` has sent no load report for --peer-timeout: it is dead
+        (or was never there), and waiting out --handoff-timeout would only hold pages."""
+        since = time.monotonic()
+        while True:
+            await asyncio.sleep(min(0.5, self.config.peer_timeout / 2))
+            last = self._prefill_seen.get(worker, since)  # never seen: count from now
+            if time.monotonic() - last > self.config.peer_timeout:
+                return
+
+    async def _pump(
+        self, req, stream, outputs, prompt_done, skip_first, prefilled=None, pool_tokens=0
+    ) -> None:
+        """Publish a request's outputs; the last chunk carries usage. `prefilled` is the
+        prefill worker's cached-token count by tier; without one the prompt ran here, with
+        `pool_tokens` of its cached tokens read from the pool."""
+        first, generated = True, []
         async for out in outputs:
             if first:
                 prompt_done()
@@ -176,17 +216,26 @@ class DecodeService(WorkerService):
             if first and skip_first:  # token 0 (and its text) came from the prefill worker
                 ids, text, lps = ids[1:], "", lps[1:]
             first = False
+            generated += out.token_ids
             self.count_output_tokens(len(ids))
             if ids or text:
                 await stream.add(ids, text, lps)
             if out.finished:
-                cached = dict(cached_extra) or {"device": out.num_cached_tokens}
+                if prefilled is not None:
+                    cached = dict(prefilled)
+                else:
+                    pool = min(pool_tokens, out.num_cached_tokens)
+                    cached = {"device": out.num_cached_tokens - pool, "pool": pool}
                 usage = Usage(
                     prompt_tokens=out.num_prompt_tokens or len(req.token_ids),
                     completion_tokens=out.num_output_tokens,
                     cached_tokens=cached,
                 )
                 await stream.finish(out.finish_reason or "stop", usage)
+                # the next turn of this conversation starts with these pages: pool them
+                # (the last token was sampled, never computed, so it has no KV yet)
+                tokens = req.token_ids + generated
+                self.write_back(tokens, len(tokens) - 1)
                 log.info("request finished", reason=out.finish_reason,
                          completion_tokens=out.num_output_tokens)  # fmt: skip
                 return

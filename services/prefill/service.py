@@ -84,6 +84,11 @@ class PrefillService(WorkerService):
                     await self.engine.abort(req.request_id)
 
     async def _compute_and_send(self, req, params, remote: RegionDescriptor) -> PrefillResult:
+        pool_tokens = 0
+        if self.pool is not None:  # L1 first, then the pool; at least 1 token is computed
+            keys = self.page_keys(req.token_ids, len(req.token_ids) - 1)
+            _, from_pool = await self.pool.fetch_prefix(keys)
+            pool_tokens = from_pool * self.config.page_size
         last = None
         async for out in self.engine.add_request(
             req.token_ids, params, request_id=req.request_id, prefill_only=True
@@ -93,7 +98,8 @@ class PrefillService(WorkerService):
             reason = last.finish_reason if last else None
             raise HandlerError(500, f"prefill produced no token (finish reason {reason})")
         first = last.token_ids[0]
-        cached = {"device": last.num_cached_tokens}
+        pool_tokens = min(pool_tokens, last.num_cached_tokens)  # unless evicted meanwhile
+        cached = {"device": last.num_cached_tokens - pool_tokens, "pool": pool_tokens}
         finished = last.finish_reason is not None
         self.count_output_tokens(1)
         await self.bus.publish(
@@ -115,6 +121,7 @@ class PrefillService(WorkerService):
         )
         if not finished:
             await self._write_kv(req, last.page_table or [], remote)
+        self.write_back(req.token_ids, len(req.token_ids))
         log.info("prefill done", prompt_tokens=len(req.token_ids), cached=cached, finished=finished)
         return PrefillResult(
             request_id=req.request_id,

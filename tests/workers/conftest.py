@@ -1,4 +1,4 @@
-"""A real worker cluster: nats-server, 2 prefill + 2 decode workers, shared by tests/workers.
+"""A real cluster: nats-server, the pool (master + store), 2 prefill + 2 decode workers.
 
 Starting workers loads the model (seconds each on 2 cores), so the cluster is started once
 per session; each test uses its own request ids and prompts.
@@ -21,7 +21,7 @@ from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 
 WORKER_ARGS = ["--kv-cache-mb", "48", "--max-num-batched-tokens", "64", "--num-threads", "1",
-               "--handoff-timeout", "5"]  # fmt: skip
+               "--handoff-timeout", "120"]  # fmt: skip
 
 
 @dataclass
@@ -40,6 +40,8 @@ def cluster(tmp_path_factory, worker_env) -> Iterator[tuple[str, LocalCluster]]:
     server = NatsServer(workdir / "nats").start()
     cluster = LocalCluster(server.url, env=worker_env, capture=workdir / "logs")
     try:
+        cluster.start_one("cache_master", "--service-id", "m1", "--replicas", "1")
+        cluster.start_one("cache_store", "--service-id", "s1", "--segment-size", "96MiB")
         for name, sid in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1"), ("decode", "d2")):
             cluster.start_one(name, "--service-id", sid, *WORKER_ARGS)
             cluster.procs[sid] = cluster.procs.pop(name)  # several of one service

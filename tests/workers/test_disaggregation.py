@@ -54,6 +54,7 @@ async def test_sixteen_concurrent_requests_over_two_by_two_workers_are_exact(bus
             for i, p in enumerate(prompts)
         )
     )
+    assert [r.error for r in results] == [None] * 16
     assert [r.token_ids for r in results] == expected
 
 

@@ -57,7 +57,7 @@ async def test_unreachable_prefill_worker_fails_the_request_and_releases_the_res
     before = await _free_pages(bus, "d2")
     done = await generate(bus, "ghost-1", prompt_ids(50, seed=61), decode="d2",
                           prefill="ghost", max_tokens=4, timeout=30)  # fmt: skip
-    assert done.finish_reason == "error" and "ghost" in done.error
+    assert done.finish_reason == "error" and "ghost stopped reporting" in done.error
     assert await _free_pages(bus, "d2", want=before) == before
     ok = await generate(bus, "ghost-2", prompt_ids(20, seed=62), decode="d2", prefill="p2",
                         max_tokens=3)  # fmt: skip
@@ -109,7 +109,7 @@ async def test_kv_events_name_the_pages_each_worker_stored(bus):
         for src in ("p1", "d2")
     }
     assert stored["p1"] == prompt_keys
-    assert all(e.tier == "device" for e in events)
+    assert all(e.tier == "device" for e in events if e.source in ("p1", "d2"))
     # the decode worker holds the prompt's pages too (and any full page of the output)
     full_seq = hasher.keys(prompt + done.token_ids[:-1])
     assert stored["d2"] == full_seq[: len(stored["d2"])] and len(stored["d2"]) >= len(prompt_keys)

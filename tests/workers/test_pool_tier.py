@@ -1,0 +1,42 @@
+"""The pool as L3: pages one worker computed serve another worker's prompt, exactly."""
+
+import asyncio
+
+from libs.common.messages import KvEvent
+from tests.workers.conftest import generate, prompt_ids
+
+
+async def test_prompt_computed_on_one_prefill_worker_hits_the_pool_on_another(bus):
+    prompt = prompt_ids(100, seed=80)  # 6 full pages
+    pooled: set[str] = set()
+    all_pooled = asyncio.Event()
+
+    async def on_event(msg) -> None:
+        event = KvEvent.decode(msg.data)
+        if event.tier == "pool" and event.kind == "stored":
+            pooled.update(event.keys)
+            if len(pooled) >= 6:
+                all_pooled.set()
+
+    sub = await bus.subscribe("tandem.kv.events.>", on_event)
+    try:
+        first = await generate(bus, "l3-1", prompt, decode="d1", prefill="p1", max_tokens=6)
+        assert first.usage.cached_tokens.get("pool", 0) == 0
+        # the write-through runs after the reply; the store's events say when it landed
+        await asyncio.wait_for(all_pooled.wait(), 20)
+        second = await generate(bus, "l3-2", prompt, decode="d2", prefill="p2", max_tokens=6)
+    finally:
+        await sub.unsubscribe()
+    assert second.token_ids == first.token_ids and second.text == first.text
+    assert second.usage.cached_tokens["pool"] == 6 * 16
+    assert second.usage.cached_tokens["device"] == 0
+
+
+async def test_decode_writes_finished_conversation_pages_for_the_next_turn(bus):
+    prompt = prompt_ids(40, seed=81)
+    turn1 = await generate(bus, "turn-1", prompt, decode="d1", max_tokens=30)
+    await asyncio.sleep(2.0)  # write-back of prompt + answer pages, off the critical path
+    follow_up = prompt + turn1.token_ids + prompt_ids(10, seed=82)[1:]
+    turn2 = await generate(bus, "turn-2", follow_up, decode="d2", max_tokens=4)
+    # the first (40 + 30 - 1) // 16 = 4 pages were computed on d1; d2 reads them
+    assert turn2.usage.cached_tokens["pool"] == 4 * 16
