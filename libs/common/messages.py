@@ -16,6 +16,7 @@ Subjects and which message travels on each are listed in docs/protocol.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 import typing
@@ -70,16 +71,28 @@ class Message:
         return _build(cls, obj, cls.TYPE)
 
 
-def _build(cls: type, obj: dict, path: str) -> Any:
+@functools.cache
+def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, type, required) per field; resolving hints is slow, so once per class."""
     hints = typing.get_type_hints(cls)
+    return tuple(
+        (
+            f.name,
+            hints[f.name],
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+        if f.init
+    )
+
+
+def _build(cls: type, obj: dict, path: str) -> Any:
     values = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        if f.name in obj:
-            values[f.name] = _check(obj[f.name], hints[f.name], f"{path}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise MessageError(f"{path}.{f.name}: required field missing")
+    for name, hint, required in _schema(cls):
+        if name in obj:
+            values[name] = _check(obj[name], hint, f"{path}.{name}")
+        elif required:
+            raise MessageError(f"{path}.{name}: required field missing")
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
