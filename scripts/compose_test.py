@@ -12,8 +12,11 @@ Steps (each one fails the run with a message saying which):
   5. our image, `docker build --network none --build-arg BASE_IMAGE=tandem-base:bookworm`
   6. `up -d` with a private env file (free host ports, a random NATS password), then wait
      until every service's container reports healthy (Compose 1.29 has no `--wait`)
-  7. a chat completion through the router with the `openai` client, while subscribed to
-     `tandem.kv.events.>` through the published NATS port: a KV event must arrive
+  7. chat completions through the router with the `openai` client, while subscribed to
+     `tandem.kv.events.>` through the published NATS port: a short prompt (a KV event
+     must arrive), then a long one that the router sends through the prefill worker (its
+     KV crosses containers over the transfer engine; the prefill worker's event must
+     arrive)
   8. `down -v` (always), and exit 0 only if every step passed
 
     python -m scripts.compose_test [--keep] [--timeout SECONDS]
@@ -250,19 +253,76 @@ class Stack:
         print(f"compose logs: {WORKDIR / 'compose.log'}", flush=True)
 
 
+LONG_PROMPT = (
+    "Here is a list of facts. "
+    + " ".join(f"Fact {i}: {i} times {i} is {i * i}." for i in range(40))
+    + " Which number is fact 3 about?"
+)
+
+
+class KvEvents:
+    """Every message on `tandem.kv.events.>`, with a wait for one that matches."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self._changed = asyncio.Event()
+
+    async def collect(self, msg) -> None:
+        self.events.append({"subject": msg.subject, **json.loads(msg.data)})
+        self._changed.set()
+
+    async def wait_for(self, match, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = next((e for e in self.events if match(e)), None)
+            left = deadline - time.monotonic()
+            if found is not None or left <= 0:
+                return found
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=left)
+            except TimeoutError:
+                pass
+
+
+async def chat(client, model: str, prompt: str, timeout: float):
+    """One greedy chat completion; retried while the router says it cannot serve yet."""
+    import openai
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            reply = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=24,
+                temperature=0,
+            )
+            break
+        except (openai.APIConnectionError, openai.APIStatusError) as e:
+            status = getattr(e, "status_code", None)
+            if time.monotonic() > deadline or status not in (None, 429, 503):
+                raise StepFailed(f"chat completion failed: {e}") from None
+            print(f"   not served yet ({status or e}); retrying", flush=True)
+            await asyncio.sleep(3)
+    text = reply.choices[0].message.content or ""
+    print(f"   completion {reply.usage.prompt_tokens}+{reply.usage.completion_tokens} "
+          f"tokens: {text!r}", flush=True)  # fmt: skip
+    if not text.strip() or reply.usage.completion_tokens < 1:
+        raise StepFailed(f"empty completion: {reply}")
+    return reply
+
+
 async def completion_and_kv_event(stack: Stack, timeout: float) -> None:
+    """A short prompt (the decode worker prefills it), then a long one, which the router
+    sends through the prefill worker: its KV crosses containers over the transfer engine.
+    KV events must arrive for both."""
     import nats
     import openai
 
     nc = await nats.connect(stack.nats_url, connect_timeout=10, max_reconnect_attempts=3)
-    events: list[dict] = []
-    arrived = asyncio.Event()
-
-    async def collect(msg) -> None:
-        events.append({"subject": msg.subject, **json.loads(msg.data)})
-        arrived.set()
-
-    await nc.subscribe("tandem.kv.events.>", cb=collect)
+    kv = KvEvents()
+    await nc.subscribe("tandem.kv.events.>", cb=kv.collect)
     await nc.flush()
     try:
         client = openai.AsyncOpenAI(
@@ -277,33 +337,16 @@ async def completion_and_kv_event(stack: Stack, timeout: float) -> None:
             model = models.data[0].id if models.data else model
         except openai.OpenAIError as e:
             print(f"   GET /v1/models failed ({e}); asking for model {model!r}", flush=True)
-        deadline, reply = time.monotonic() + timeout, None
-        while reply is None:
-            try:
-                reply = await client.chat.completions.create(
-                    model=model,
-                    messages=[{"role": "user", "content": "What is the capital of France?"}],
-                    max_tokens=24,
-                    temperature=0,
-                )
-            except (openai.APIConnectionError, openai.APIStatusError) as e:
-                status = getattr(e, "status_code", None)
-                if time.monotonic() > deadline or status not in (None, 429, 503):
-                    raise StepFailed(f"chat completion failed: {e}") from None
-                print(f"   not served yet ({status or e}); retrying", flush=True)
-                await asyncio.sleep(3)
-        text = reply.choices[0].message.content or ""
-        print(f"   completion ({reply.usage}): {text!r}", flush=True)
-        if not text.strip() or not reply.usage or reply.usage.completion_tokens < 1:
-            raise StepFailed(f"empty completion: {reply}")
-        try:
-            await asyncio.wait_for(arrived.wait(), timeout=30)
-        except TimeoutError:
-            raise StepFailed(
-                "no KV event on tandem.kv.events.> within 30 s of the completion"
-            ) from None
-        kinds = sorted({e.get("kind", "?") for e in events})
-        print(f"   {len(events)} KV event(s), kinds {kinds}, e.g. {events[0]}", flush=True)
+        await chat(client, model, "What is the capital of France?", timeout)
+        if await kv.wait_for(lambda e: True, timeout=30) is None:
+            raise StepFailed("no KV event on tandem.kv.events.> within 30 s of the completion")
+        await chat(client, model, LONG_PROMPT, timeout)
+        from_prefill = await kv.wait_for(lambda e: ".prefill-" in e["subject"], timeout=30)
+        if from_prefill is None:
+            raise StepFailed("the long prompt left no KV event of a prefill worker")
+        seen = sorted({(e["subject"].split(".")[-1].rsplit("-", 2)[0], e.get("kind"),
+                        e.get("tier")) for e in kv.events})  # fmt: skip
+        print(f"   {len(kv.events)} KV events (source, kind, tier): {seen}", flush=True)
     finally:
         await nc.close()
 
