@@ -244,6 +244,7 @@ class GenerateAccepted(Message):
     request_id: str
     decode_worker: str
     num_reserved_pages: int
+    num_held_pages: int = 0  # reserved pages this worker's cache already filled: not sent
 
 
 @dataclass

@@ -74,15 +74,18 @@ class DecodeService(WorkerService):
             if req.request_id in self._active:
                 raise HandlerError(409, f"request {req.request_id} is already running here")
             pages: list[int] = []
+            held = 0
             if req.prefill_worker:
                 try:
-                    reserved = await self.engine.reserve(req.request_id, req.token_ids, params)
+                    reserved = await self.engine.reserve_reusing_prefix(
+                        req.request_id, req.token_ids, params
+                    )
                 except ValueError as e:
                     raise HandlerError(400, str(e)) from None
                 if reserved is None:
                     raise HandlerError(429, "KV pool full: no pages for this prompt now")
-                pages = reserved
-                run = self._run_disaggregated(req, params, pages)
+                pages, held = reserved  # the first `held` pages are cached here: not sent
+                run = self._run_disaggregated(req, pages, held)
             else:
                 run = self._run_local(req, params)
             self.queued_prompt_tokens += len(req.token_ids)
@@ -95,6 +98,7 @@ class DecodeService(WorkerService):
                 request_id=req.request_id,
                 decode_worker=self.config.service_id,
                 num_reserved_pages=len(pages),
+                num_held_pages=held,
             )
 
     async def _guard(self, req: GenerateRequest, run) -> None:
@@ -138,9 +142,9 @@ class DecodeService(WorkerService):
 
         return run
 
-    def _run_disaggregated(self, req: GenerateRequest, params, pages: list[int]):
+    def _run_disaggregated(self, req: GenerateRequest, pages: list[int], held: int):
         async def run(stream: TokenStream, prompt_done) -> None:
-            result = await self._handoff(req, pages)
+            result = await self._handoff(req, pages[held:], held)
             prompt_done()
             if result.finish_reason is not None:  # the prefill worker ended the stream
                 await self.engine.abort(req.request_id)
@@ -152,7 +156,8 @@ class DecodeService(WorkerService):
 
         return run
 
-    async def _handoff(self, req: GenerateRequest, pages: list[int]) -> PrefillResult:
+    async def _handoff(self, req: GenerateRequest, pages: list[int], held: int) -> PrefillResult:
+        """Ask the prefill worker to write prompt pages `held..` into `pages`."""
         kv = self.engine.core.kv_cache
         prefill = PrefillRequest(
             request_id=req.request_id,
@@ -162,7 +167,7 @@ class DecodeService(WorkerService):
             decode_worker=self.config.service_id,
             kv_region=self.kv_region.to_dict(),
             page_indices=pages,
-            skip_pages=0,
+            skip_pages=held,
             model_id=self.model_id,
             page_size=self.config.page_size,
             kv_dtype=kv.dtype_name,

@@ -32,6 +32,7 @@ class Completion:
     finish_reason: str | None
     error: str | None
     workers: list[str]
+    accepted: GenerateAccepted
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +125,7 @@ async def generate(
 
     sub = await bus.subscribe(subject, on_chunk)
     try:
-        await bus.request(
+        accepted = await bus.request(
             f"tandem.decode.{decode}.generate",
             GenerateRequest(
                 request_id=request_id,
@@ -145,7 +146,7 @@ async def generate(
     last = chunks[-1]
     ids = [t for c in chunks for t in c.token_ids]
     return Completion(ids, "".join(c.text for c in chunks), last.usage, last.finish_reason,
-                      last.error, sorted({c.worker for c in chunks}))  # fmt: skip
+                      last.error, sorted({c.worker for c in chunks}), accepted)  # fmt: skip
 
 
 def prompt_ids(n: int, seed: int = 0) -> list[int]:

@@ -101,3 +101,12 @@ async def test_info_shows_transport_and_pairing_facts(bus):
     assert info.details["transport"] == "tcp" and info.details["page_size"] == 16
     assert info.details["kv_dtype"] == "float32" and info.details["model_id"]
     orjson.dumps(info.details)  # plain data
+
+
+async def test_decode_worker_reuses_its_cached_prefix_and_receives_only_the_suffix(bus):
+    prompt = prompt_ids(90, seed=41)  # 5 full pages before the last token
+    first = await generate(bus, "held-1", prompt, decode="d2", prefill="p1", max_tokens=5)
+    again = await generate(bus, "held-2", prompt, decode="d2", prefill="p2", max_tokens=5)
+    assert first.accepted.num_held_pages == 0
+    assert again.accepted.num_held_pages == (len(prompt) - 1) // 16
+    assert again.token_ids == first.token_ids and again.error is None

@@ -147,6 +147,14 @@ class Engine:
         async with self._lock:
             return self._require().reserve(request_id, list(token_ids), sampling)
 
+    async def reserve_reusing_prefix(
+        self, request_id: str, token_ids: list[int], sampling: SamplingParams
+    ) -> tuple[list[int], int] | None:
+        """As `reserve`, reusing this pool's cached prefix: (pages, n) where the first n
+        pages already hold the prompt's KV, so a peer writes only pages[n:]."""
+        async with self._lock:
+            return self._require().reserve(request_id, list(token_ids), sampling, True)
+
     async def decode_imported(
         self, request_id: str, first_token_id: int
     ) -> AsyncIterator[RequestOutput]:

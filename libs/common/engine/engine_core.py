@@ -129,13 +129,19 @@ class EngineCore:
         self.scheduler.add(seq)
         self._track(seq)
 
-    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams):
-        """Pages for the prompt's KV, to be filled by a peer; None when the pool is full."""
+    def reserve(
+        self, request_id: str, token_ids: list[int], params: SamplingParams,
+        reuse_prefix: bool = False,
+    ):  # fmt: skip
+        """Pages for the prompt's KV, to be filled by a peer; None when the pool is full.
+        With `reuse_prefix`, returns (pages, n): the first n pages are cached here already."""
         self._check_ids(token_ids)
         seq = Sequence(request_id, token_ids, params)
-        pages = self.scheduler.reserve(seq)
+        pages = self.scheduler.reserve(seq, reuse_prefix)
         if pages is not None:
             self._track(seq)
+        if reuse_prefix:
+            return None if pages is None else (pages, seq.num_committed_pages)
         return pages
 
     def add_imported(self, request_id: str, first_token_id: int) -> RequestOutput:

@@ -146,23 +146,27 @@ class Scheduler:
         self._register(seq)
         self.waiting.append(seq)
 
-    def reserve(self, seq: Sequence) -> list[int] | None:
+    def reserve(self, seq: Sequence, reuse_prefix: bool = False) -> list[int] | None:
         """Allocate pages for `seq`'s prompt so a peer can write its KV into them.
 
         Returns the page indices (in prompt order), or None when the pool cannot
         hold them now (nothing is kept). The sequence is RESERVED until
-        `add_imported` (KV arrived) or `abort`.
+        `add_imported` (KV arrived) or `abort`. With `reuse_prefix`, the leading
+        `seq.num_committed_pages` pages are this pool's cached pages of the prompt's
+        prefix: they already hold the right KV, and the peer writes only the rest.
         """
         if seq.page_table or seq.num_computed_tokens:
             raise ValueError(f"{seq.request_id}: a sequence to reserve must hold no pages")
         self._register(seq)
-        pages = self.kv.alloc(pages_for(seq.num_prompt_tokens, self.page_size))
-        if pages is None:
+        if reuse_prefix:
+            self.kv.match_prefix(seq)
+        if not self.kv.grow(seq, seq.num_prompt_tokens):
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
             del self._seqs[seq.request_id]
             return None
-        seq.page_table = pages
         seq.status = SequenceStatus.RESERVED
-        return pages
+        return list(seq.page_table)
 
     def add_imported(self, request_id: str, first_token_id: int) -> Sequence:
         """The prompt KV of a RESERVED sequence is in place and its first token was
