@@ -1,0 +1,170 @@
+"""The systems bench.tiers measures, each started and stopped as local processes.
+
+`Deployment` is one configuration of Tandem: its own nats-server, then (optionally)
+cache_master and cache_store, the prefill and decode workers, and a router on a free port
+of 127.0.0.1, started with LocalCluster; `start()` returns when the router's /health
+reports every worker live. `PeerServer` is another OpenAI-compatible server on the same
+model (llama.cpp's, through llama-cpp-python). Both stop only the processes they started,
+by pid, and `stop()` is safe twice and after a failed start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from scripts.cluster import LocalCluster
+from scripts.nats_server import NatsServer
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1 (the OS's pick; a race with another process is possible)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Topology:
+    """What one configuration runs: worker counts, their flags (common, then per role), the
+    pool, router flags."""
+
+    name: str
+    prefill: int
+    decode: int
+    worker_args: list[str] = field(default_factory=list)
+    role_args: dict[str, list[str]] = field(default_factory=dict)
+    pool: bool = False
+    router_args: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+async def wait_healthy(url: str, workers: dict[str, int], procs: dict, timeout: float) -> None:
+    """Poll GET /health until it is 200 with `workers` live per role; raise if a process
+    exits or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while time.monotonic() < deadline:
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited during start")
+            try:
+                async with http.get(f"{url}/health") as r:
+                    body = await r.json()
+                    live = body.get("workers", {})
+                    if r.status == 200 and all(live.get(k, 0) >= n for k, n in workers.items()):
+                        return
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy with {workers} within {timeout}s: {body}")
+
+
+class Deployment:
+    """One Tandem configuration as local processes; `url` is its API root (…/v1)."""
+
+    def __init__(self, topo: Topology, workdir: Path, store_segment: str = "512MiB"):
+        self.topo, self.workdir, self.store_segment = topo, workdir, store_segment
+        self.nats: NatsServer | None = None
+        self.cluster: LocalCluster | None = None
+        self.url = ""
+
+    async def start(self, timeout: float = 300.0) -> None:
+        t = self.topo
+        self.nats = NatsServer(self.workdir / "nats")
+        self.nats.start()
+        logs = self.workdir / "logs"
+        self.cluster = LocalCluster(self.nats.url, capture=logs)
+        if t.pool:
+            self.cluster.start_one("cache_master")
+            self.cluster.start_one("cache_store", "--segment-size", self.store_segment)
+        for role, count in (("prefill", t.prefill), ("decode", t.decode)):
+            for i in range(count):
+                label = f"{role[0]}{i + 1}"
+                args = [*t.worker_args, *t.role_args.get(role, [])]
+                self.cluster.start_one(role, "--service-id", label, *args, label=label)
+        port = free_port()
+        self.cluster.start_one("router", "--port", str(port), *t.router_args)
+        await self.cluster.wait_ready(timeout)
+        base = f"http://127.0.0.1:{port}"
+        want = {k: n for k, n in (("prefill", t.prefill), ("decode", t.decode)) if n}
+        await wait_healthy(base, want, self.cluster.procs, timeout)
+        self.url = f"{base}/v1"
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+
+class PeerServer:
+    """llama.cpp's OpenAI-compatible server (llama-cpp-python) on a GGUF file.
+
+    `python` is an interpreter where `llama_cpp.server` imports (it is built from source, so
+    it lives in its own virtual environment, not in .venv). One request at a time is that
+    server's own design: it has no continuous batching.
+    """
+
+    def __init__(self, python: str, model: Path, workdir: Path, threads: int, n_ctx: int = 4096):
+        self.python, self.model, self.workdir = python, model, workdir
+        self.threads, self.n_ctx = threads, n_ctx
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    @staticmethod
+    def available(python: str) -> bool:
+        if not python or not Path(python).exists():
+            return False
+        probe = subprocess.run([python, "-c", "import llama_cpp.server"], capture_output=True)
+        return probe.returncode == 0
+
+    def _launch(self, port: int) -> subprocess.Popen:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [self.python, "-m", "llama_cpp.server", "--model", str(self.model),
+               "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(self.threads),
+               "--n_ctx", str(self.n_ctx), "--model_alias", "peer"]  # fmt: skip
+        with open(self.workdir / "peer.log", "ab") as out:
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
+
+    async def start(self, timeout: float = 120.0) -> None:
+        port = free_port()
+        self.proc = self._launch(port)
+        base = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"peer exited with {self.proc.returncode} during start")
+                try:
+                    async with http.get(f"{base}/models") as r:
+                        if r.status == 200:
+                            self.url = base
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.5)
+        raise TimeoutError(f"peer not up within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
