@@ -1,0 +1,203 @@
+"""Engine benchmark: our engine and transformers' generate on the same model, side by side.
+
+    python -m bench.engine --json
+
+Runs, in one process and one run (fp32, the same thread count for both):
+- the machine's bounds: copy bandwidth (bytes of a large fp32 tensor copied
+  per second) and the fp32 matmul rate (a 2048^3 product);
+- one stream: 128-token prompt, 128 new tokens (greedy, EOS ignored);
+- 32 streams of the same shape, all submitted at once (transformers: one
+  batched generate call);
+- a 2,048-token prefill (transformers: one forward keeping only the last logits).
+and prints each figure, the ratio ours/transformers and the fraction of the bound.
+Single-stream bound = copy bandwidth / fp32 weight bytes read per token;
+32-stream bound = matmul rate / (2 FLOP x weights) per generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import orjson
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    # Deterministic, varied ids away from the special tokens at the start of the vocab.
+    return [
+        [100 + (i * 7919 + j * 104729) % (vocab - 200) for j in range(length)] for i in range(n)
+    ]
+
+
+def measure_copy_bandwidth(torch) -> float:
+    src = torch.randn(64 * 2**20)  # 256 MiB: far past the caches
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * 4 / best
+
+
+def measure_matmul_rate(torch, n: int = 2048) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def run_ours(core, prompts, new_tokens, params_cls) -> dict:
+    params = params_cls(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        core.add(f"b{i}-{start}", ids, params)
+    produced, first_all = 0, None
+    while core.has_work():
+        produced += len(core.step())
+        if first_all is None and produced >= len(prompts):
+            first_all, at_first = time.perf_counter(), produced
+    end = time.perf_counter()
+    decode_tokens = produced - at_first
+    return {
+        "output_tokens": produced,
+        "seconds": round(end - start, 3),
+        "tok_s": round(produced / (end - start), 2),
+        "decode_tok_s": round(decode_tokens / max(end - first_all, 1e-9), 2),
+    }
+
+
+def run_reference(torch, model, prompts, new_tokens) -> dict:
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=2, attention_mask=torch.ones_like(ids))  # fmt: skip
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        end = time.perf_counter()
+    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {"output_tokens": produced, "seconds": round(end - start, 3),
+            "tok_s": round(produced / (end - start), 2)}  # fmt: skip
+
+
+def prefill_ours(core, ids, params_cls) -> float:
+    core.add(f"p{time.perf_counter()}", ids, params_cls(max_tokens=1, temperature=0))
+    start = time.perf_counter()
+    while core.has_work():
+        core.step()
+    return time.perf_counter() - start
+
+
+def prefill_reference(torch, model, ids) -> float:
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(torch.tensor([ids]), logits_to_keep=1)
+        return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.engine", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+
+    from libs.common.log import setup_logging
+
+    setup_logging(level="warning")
+    import torch
+    import transformers
+
+    from libs.common.engine.engine_config import EngineConfig
+    from libs.common.engine.engine_core import EngineCore
+    from libs.common.engine.model_source import resolve_model_path
+    from libs.common.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    report: dict = {"machine": {"cpu": platform.processor() or platform.machine(),
+                                "cores": os.cpu_count(), "threads": args.threads,
+                                "torch": torch.__version__,
+                                "loadavg_start": os.getloadavg()}}  # fmt: skip
+    print("measuring bounds ...", file=sys.stderr)
+    copy_bw = measure_copy_bandwidth(torch)
+    matmul = measure_matmul_rate(torch)
+    budget = args.streams * (args.prompt_tokens + args.new_tokens)
+    core = EngineCore(EngineConfig(model=args.model, num_threads=args.threads,
+                                   max_num_batched_tokens=max(2048, args.prefill_tokens),
+                                   max_num_seqs=max(args.streams, 1),
+                                   kv_cache_mb=max(256, budget * 800 // 1024 + 64),
+                                   enable_prefix_cache=False))  # fmt: skip
+    cfg = core.model.config
+    weight_bytes = 4 * cfg.num_params
+    report["bounds"] = {
+        "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2),
+        "matmul_gflop_s": round(matmul / 1e9, 1),
+        "weights": cfg.num_params,
+        "single_stream_bound_tok_s": round(copy_bw / weight_bytes, 2),
+        "compute_bound_tok_s": round(matmul / (2 * cfg.num_params), 1),
+    }
+    path = pathlib.Path(resolve_model_path(args.model))
+    print("loading transformers ...", file=sys.stderr)
+    load_kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    folder = path.parent if path.suffix == ".gguf" else path
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, **load_kwargs
+    ).eval()
+
+    def side_by_side(name: str, n: int) -> None:
+        prompts = _prompts(n, args.prompt_tokens, cfg.vocab_size)
+        print(f"{name}: ours ...", file=sys.stderr)
+        ours = run_ours(core, prompts, args.new_tokens, SamplingParams)
+        print(f"{name}: transformers ...", file=sys.stderr)
+        theirs = run_reference(torch, ref, prompts, args.new_tokens)
+        entry = {"ours": ours, "transformers": theirs,
+                 "ratio": round(ours["tok_s"] / theirs["tok_s"], 2)}  # fmt: skip
+        if n == 1:
+            bound = report["bounds"]["single_stream_bound_tok_s"]
+            entry["fraction_of_bandwidth_bound"] = round(ours["decode_tok_s"] / bound, 3)
+        else:
+            bound = report["bounds"]["compute_bound_tok_s"]
+            entry["fraction_of_compute_bound"] = round(ours["tok_s"] / bound, 3)
+            entry["decode_fraction_of_compute_bound"] = round(ours["decode_tok_s"] / bound, 3)
+        report[name] = entry
+
+    side_by_side("single_stream", 1)
+    side_by_side(f"streams_{args.streams}", args.streams)
+    print("prefill ...", file=sys.stderr)
+    ids = _prompts(1, args.prefill_tokens, cfg.vocab_size)[0]
+    prefill_ours(core, ids[:64], SamplingParams)  # warm the kernels for this size class
+    ours_s = min(prefill_ours(core, ids, SamplingParams) for _ in range(2))
+    theirs_s = min(prefill_reference(torch, ref, ids) for _ in range(2))
+    report[f"prefill_{args.prefill_tokens}"] = {
+        "ours_s": round(ours_s, 3), "transformers_s": round(theirs_s, 3),
+        "speedup": round(theirs_s / ours_s, 2),
+    }  # fmt: skip
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    if args.json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        for key, value in report.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
