@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = measure_copy_bandwidth(torch)
     matmul = measure_matmul_rate(torch)
     budget = args.streams * (args.prompt_tokens + args.new_tokens)
+    kv_mb = max(256, budget * 47 // 1024 + 64)  # the default model's KV is ~46 KiB per token
     core = EngineCore(EngineConfig(model=args.model, num_threads=args.threads,
                                    max_num_batched_tokens=max(2048, args.prefill_tokens),
                                    max_num_seqs=max(args.streams, 1),
-                                   kv_cache_mb=max(256, budget * 800 // 1024 + 64),
+                                   kv_cache_mb=kv_mb,
                                    enable_prefix_cache=False))  # fmt: skip
     cfg = core.model.config
     weight_bytes = 4 * cfg.num_params
