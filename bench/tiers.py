@@ -123,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {CONFIGS}")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--prefill-kv-mb", type=int, default=24, help="KV pool of a prefill worker")
-    p.add_argument("--decode-kv-mb", type=int, default=80, help="KV pool of a decode worker")
+    p.add_argument("--decode-kv-mb", type=int, default=96, help="KV pool of a decode worker")
     p.add_argument("--store-segment", default="512MiB", help="cache_store segment size")
     p.add_argument(
         "--peer-python",
@@ -144,8 +144,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     add_workload_args(p)
     p.add_argument("--no-round-barrier", dest="round_barrier", action="store_false")
-    p.set_defaults(workload="multi-turn", num_clients=4, num_rounds=6, input_len=128,
-                   question_len=16, output_len=16, round_barrier=True, duration=900.0)  # fmt: skip
+    # 8 conversations, 4 in flight: the decode worker's KV holds the running batch and
+    # about one more conversation, so what L1 keeps between rounds is capacity-bound.
+    p.set_defaults(workload="multi-turn", num_clients=8, num_rounds=6, input_len=128,
+                   question_len=16, output_len=16, round_barrier=True, max_concurrency=4,
+                   duration=900.0)  # fmt: skip
     return p
 
 
