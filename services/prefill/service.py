@@ -2,10 +2,14 @@
 
 prefill (tandem.prefill.<id>.prefill), from a decode worker:
   refuse to pair on a different model id / page size / KV dtype (409)
-  run the prompt prefill-only (prefix-cache hits are not recomputed)
+  read what the pool holds beyond this worker's prefix cache into that cache
+  run the prompt prefill-only (cached pages are not recomputed), chunk by chunk; each
+    chunk's final pages start moving into the decode worker's reserved pages at once
+    (transfer engine), overlapping the next chunk's compute
   publish token 0 on the request's stream at once (the client sees it before the
     handoff ends; with the final usage if token 0 already ends the request)
-  write the prompt's pages into the decode worker's reserved pages (transfer engine)
+  finish the writes (the last partial page; any page swapped meanwhile is re-sent)
+  write the new full pages to the pool in the background (write-through)
   reply PrefillResult with the check value; release the pages here (full ones stay
     in the prefix cache for the next prompt that shares them)
 """
@@ -15,12 +19,13 @@ from __future__ import annotations
 import asyncio
 
 from libs.common.bus import Endpoint, HandlerError
-from libs.common.handoff import KvLayout, handoff_check, page_copy_ops
+from libs.common.handoff import KvLayout, handoff_check
 from libs.common.log import get_logger, request_context
 from libs.common.messages import PrefillRequest, PrefillResult, TokenChunk, Usage
 from libs.common.transfer import RegionDescriptor, TransferError
 from libs.common.worker import WorkerService, logprobs_wire, sampling_params
 from services.prefill.config import PrefillConfig
+from services.prefill.kv_sender import KvSender
 
 log = get_logger(__name__)
 
@@ -83,7 +88,29 @@ class PrefillService(WorkerService):
                 if self.engine is not None:  # frees its pages; full ones stay cached
                     await self.engine.abort(req.request_id)
 
+    def _sender(self, req: PrefillRequest, remote: RegionDescriptor) -> KvSender:
+        kv = self.engine.core.kv_cache
+        try:
+            return KvSender(
+                self.transfer, self.kv_region,
+                KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes),
+                remote, KvLayout(kv.num_layers, req.kv_num_pages, kv.slice_nbytes),
+                num_prompt_pages=-(-len(req.token_ids) // self.config.page_size),
+                skip=req.skip_pages, remote_pages=req.page_indices,
+            )  # fmt: skip
+        except ValueError as e:
+            raise HandlerError(400, str(e)) from None
+
     async def _compute_and_send(self, req, params, remote: RegionDescriptor) -> PrefillResult:
+        sender = self._sender(req, remote)
+        try:
+            return await self._run(req, params, sender)
+        except ValueError as e:  # the pages do not fit the decode worker's region
+            raise HandlerError(400, f"bad KV target: {e}") from None
+        finally:
+            sender.cancel()
+
+    async def _run(self, req, params, sender: KvSender) -> PrefillResult:
         pool_tokens = 0
         if self.pool is not None:  # L1 first, then the pool; at least 1 token is computed
             keys = self.page_keys(req.token_ids, len(req.token_ids) - 1)
@@ -93,6 +120,8 @@ class PrefillService(WorkerService):
         async for out in self.engine.add_request(
             req.token_ids, params, request_id=req.request_id, prefill_only=True
         ):
+            if not out.finished and out.page_table:
+                sender.send(out.page_table)  # a chunk is done: move its pages meanwhile
             last = out
         if last is None or not last.token_ids:
             reason = last.finish_reason if last else None
@@ -120,9 +149,10 @@ class PrefillService(WorkerService):
             ),
         )
         if not finished:
-            await self._write_kv(req, last.page_table or [], remote)
+            await sender.finish(last.page_table or [])
         self.write_back(req.token_ids, len(req.token_ids))
-        log.info("prefill done", prompt_tokens=len(req.token_ids), cached=cached, finished=finished)
+        log.info("prefill done", prompt_tokens=len(req.token_ids), cached=cached,
+                 finished=finished, pages_sent=len(sender.sent))  # fmt: skip
         return PrefillResult(
             request_id=req.request_id,
             first_token=first,
@@ -130,25 +160,6 @@ class PrefillService(WorkerService):
             cached_tokens=cached,
             finish_reason=last.finish_reason,
         )
-
-    async def _write_kv(self, req: PrefillRequest, page_table: list[int], remote) -> None:
-        kv = self.engine.core.kv_cache
-        page_size = self.config.page_size
-        num_pages = -(-len(req.token_ids) // page_size)
-        wanted = range(req.skip_pages, num_pages)
-        if len(page_table) < num_pages or len(req.page_indices) != len(wanted):
-            raise HandlerError(
-                400,
-                f"prompt needs {len(wanted)} pages after {req.skip_pages} skipped; "
-                f"decode reserved {len(req.page_indices)}",
-            )
-        local = KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes)
-        theirs = KvLayout(kv.num_layers, req.kv_num_pages, kv.slice_nbytes)
-        ops = page_copy_ops(local, [page_table[i] for i in wanted], theirs, req.page_indices)
-        try:
-            await self.transfer.write(self.kv_region, remote, ops)
-        except ValueError as e:  # the descriptor or pages do not fit the decode's region
-            raise HandlerError(400, f"bad KV target: {e}") from None
 
     async def cancel(self, request_id: str, reason: str) -> None:
         task = self._active.get(request_id)

@@ -200,11 +200,25 @@ class EngineCore:
             item.seq.request_id: tok for item, tok in zip(sampling, result.token_ids, strict=True)
         }
         self.scheduler.postprocess(out, sampled)
-        outputs = []
+        outputs = [self._progress(item.seq) for item in out.scheduled
+                   if not item.sample and item.seq.prefill_only]  # fmt: skip
         for item, lp in zip(sampling, result.logprobs, strict=True):
             req = self._requests[item.seq.request_id]
             outputs.append(self._output(req, sampled[item.seq.request_id], lp))
         return outputs
+
+    def _progress(self, seq: Sequence) -> RequestOutput:
+        """A prefill-only request's chunk is done: its stable pages (full, computed, and no
+        longer swapped for cached copies) can move to the decode worker now, while the
+        next chunk computes."""
+        stable = (
+            seq.num_committed_pages
+            if self.scheduler.kv.cache is not None
+            else seq.num_computed_tokens // self.config.page_size
+        )
+        out = RequestOutput(seq.request_id, [], "", num_prompt_tokens=seq.num_prompt_tokens)
+        out.page_table = list(seq.page_table[:stable])
+        return out
 
     # -- internals ----------------------------------------------------------------------
 

@@ -18,6 +18,10 @@ class RequestOutput:
     the request keeps its pages (prefill-only, keep_pages) the last output
     carries `page_table`, the pages holding the KV of `all_token_ids`
     positions in order, valid until `Engine.release(request_id)`.
+
+    A prefill-only request also gets progress outputs after each chunk that did not
+    sample: no tokens, not finished, and `page_table` listing the pages whose KV is final
+    already (so a transfer can overlap the next chunk's compute).
     """
 
     request_id: str

@@ -1,0 +1,74 @@
+"""Writing a prompt's KV into the decode worker's reserved pages, overlapped with compute.
+
+The engine reports, after each prefill chunk, the pages whose KV is final; `send` starts
+writing those at once, while the next chunk computes. `finish` (with the final page table)
+sends what is left and anything whose local page changed since it was sent (a page swapped
+for its cached twin, or a preempted and recomputed sequence), then waits for every write.
+A batch of writes lands completely or fails as a whole (transfer engine contract).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from libs.common.handoff import KvLayout, page_copy_ops
+from libs.common.transfer import RegionDescriptor, TransferEngine
+
+
+class KvSender:
+    """Prompt pages `skip..num_pages-1` -> `remote_pages[0..]` of the decode worker."""
+
+    def __init__(
+        self,
+        transfer: TransferEngine,
+        local_region: RegionDescriptor,
+        local: KvLayout,
+        remote_region: RegionDescriptor,
+        remote: KvLayout,
+        num_prompt_pages: int,
+        skip: int,
+        remote_pages: list[int],
+    ):
+        if skip < 0 or len(remote_pages) != num_prompt_pages - skip:
+            raise ValueError(
+                f"prompt has {num_prompt_pages} pages, {skip} held by the decode worker, "
+                f"but {len(remote_pages)} were reserved for the rest"
+            )
+        self.transfer, self.local_region, self.remote_region = transfer, local_region, remote_region
+        self.local, self.remote = local, remote
+        self.num_pages, self.skip, self.remote_pages = num_prompt_pages, skip, remote_pages
+        self.sent: dict[int, int] = {}  # prompt page index -> local page it was sent from
+        self._writes: list[asyncio.Task] = []
+
+    def send(self, page_table: list[int]) -> None:
+        """Start writing the pages of `page_table` (final ones) not sent yet as they are."""
+        todo = [
+            i
+            for i in range(self.skip, min(len(page_table), self.num_pages))
+            if self.sent.get(i) != page_table[i]
+        ]
+        if not todo:
+            return
+        local_pages = [page_table[i] for i in todo]
+        remote_pages = [self.remote_pages[i - self.skip] for i in todo]
+        ops = page_copy_ops(self.local, local_pages, self.remote, remote_pages)
+        self.sent.update(zip(todo, local_pages, strict=True))
+        self._writes.append(
+            asyncio.ensure_future(self.transfer.write(self.local_region, self.remote_region, ops))
+        )
+
+    async def finish(self, page_table: list[int]) -> None:
+        """Send the rest from the final page table and wait for every write to land."""
+        if len(page_table) < self.num_pages:
+            raise ValueError(f"final page table has {len(page_table)} of {self.num_pages} pages")
+        self.send(page_table)
+        try:
+            # in order: a page re-sent after a swap must land after its first write
+            for write in self._writes:
+                await write
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        for write in self._writes:
+            write.cancel()
