@@ -163,8 +163,9 @@ class Dispatcher:
                 if prefill is not None and pending:
                     prefill.pending_prefill_tokens -= pending
                     pending = 0
-                if chunk.finish_reason == "error":
-                    raise WorkerFailed(chunk.error or "worker error", chunk.index > 0)
+                if chunk.finish_reason in ("error", "abort"):  # abort: a worker shut down
+                    reason = chunk.error or f"the worker ended the request ({chunk.finish_reason})"
+                    raise WorkerFailed(reason, chunk.index > 0)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:

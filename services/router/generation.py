@@ -17,7 +17,7 @@ from libs.common.engine.sampling_params import SamplingParams
 from libs.common.engine.tokenizer import TextTokenizer
 from libs.common.messages import SamplingSpec
 from services.router.dispatch import Dispatcher
-from services.router.errors import ApiError, bad_request
+from services.router.errors import bad_request
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteSelector
 from services.router.validation import ApiRequest
@@ -129,8 +129,6 @@ async def run_choice(
             produced += n
             delta = Delta(index, prompt_index, chunk.text, chunk.token_ids, chunk.logprobs)
             if chunk.finish_reason is not None:
-                if chunk.finish_reason == "abort":
-                    raise ApiError(503, "the worker aborted the request", code="aborted")
                 delta.finish_reason = chunk.finish_reason
                 usage = chunk.usage
                 delta.completion_tokens = usage.completion_tokens if usage else produced
