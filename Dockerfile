@@ -38,8 +38,10 @@ RUN python3 -m venv /opt/venv \
     || (apt-get update && apt-get install -y --no-install-recommends python3-venv \
         && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv)
 
-# Requirements (and wheels) before code: a code change does not reinstall anything.
-COPY requirements/ /src/requirements/
+# Requirements (and wheels) before code: a code change does not reinstall anything. Only
+# the runtime lists: a change to test.txt or bench.txt does not invalidate this layer.
+COPY requirements/base.txt requirements/model.txt requirements/gpu.txt requirements/rdma.txt \
+     /src/requirements/
 COPY ${WHEELS}/ /wheels/
 RUN set -eu; cd /src; \
     reqs=""; for r in ${REQUIREMENTS}; do reqs="$reqs -r $r"; done; \
