@@ -71,7 +71,7 @@ async def direct(bus: Bus, worker: str, ids: list[int], n: int):
         request = GenerateRequest(rid, ids, sampling, subject)
         await bus.request(f"tandem.decode.{worker}.generate", request, GenerateAccepted, 30)
         while True:
-            chunk = TokenChunk.decode((await asyncio.wait_for(queue.get(), 120)).data)
+            chunk = TokenChunk.decode((await asyncio.wait_for(queue.get(), 600)).data)
             if chunk.token_ids:
                 times.append(time.perf_counter())
             if chunk.finish_reason is not None:
@@ -116,7 +116,9 @@ async def run(args: argparse.Namespace) -> dict:
             url = f"http://127.0.0.1:{info.details['port']}"
             out: dict = {"max_tokens": args.max_tokens, "prompt_tokens": 41, "levels": {}}
             conn = aiohttp.TCPConnector(limit=0)
-            async with aiohttp.ClientSession(connector=conn) as http:
+            # No client timeout: on a loaded 2-core box 64 streams take minutes.
+            no_limit = aiohttp.ClientTimeout(total=None, sock_read=None)
+            async with aiohttp.ClientSession(connector=conn, timeout=no_limit) as http:
                 await _wait_health(http, url)
                 n = args.max_tokens
                 for c in args.concurrency:

@@ -8,6 +8,7 @@ generators, which send `CancelRequest` for whatever is still running.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -161,39 +162,45 @@ async def _stream(request, state, rid, api, prompts, sources) -> web.StreamRespo
     tally = _Tally(state, api, prompts)
     created, chat = int(time.time()), api.endpoint == "chat"
     chunk = fmt.chat_chunk if chat else fmt.completion_chunk
-    response = await open_sse(request, {"x-request-id": request["request_id"]})
-    started = set()
-    try:
-        async for d in merge(sources):
-            tally.add(d)
-            events = []
-            if d.index not in started:
-                started.add(d.index)
-                if chat:
-                    role = {"role": "assistant", "content": ""}
-                    events.append(fmt.chat_delta(d.index, role, None, None))
-                elif api.echo:
-                    echoed = prompts[d.prompt].text
-                    tally.offsets[d.index] = len(echoed)
-                    events.append({"index": d.index, "text": echoed, "logprobs": None,
-                                   "finish_reason": None})  # fmt: skip
-            lp = tally.logprobs(d.index, d.logprobs, d.text)
-            if chat:
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                events.append(fmt.chat_delta(d.index, delta, lp, d.finish_reason))
-            else:
-                events.append(
-                    {"index": d.index, "text": d.text, "logprobs": lp,
-                     "finish_reason": d.finish_reason}
-                )  # fmt: skip
-            for event in events:
-                await response.write(sse(chunk(rid, created, api.model, [event], None)))
-        if api.include_usage:
-            await response.write(sse(chunk(rid, created, api.model, [], tally.totals)))
-    except ApiError as e:
-        log.warning("stream ended by an error", status=e.status, error=e.message)
-        state.metrics.failure.labels(state.metrics.model, str(e.status)).inc()
-        await response.write(sse(e.body()))
+    async with contextlib.aclosing(merge(sources)) as merged:
+        # Until the first output the HTTP status is still free: an error there (no room,
+        # no worker) is a plain 429/503 response, not an event inside a 200 stream.
+        d = await anext(merged, None)
+        response = await open_sse(request, {"x-request-id": request["request_id"]})
+        started: set[int] = set()
+        try:
+            while d is not None:
+                tally.add(d)
+                for event in _events(d, api, prompts, tally, started):
+                    await response.write(sse(chunk(rid, created, api.model, [event], None)))
+                d = await anext(merged, None)
+            if api.include_usage:
+                await response.write(sse(chunk(rid, created, api.model, [], tally.totals)))
+        except ApiError as e:
+            log.warning("stream ended by an error", status=e.status, error=e.message)
+            state.metrics.failure.labels(state.metrics.model, str(e.status)).inc()
+            await response.write(sse(e.body()))
     await response.write(DONE)
     await response.write_eof()
     return response
+
+
+def _events(d: Delta, api: ApiRequest, prompts, tally: _Tally, started: set[int]) -> list:
+    """The stream events of one delta: a choice's opening event first, then its text."""
+    chat, events = api.endpoint == "chat", []
+    if d.index not in started:
+        started.add(d.index)
+        if chat:
+            role = {"role": "assistant", "content": ""}
+            events.append(fmt.chat_delta(d.index, role, None, None))
+        elif api.echo:
+            echoed = prompts[d.prompt].text
+            tally.offsets[d.index] = len(echoed)
+            events.append(fmt.completion_delta(d.index, echoed, None, None))
+    lp = tally.logprobs(d.index, d.logprobs, d.text)
+    if chat:
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        events.append(fmt.chat_delta(d.index, delta, lp, d.finish_reason))
+    else:
+        events.append(fmt.completion_delta(d.index, d.text, lp, d.finish_reason))
+    return events

@@ -126,6 +126,12 @@ def chat_delta(
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
+def completion_delta(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
 def completion_chunk(
     rid: str, created: int, model: str, choices: list[dict[str, Any]], usage: Totals | None
 ) -> dict[str, Any]:

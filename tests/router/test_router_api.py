@@ -140,3 +140,11 @@ async def test_metrics_exposes_vllm_style_names(router):
                  "tandem:num_requests_running", "tandem:kv_index_keys",
                  'tandem:request_failure_total{model_name="default",status="503"}'):  # fmt: skip
         assert name in text, name
+
+
+async def test_streaming_request_that_cannot_start_gets_a_status_not_a_stream(client):
+    with pytest.raises(openai.InternalServerError) as e:
+        await client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    assert e.value.status_code == 503
