@@ -9,7 +9,8 @@
 #                    has any *.whl, everything installs from it with --no-index (air-gapped);
 #                    when it is empty, from the package index
 #   TORCH_INDEX_URL  where torch comes from when online (default: the CPU builds)
-#   REQUIREMENTS     requirement files to install (add requirements/gpu.txt, rdma.txt)
+#   REQUIREMENTS     requirement files to install: requirements/base.txt, plus gpu.txt and
+#                    rdma.txt for the GPU/RDMA image (the files copied into the build)
 #   BUILD_APT_PACKAGES, APT_PACKAGES
 #                    extra apt packages for the build stage (compilers, libibverbs-dev to
 #                    build pyverbs) and for the runtime image (rdma-core, ibverbs-providers)
