@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "single_stream_bound_tok_s": round(copy_bw / weight_bytes, 2),
         "compute_bound_tok_s": round(matmul / (2 * cfg.num_params), 1),
     }
+    print(f"bounds: {orjson.dumps(report['bounds']).decode()}", file=sys.stderr)
     path = pathlib.Path(resolve_model_path(args.model))
     print("loading transformers ...", file=sys.stderr)
     load_kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["fraction_of_compute_bound"] = round(ours["tok_s"] / bound, 3)
             entry["decode_fraction_of_compute_bound"] = round(ours["decode_tok_s"] / bound, 3)
         report[name] = entry
+        print(f"{name}: {orjson.dumps(entry).decode()}", file=sys.stderr)
 
     side_by_side("single_stream", 1)
     side_by_side(f"streams_{args.streams}", args.streams)

@@ -1,0 +1,40 @@
+"""A Hugging Face folder (config.json, safetensors, tokenizer.json) loads and matches the GGUF."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from libs.common.engine.engine_config import EngineConfig
+from libs.common.engine.engine_core import EngineCore
+from libs.common.engine.model import LlamaModel
+from libs.common.engine.model_source import default_model_path, load_model
+from libs.common.engine.sampling_params import SamplingParams
+from tests.engine.conftest import run_to_end
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, reference_model):
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("hf-smollm2")
+    reference_model.save_pretrained(folder, safe_serialization=True)
+    path = pathlib.Path(default_model_path())
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_hf_folder_generates_the_same_greedy_tokens_as_the_gguf(hf_folder, make_core):
+    loaded, tokenizer = load_model(str(hf_folder))
+    assert loaded.config.num_layers == 30 and "lm_head" not in loaded.weights
+    hf_core = EngineCore(EngineConfig(kv_cache_mb=32), LlamaModel(loaded), tokenizer)
+    gguf_core = make_core()
+    prompt = tokenizer.encode("The three primary colors are")
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for core in (hf_core, gguf_core):
+        core.add("x", prompt, params)
+    assert run_to_end(hf_core)["x"] == run_to_end(gguf_core)["x"]
+    assert tokenizer.decode(prompt) == "The three primary colors are"
