@@ -4,13 +4,14 @@
 cache_master and cache_store, the prefill and decode workers, and a router on a free port
 of 127.0.0.1, started with LocalCluster; `start()` returns when the router's /health
 reports every worker live. `PeerServer` is another OpenAI-compatible server on the same
-model (llama.cpp's, through llama-cpp-python). Both stop only the processes they started,
+model (llama.cpp's server or `transformers serve`). Both stop only the processes they started,
 by pid, and `stop()` is safe twice and after a failed start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -108,47 +109,92 @@ class Deployment:
             self.nats = None
 
 
-class PeerServer:
-    """llama.cpp's OpenAI-compatible server (llama-cpp-python) on a GGUF file.
+PEER_KINDS = ("llama.cpp", "transformers")
 
-    `python` is an interpreter where `llama_cpp.server` imports (it is built from source, so
-    it lives in its own virtual environment, not in .venv). One request at a time is that
-    server's own design: it has no continuous batching.
+
+class PeerServer:
+    """Another OpenAI-compatible server on the same model, started from `python`.
+
+    - `llama.cpp`: llama-cpp-python's server on the GGUF file (`python` is a venv where
+      `llama_cpp.server` imports; it builds from source). No continuous batching.
+    - `transformers`: `transformers serve` with continuous batching on an HF folder holding
+      the same weights, dequantized (docs/benchmarks.md shows how to write it); `python`
+      needs fastapi and uvicorn besides transformers. It rejects `ignore_eos`, lists no
+      local model on /v1/models, and reports no cached tokens.
+    `model_name` and `ignore_eos` say how requests must be made.
     """
 
-    def __init__(self, python: str, model: Path, workdir: Path, threads: int, n_ctx: int = 4096):
-        self.python, self.model, self.workdir = python, model, workdir
-        self.threads, self.n_ctx = threads, n_ctx
+    def __init__(self, kind: str, python: str, model: Path, workdir: Path, threads: int):
+        if kind not in PEER_KINDS:
+            raise ValueError(f"--peer: expected one of {PEER_KINDS}, got {kind!r}")
+        self.kind, self.python, self.model, self.workdir = kind, python, model, workdir
+        self.threads = threads
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.model_name = "peer" if kind == "llama.cpp" else str(model)
+        self.ignore_eos = kind == "llama.cpp"
 
-    @staticmethod
-    def available(python: str) -> bool:
-        if not python or not Path(python).exists():
-            return False
-        probe = subprocess.run([python, "-c", "import llama_cpp.server"], capture_output=True)
-        return probe.returncode == 0
+    def available(self) -> str:
+        """ "" when this peer can start here, else why not."""
+        if not self.python or not Path(self.python).exists():
+            return f"no interpreter {self.python!r} (--peer-python)"
+        module = "llama_cpp.server" if self.kind == "llama.cpp" else "fastapi, uvicorn"
+        probe = subprocess.run([self.python, "-c", f"import {module}"], capture_output=True)
+        if probe.returncode != 0:
+            return f"{module} does not import in {self.python}"
+        if not self.model.exists():
+            return f"no model at {self.model} (--peer-model)"
+        return ""
 
     def _launch(self, port: int) -> subprocess.Popen:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        cmd = [self.python, "-m", "llama_cpp.server", "--model", str(self.model),
-               "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(self.threads),
-               "--n_ctx", str(self.n_ctx), "--model_alias", "peer"]  # fmt: skip
+        where = ["--host", "127.0.0.1", "--port", str(port)]
+        if self.kind == "llama.cpp":
+            cmd = [
+                self.python,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(self.model),
+                *where,
+                "--n_threads",
+                str(self.threads),
+                "--n_ctx",
+                "4096",
+                "--model_alias",
+                "peer",
+            ]
+        else:
+            cmd = [
+                self.python,
+                "-m",
+                "transformers.cli.transformers",
+                "serve",
+                str(self.model),
+                *where,
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--continuous-batching",
+            ]
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1"}
         with open(self.workdir / "peer.log", "ab") as out:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT)  # fmt: skip
+                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
     async def start(self, timeout: float = 120.0) -> None:
         port = free_port()
         self.proc = self._launch(port)
         base = f"http://127.0.0.1:{port}/v1"
+        probe = "/v1/models" if self.kind == "llama.cpp" else "/health"
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"peer exited with {self.proc.returncode} during start")
                 try:
-                    async with http.get(f"{base}/models") as r:
+                    async with http.get(f"http://127.0.0.1:{port}{probe}") as r:
                         if r.status == 200:
                             self.url = base
                             return

@@ -12,7 +12,8 @@ and router), measured with bench.serve's workload through the router, and stoppe
     disaggregated  1 prefill + 1 decode, prefix cache, no pool, router always disaggregates
     aggregated     2 decode workers that prefill themselves (router --disagg-threshold
                    above any prompt; one idle prefill worker, which the router requires)
-    peer           llama.cpp's server (llama-cpp-python) on the same GGUF, when installed
+    peer           `transformers serve` (continuous batching) on the same weights, or
+                   llama.cpp's server (--peer llama.cpp), when installed (--peer-python)
 
 Workers' KV memory is small on purpose (--prefill-kv-mb, --decode-kv-mb): on a GPU the
 seeds' L1 overflows because of long contexts and many users; here the same pressure comes
@@ -32,7 +33,7 @@ from typing import Any
 
 from bench import report
 from bench.client import Endpoint
-from bench.deployments import Deployment, PeerServer, Topology
+from bench.deployments import PEER_KINDS, Deployment, PeerServer, Topology
 from bench.metrics import Slo
 from bench.serve import add_workload_args, benchmark, make_arrivals, make_workload, served_model
 from libs.common.engine.model_source import default_model_path
@@ -83,20 +84,23 @@ async def run_one(name: str, a: argparse.Namespace, topo: dict[str, Topology]) -
     shutil.rmtree(workdir, ignore_errors=True)
     started = time.time()
     load_before = os.getloadavg()
+    ignore_eos, model = True, ""
     if name == "peer":
-        if not PeerServer.available(a.peer_python):
-            return {"note": f"not run: llama_cpp.server does not import in {a.peer_python!r}"}
-        system: Deployment | PeerServer = PeerServer(
-            a.peer_python, Path(default_model_path()), workdir, a.peer_threads
-        )
-        note = f"llama.cpp (llama-cpp-python), {a.peer_threads} threads, Q4_1 weights"
+        peer = PeerServer(a.peer, a.peer_python, Path(a.peer_model or default_model_path()),
+                          workdir, a.peer_threads)  # fmt: skip
+        why = peer.available()
+        if why:
+            return {"note": f"not run: {why}"}
+        system: Deployment | PeerServer = peer
+        ignore_eos, model = peer.ignore_eos, peer.model_name
+        note = f"{a.peer}, {a.peer_threads} threads" + ("" if ignore_eos else ", no ignore_eos")
     else:
         system = Deployment(topo[name], workdir, a.store_segment)
         note = topo[name].note
     try:
         await system.start(a.ready_timeout)
-        model = await served_model(system.url)
-        endpoint = Endpoint(system.url, model, timeout=a.request_timeout)
+        model = model or await served_model(system.url)
+        endpoint = Endpoint(system.url, model, ignore_eos=ignore_eos, timeout=a.request_timeout)
         if a.warmup:
             # One short request first, so one-time costs (first allocation, lazy imports)
             # do not land on the first measured request; its prefix is not reused.
@@ -125,12 +129,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-kv-mb", type=int, default=24, help="KV pool of a prefill worker")
     p.add_argument("--decode-kv-mb", type=int, default=96, help="KV pool of a decode worker")
     p.add_argument("--store-segment", default="512MiB", help="cache_store segment size")
+    p.add_argument("--peer", choices=PEER_KINDS, default="transformers", help="which peer")
     p.add_argument(
         "--peer-python",
         default=os.environ.get("TANDEM_PEER_PYTHON", ""),
-        help="interpreter with llama-cpp-python[server] (env TANDEM_PEER_PYTHON)",
+        help="interpreter that runs the peer (env TANDEM_PEER_PYTHON)",
     )
-    p.add_argument("--peer-threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument(
+        "--peer-model",
+        default="",
+        help="llama.cpp: GGUF (default: the default model's); transformers: HF folder",
+    )
+    p.add_argument("--peer-threads", type=int, default=2, help="threads of the peer")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument(

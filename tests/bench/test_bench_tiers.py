@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -49,9 +50,14 @@ def test_bad_flags_fail_before_anything_starts(argv, flag, capsys, tmp_path):
     assert not any(tmp_path.iterdir())  # nothing was started
 
 
-def test_peer_is_reported_as_not_run_without_llama_cpp(tmp_path):
+def test_peer_is_reported_as_not_run_where_it_cannot_start(tmp_path):
     a = tiers.parser().parse_args(["--peer-python", str(tmp_path / "nope"), "--workdir",
                                    str(tmp_path)])  # fmt: skip
-    assert not PeerServer.available(a.peer_python)
     run = asyncio.run(tiers.run_one("peer", a, tiers.topologies(a)))
-    assert run["note"].startswith("not run")
+    assert run["note"].startswith("not run: no interpreter")
+    assert "summary" not in run
+
+
+def test_unknown_peer_kind_names_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--peer"):
+        PeerServer("vllm", sys.executable, tmp_path, tmp_path, 1)
