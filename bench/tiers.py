@@ -52,12 +52,14 @@ def topologies(a: argparse.Namespace) -> dict[str, Topology]:
         Topology("baseline", 2, 1, off, kv, note="no prefix cache, no pool"),
         Topology("L1", 2, 1, no_pool, kv, note="prefix cache, no pool"),
         Topology("L1+pool", 2, 1, common, kv, pool=True, note="prefix cache + pool"),
+        # Its one prefill worker gets a decode worker's KV size: the same memory as the
+        # two decode workers of `aggregated`.
         Topology(
             "disaggregated",
             1,
             1,
             no_pool,
-            kv,
+            {"prefill": kv["decode"], "decode": kv["decode"]},
             router_args=["--disagg-threshold", "0"],
             note="1P+1D, L1, always disaggregated",
         ),
@@ -126,8 +128,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {CONFIGS}")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--prefill-kv-mb", type=int, default=24, help="KV pool of a prefill worker")
-    p.add_argument("--decode-kv-mb", type=int, default=96, help="KV pool of a decode worker")
+    p.add_argument("--prefill-kv-mb", type=int, default=48, help="KV pool of a prefill worker")
+    p.add_argument("--decode-kv-mb", type=int, default=112, help="KV pool of a decode worker")
     p.add_argument("--store-segment", default="512MiB", help="cache_store segment size")
     p.add_argument("--peer", choices=PEER_KINDS, default="transformers", help="which peer")
     p.add_argument(
@@ -156,8 +158,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-round-barrier", dest="round_barrier", action="store_false")
     # 8 conversations, 4 in flight: the decode worker's KV holds the running batch and
     # about one more conversation, so what L1 keeps between rounds is capacity-bound.
-    p.set_defaults(workload="multi-turn", num_clients=8, num_rounds=6, input_len=128,
-                   question_len=16, output_len=16, round_barrier=True, max_concurrency=4,
+    # Short answers: on these cores a decode step costs ~0.3 s, and long answers would make
+    # every configuration's run time decode time, hiding what the cache tiers change.
+    p.set_defaults(workload="multi-turn", num_clients=8, num_rounds=6, input_len=256,
+                   question_len=32, output_len=8, round_barrier=True, max_concurrency=4,
                    duration=900.0)  # fmt: skip
     return p
 
