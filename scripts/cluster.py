@@ -151,20 +151,30 @@ class LocalCluster:
             await nc.close()
 
     def stop(self, timeout: float = 20.0) -> dict[str, int]:
-        """SIGTERM in reverse start order; kill what outlives `timeout`. Returns exit codes."""
+        """SIGTERM in tiers (router and workers, then stores, then the master), so each
+        tier still finds what it unregisters from; kill what outlives `timeout`.
+        Returns exit codes."""
         codes: dict[str, int] = {}
-        for name in reversed(list(self.procs)):
-            if self.procs[name].poll() is None:
-                self.procs[name].send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for name in reversed(list(self.procs)):
-            proc = self.procs[name]
-            try:
-                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait()
+
+        def tier(label: str) -> int:
+            service = self.services.get(label, label)
+            return {"cache_store": 1, "cache_master": 2}.get(service, 0)
+
+        for level in (0, 1, 2):
+            names = [n for n in reversed(list(self.procs)) if tier(n) == level]
+            for name in names:
+                if self.procs[name].poll() is None:
+                    self.procs[name].send_signal(signal.SIGTERM)
+            for name in names:
+                proc = self.procs[name]
+                try:
+                    codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    codes[name] = proc.wait()
         self.procs.clear()
+        self.services.clear()
         return codes
 
 

@@ -25,6 +25,7 @@ from nats.micro import ServiceConfig, add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service
 
+from libs.common.config import redact_url
 from libs.common.log import get_logger
 from libs.common.messages import ErrorReply, Message, MessageError
 
@@ -113,11 +114,12 @@ class Bus:
         except (TimeoutError, OSError, nats.errors.Error) as e:
             await nc.close()
             raise BusError(
-                f"cannot connect to NATS at {self.url} within {self.connect_timeout:g}s "
+                f"cannot connect to NATS at {redact_url(self.url)} "
+                f"within {self.connect_timeout:g}s "
                 f"(is nats-server running there? set --nats-url): {e or type(e).__name__}"
             ) from None
         self._nc = nc
-        log.info("nats connected", url=nc.connected_url.geturl() if nc.connected_url else None)
+        log.info("nats connected", url=redact_url(self.url))
 
     async def _on_error(self, e: Exception) -> None:
         log.warning("nats error", error=str(e) or type(e).__name__)

@@ -47,6 +47,12 @@ def env_names(service: str, field_name: str) -> tuple[str, str]:
     return f"{ENV_PREFIX}{service.upper()}_{upper}", f"{ENV_PREFIX}{upper}"
 
 
+def redact_url(url: str) -> str:
+    """`nats://user:secret@host:4222` -> `nats://user:***@host:4222` (each of a list)."""
+    hide = re.compile(r"^(\w+://[^:/@]*):[^@/]*@")
+    return ",".join(hide.sub(r"\1:***@", u.strip()) for u in url.split(","))
+
+
 def _default_service_id(service: str) -> str:
     host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "host"
     return f"{service}-{host}-{os.getpid()}"

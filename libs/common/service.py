@@ -24,7 +24,7 @@ from typing import Any
 
 from libs.common import __version__
 from libs.common.bus import Bus, BusError, Endpoint
-from libs.common.config import CommonConfig
+from libs.common.config import CommonConfig, redact_url
 from libs.common.log import get_logger, setup_logging
 from libs.common.messages import InfoRequest, ServiceInfo
 
@@ -98,7 +98,7 @@ class BaseService:
             service_id=self.config.service_id,
             version=__version__,
             started_at=self.started_at,
-            nats_url=self.config.nats_url,
+            nats_url=redact_url(self.config.nats_url),
             details=self.details(),
         )
 

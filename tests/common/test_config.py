@@ -71,3 +71,11 @@ def test_help_lists_every_flag_with_env_and_default(capsys):
     for flag in ("--nats-url", "--service-id", "--log-level", "--log-format", "--workers"):
         assert flag in out
     assert "TANDEM_DEMO_WORKERS or TANDEM_WORKERS; default 2" in out
+
+
+def test_redact_url_hides_passwords_but_keeps_user_and_host():
+    from libs.common.config import redact_url
+
+    url = "nats://tandem:s3cret@nats:4222,nats://127.0.0.1:4222"
+    assert redact_url(url) == "nats://tandem:***@nats:4222,nats://127.0.0.1:4222"
+    assert "s3cret" not in redact_url(url)

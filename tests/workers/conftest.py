@@ -44,8 +44,7 @@ def cluster(tmp_path_factory, worker_env) -> Iterator[tuple[str, LocalCluster]]:
         cluster.start_one("cache_master", "--service-id", "m1", "--replicas", "1")
         cluster.start_one("cache_store", "--service-id", "s1", "--segment-size", "96MiB")
         for name, sid in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1"), ("decode", "d2")):
-            cluster.start_one(name, "--service-id", sid, *WORKER_ARGS)
-            cluster.procs[sid] = cluster.procs.pop(name)  # several of one service
+            cluster.start_one(name, "--service-id", sid, *WORKER_ARGS, label=sid)
         asyncio.run(_wait_workers(server.url, {"p1", "p2", "d1", "d2"}))
         yield server.url, cluster
     finally:
