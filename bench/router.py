@@ -29,6 +29,7 @@ import aiohttp
 import orjson
 
 from libs.common.bus import Bus
+from libs.common.log import setup_logging
 from libs.common.messages import (
     GenerateAccepted,
     GenerateRequest,
@@ -138,6 +139,8 @@ async def run(args: argparse.Namespace) -> dict:
                         merged["router"]["itl_p50_ms"] - merged["direct"]["itl_p50_ms"]
                     )
                     out["levels"][str(c)] = merged  # fmt: skip
+                    # Each level as it completes, on stderr: a long run keeps what it has.
+                    print(orjson.dumps({str(c): merged}).decode(), file=sys.stderr, flush=True)
             out["loadavg"] = os.getloadavg()
             return out
         finally:
@@ -172,6 +175,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
     args = p.parse_args()
+    setup_logging("warning", "console")  # logs to stderr: stdout is the result
     result = asyncio.run(run(args))
     if args.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
