@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -99,6 +100,9 @@ async def level(concurrency: int, rounds: int, run) -> dict:
 
 
 async def run(args: argparse.Namespace) -> dict:
+    # SIGTERM (e.g. from `timeout`) cancels the run, so the finally below stops the processes.
+    main_task = asyncio.current_task()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["TANDEM_LOG_FORMAT"] = "json"
     with tempfile.TemporaryDirectory() as tmp:
