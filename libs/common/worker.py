@@ -25,7 +25,7 @@ from libs.common.engine.engine_config import EngineConfig
 from libs.common.engine.sampler import TokenLogprobs
 from libs.common.engine.sampling_params import SamplingParams
 from libs.common.kv_events import KvEventPublisher, ensure_kv_stream
-from libs.common.log import get_logger
+from libs.common.log import get_logger, request_context
 from libs.common.messages import CancelRequest, LoadReport, MessageError, SamplingSpec
 from libs.common.pool_client import PoolClient
 from libs.common.pool_tier import PoolTier
@@ -70,6 +70,7 @@ class WorkerService(BaseService):
         self._events_wake = asyncio.Event()
         self._loops: list[asyncio.Task] = []
         self._cancel_sub: Any = None
+        self._active: dict[str, asyncio.Task] = {}  # request id -> the task serving it
         self._tokens_out = 0  # output tokens since the last load report
         self.queued_prompt_tokens = 0  # accepted, not yet prefilled (for routing)
 
@@ -108,6 +109,7 @@ class WorkerService(BaseService):
             "transfer_endpoint": self.transfer.endpoint if self.transfer else "",
             "prefix_cache": not self.config.no_prefix_cache,
             "pool": not self.config.no_pool,
+            "active_requests": len(self._active),
         }
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -185,7 +187,13 @@ class WorkerService(BaseService):
         await self.cancel(cancel.request_id, cancel.reason)
 
     async def cancel(self, request_id: str, reason: str) -> None:
-        """Drop `request_id` if this worker holds it. Subclasses extend."""
+        """Drop `request_id` if this worker serves it: its task is cancelled, and the task's
+        own cleanup aborts it in the engine (freeing its pages) and ends its stream."""
+        task = self._active.get(request_id)
+        if task is not None:
+            with request_context(request_id):
+                log.info("request cancelled", reason=reason)
+            task.cancel()
 
     # --- load reports and KV events --------------------------------------------------------
 

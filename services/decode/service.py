@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from libs.common.bus import BusError, Endpoint, HandlerError
 from libs.common.handoff import handoff_check
@@ -42,7 +41,6 @@ class DecodeService(WorkerService):
     def __init__(self, config: DecodeConfig):
         super().__init__(config)
         self.config: DecodeConfig = config
-        self._active: dict[str, asyncio.Task] = {}
         self._prefill_seen: dict[str, float] = {}  # prefill worker -> last load report
         self._peers_sub = None
 
@@ -244,13 +242,3 @@ class DecodeService(WorkerService):
                 log.info("request finished", reason=out.finish_reason,
                          completion_tokens=out.num_output_tokens)  # fmt: skip
                 return
-
-    async def cancel(self, request_id: str, reason: str) -> None:
-        task = self._active.get(request_id)
-        if task is not None:
-            with request_context(request_id):
-                log.info("request cancelled", reason=reason)
-            task.cancel()
-
-    def details(self) -> dict[str, Any]:
-        return {**super().details(), "active_requests": len(self._active)}

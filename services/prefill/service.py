@@ -39,7 +39,6 @@ class PrefillService(WorkerService):
     def __init__(self, config: PrefillConfig):
         super().__init__(config)
         self.config: PrefillConfig = config
-        self._active: dict[str, asyncio.Task] = {}
 
     def endpoints(self) -> list[Endpoint]:
         return [
@@ -160,10 +159,3 @@ class PrefillService(WorkerService):
             cached_tokens=cached,
             finish_reason=last.finish_reason,
         )
-
-    async def cancel(self, request_id: str, reason: str) -> None:
-        task = self._active.get(request_id)
-        if task is not None:
-            with request_context(request_id):
-                log.info("request cancelled", reason=reason)
-            task.cancel()
