@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def side_by_side(name: str, n: int) -> None:
         prompts = _prompts(n, args.prompt_tokens, cfg.vocab_size)
+        # Warm-up of both sides on the same shapes (oneDNN builds kernels per shape).
+        run_ours(core, prompts, 2, SamplingParams)
+        run_reference(torch, ref, prompts, 2)
         print(f"{name}: ours ...", file=sys.stderr)
         ours = run_ours(core, prompts, args.new_tokens, SamplingParams)
         print(f"{name}: transformers ...", file=sys.stderr)
