@@ -108,7 +108,11 @@ async def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         server = NatsServer(Path(tmp) / "nats").start()
         cluster = LocalCluster(server.url, env=env, capture=Path(tmp) / "logs", args={
-            "decode": ["--service-id", "bench-d1", "--kv-cache-mb", "256", "--no-pool", "true"],
+            # One model thread: on 2 cores the router and this client need the other core,
+            # or every step's 2-thread OpenMP region stalls on whoever else runs, and the
+            # "overhead" measured is the worker's slowdown, not the router's work.
+            "decode": ["--service-id", "bench-d1", "--kv-cache-mb", "256", "--no-pool", "true",
+                       "--num-threads", "1"],
             "router": ["--service-id", "bench-router", "--port", str(args.port),
                        "--max-pending", "1024"],
         })  # fmt: skip
