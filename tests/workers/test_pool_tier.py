@@ -40,3 +40,31 @@ async def test_decode_writes_finished_conversation_pages_for_the_next_turn(bus):
     turn2 = await generate(bus, "turn-2", follow_up, decode="d2", max_tokens=4)
     # the first (40 + 30 - 1) // 16 = 4 pages were computed on d1; d2 reads them
     assert turn2.usage.cached_tokens["pool"] == 4 * 16
+
+
+async def test_pool_read_that_fails_falls_back_to_compute_with_equal_output(bus, cluster):
+    """Runs last in this session: it kills the only store (the master still lists its
+    objects until the store's heartbeats are missed, so reads are tried and fail)."""
+    _, local = cluster
+    prompt = prompt_ids(100, seed=83)
+    pooled: set[str] = set()
+    all_pooled = asyncio.Event()
+
+    async def on_event(msg) -> None:
+        event = KvEvent.decode(msg.data)
+        if event.tier == "pool" and event.kind == "stored":
+            pooled.update(event.keys)
+            if len(pooled) >= 6:
+                all_pooled.set()
+
+    sub = await bus.subscribe("tandem.kv.events.>", on_event)
+    try:
+        first = await generate(bus, "fail-1", prompt, decode="d1", prefill="p1", max_tokens=6)
+        await asyncio.wait_for(all_pooled.wait(), 20)
+    finally:
+        await sub.unsubscribe()
+    local.procs["cache_store"].kill()  # kill -9: its segment is gone mid-flight
+    local.procs["cache_store"].wait()
+    again = await generate(bus, "fail-2", prompt, decode="d2", prefill="p2", max_tokens=6)
+    assert again.error is None and again.token_ids == first.token_ids
+    assert again.usage.cached_tokens.get("pool", 0) == 0
