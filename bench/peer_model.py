@@ -15,11 +15,16 @@ from pathlib import Path
 from libs.common.engine.model_source import default_model_path
 
 
-def write(out: Path) -> None:
+def write(out: Path, src=None) -> None:
+    """Save the default model to `out`; `src` is that model already loaded by transformers
+    from the GGUF (loaded here when None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     gguf = Path(default_model_path())
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    if src is None:
+        src = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype="float32"
+        )
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     skip = ("quantization_config", "architectures")
     cfg = LlamaConfig(**{k: v for k, v in src.config.to_dict().items() if k not in skip})

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import pytest
 
+from bench.peer_model import write as write_hf_folder
 from libs.common.engine.engine_config import EngineConfig
 from libs.common.engine.engine_core import EngineCore
 from libs.common.engine.model import LlamaModel
-from libs.common.engine.model_source import default_model_path, load_model
+from libs.common.engine.model_source import load_model
 from libs.common.engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_end
 
@@ -18,12 +17,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory, reference_model):
-    transformers = pytest.importorskip("transformers")
+    """The default model as a plain HF folder (transformers won't save a GGUF-loaded model
+    as it is, so bench.peer_model copies its tensors into a LlamaForCausalLM)."""
     folder = tmp_path_factory.mktemp("hf-smollm2")
-    reference_model.save_pretrained(folder, safe_serialization=True)
-    path = pathlib.Path(default_model_path())
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(folder)
+    write_hf_folder(folder, reference_model)
     return folder
 
 
