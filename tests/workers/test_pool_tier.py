@@ -6,8 +6,8 @@ from libs.common.messages import KvEvent
 from tests.workers.conftest import generate, prompt_ids
 
 
-async def test_prompt_computed_on_one_prefill_worker_hits_the_pool_on_another(bus):
-    prompt = prompt_ids(100, seed=80)  # 6 full pages
+async def _watch_pool_stores(bus, pages: int):
+    """An event set once the pool's stores announced `pages` stored pages, and the sub."""
     pooled: set[str] = set()
     all_pooled = asyncio.Event()
 
@@ -15,10 +15,15 @@ async def test_prompt_computed_on_one_prefill_worker_hits_the_pool_on_another(bu
         event = KvEvent.decode(msg.data)
         if event.tier == "pool" and event.kind == "stored":
             pooled.update(event.keys)
-            if len(pooled) >= 6:
+            if len(pooled) >= pages:
                 all_pooled.set()
 
-    sub = await bus.subscribe("tandem.kv.events.>", on_event)
+    return all_pooled, await bus.subscribe("tandem.kv.events.>", on_event)
+
+
+async def test_prompt_computed_on_one_prefill_worker_hits_the_pool_on_another(bus):
+    prompt = prompt_ids(100, seed=80)  # 6 full pages
+    all_pooled, sub = await _watch_pool_stores(bus, pages=6)
     try:
         first = await generate(bus, "l3-1", prompt, decode="d1", prefill="p1", max_tokens=6)
         assert first.usage.cached_tokens.get("pool", 0) == 0
@@ -47,17 +52,7 @@ async def test_pool_read_that_fails_falls_back_to_compute_with_equal_output(bus,
     objects until the store's heartbeats are missed, so reads are tried and fail)."""
     _, local = cluster
     prompt = prompt_ids(100, seed=83)
-    pooled: set[str] = set()
-    all_pooled = asyncio.Event()
-
-    async def on_event(msg) -> None:
-        event = KvEvent.decode(msg.data)
-        if event.tier == "pool" and event.kind == "stored":
-            pooled.update(event.keys)
-            if len(pooled) >= 6:
-                all_pooled.set()
-
-    sub = await bus.subscribe("tandem.kv.events.>", on_event)
+    all_pooled, sub = await _watch_pool_stores(bus, pages=6)
     try:
         first = await generate(bus, "fail-1", prompt, decode="d1", prefill="p1", max_tokens=6)
         await asyncio.wait_for(all_pooled.wait(), 20)
