@@ -42,12 +42,11 @@ class DecodeService(WorkerService):
         super().__init__(config)
         self.config: DecodeConfig = config
         self._prefill_seen: dict[str, float] = {}  # prefill worker -> last load report
-        self._peers_sub = None
 
     async def on_start(self) -> None:
         await super().on_start()
         subject = self.subject("workers", "prefill", "*", "load")
-        self._peers_sub = await self.bus.subscribe(subject, self._on_prefill_load)
+        await self.bus.subscribe(subject, self._on_prefill_load)  # ends with the connection
 
     async def _on_prefill_load(self, msg) -> None:
         self._prefill_seen[msg.subject.split(".")[3]] = time.monotonic()
