@@ -17,7 +17,7 @@ WORKER_ARGS = [
     "--num-threads",
     "1",
     "--kv-cache-mb",
-    "64",
+    "128",
     "--transport",
     "tcp",
     "--no-pool",

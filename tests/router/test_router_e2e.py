@@ -204,9 +204,12 @@ async def test_queue_bound_429_and_router_restart_rebuilds_the_index(cluster, mo
     try:
         url = await routers.astart("router-b", "--max-pending", "1", "--disagg-threshold", "32")
         first = await wait_healthy(url, {"prefill": 2, "decode": 1}, 60)
-        keys = first["kv_index_keys"]
-        assert first["kv_index_replayed"] and keys > 0  # it read the events of earlier tests
+        assert first["kv_index_replayed"] and first["kv_index_keys"] > 0  # earlier tests' events
         c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=240)
+        # Earlier tests may have pushed the long prefix out of the workers' LRU caches:
+        # compute it once more, so that a prefill worker surely holds it at the restart.
+        await c.completions.create(model="default", prompt=f"{LONG} Q8", max_tokens=1)
+        await asyncio.sleep(1.0)  # its KV events reach the stream the next router replays
         hold = asyncio.create_task(
             c.completions.create(
                 model="default", prompt="Hello", max_tokens=200, extra_body={"ignore_eos": True}
@@ -218,6 +221,7 @@ async def test_queue_bound_429_and_router_restart_rebuilds_the_index(cluster, mo
         assert e.value.response.headers["Retry-After"] == "1"
         await hold
         await c.close()
+        keys = (await wait_healthy(url, {"prefill": 2, "decode": 1}, 10))["kv_index_keys"]
         routers.stop()  # restart: a fresh process, same id, must route as well as before
         url = await routers.astart("router-b", "--disagg-threshold", "32")
         again = await wait_healthy(url, {"prefill": 2, "decode": 1}, 60)
