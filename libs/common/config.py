@@ -250,6 +250,14 @@ class WorkerConfig(CommonConfig):
         default="127.0.0.1",
         metadata={"help": "address the transfer engine listens on and gives to peers"},
     )
+    transfer_advertise_host: str = field(
+        default="",
+        metadata={"help": "address peers dial for KV transfers (default: --transfer-host)"},
+    )
+    transfer_stall_timeout: float = field(
+        default=10.0,
+        metadata={"help": "seconds a KV transfer connection may stall before it fails (tcp)"},
+    )
     load_interval: float = field(default=0.25, metadata={"help": "seconds between load reports"})
     handoff_timeout: float = field(
         default=300.0,
@@ -264,7 +272,7 @@ class WorkerConfig(CommonConfig):
         super().validate()
         for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
             require_positive(self, name)
-        for name in ("load_interval", "handoff_timeout", "peer_timeout"):
+        for name in ("load_interval", "handoff_timeout", "peer_timeout", "transfer_stall_timeout"):
             require_positive(self, name)
         if self.num_threads < 0:
             raise ValueError(f"--num-threads: must be >= 0, got {self.num_threads}")

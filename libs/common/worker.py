@@ -115,7 +115,14 @@ class WorkerService(BaseService):
     # --- lifecycle -------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        self.transfer = create_engine(self.transport, host=self.config.transfer_host)
+        options: dict[str, Any] = {}
+        if self.transport == "tcp":  # shm and rdma take none of these
+            options = {
+                "host": self.config.transfer_host,
+                "advertise_host": self.config.transfer_advertise_host or None,
+                "stall_timeout_s": self.config.transfer_stall_timeout,
+            }
+        self.transfer = create_engine(self.transport, **options)
         await self.transfer.start()
         self.engine = Engine(
             EngineConfig(

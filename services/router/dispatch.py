@@ -197,6 +197,12 @@ class Dispatcher:
                 log.warning("unreadable token chunk dropped", error=str(e))
                 continue
             if chunk.index < next_index:
+                if chunk.finish_reason in ("error", "abort"):
+                    # A worker that failed before it knew what others streamed (the decode
+                    # worker whose handoff failed after the prefill worker sent token 0)
+                    # numbers its error from its own view: it still ends the stream.
+                    yield chunk
+                    return
                 continue  # a duplicate
             held[chunk.index] = chunk
             while next_index in held:

@@ -149,6 +149,20 @@ async def test_error_after_tokens_streamed_is_a_502_not_a_retry(nats_url):
     assert e.value.status == 502 and resp[1].seen == []
 
 
+async def test_error_numbered_before_tokens_already_streamed_still_ends_the_stream(nats_url):
+    # The prefill worker streamed token 0; the decode worker's handoff then failed and it
+    # numbers its error chunk 0 (it never saw token 0): that must end the stream, not be
+    # dropped as a duplicate while the client waits for the router's timeout.
+    def script(rid):
+        return [chunk(rid, 0, [1]), chunk(rid, 0, [], "error")]
+
+    async with setup(nats_url, {"d1": script}) as (dispatcher, _, _, _):
+        started = time.monotonic()
+        with pytest.raises(ApiError) as e:
+            await collect(dispatcher, route_to("d1"), timeout=30.0)
+    assert e.value.status == 502 and time.monotonic() - started < 5
+
+
 async def test_full_worker_is_waited_for_then_429(nats_url):
     def full(_rid):
         raise HandlerError(429, "KV pool full")

@@ -36,6 +36,8 @@ class TcpTransferEngine(TransferEngine):
     host/port: where the transfer server listens (port 0: any free port).
     advertise_host: the host peers should dial (default: host, or the machine's
     name when host is a wildcard).
+    stall_timeout_s: a connection whose peer stops acknowledging (a cut link, a dead
+    host) fails after about this long, on both ends (see tcp_frame.set_liveness).
     """
 
     transport = "tcp"
@@ -51,6 +53,7 @@ class TcpTransferEngine(TransferEngine):
         connect_timeout_s: float = 5.0,
         batch_timeout_s: float = 60.0,
         max_server_connections: int = 256,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         super().__init__()
         if not 0 <= port < 65536:
@@ -59,8 +62,8 @@ class TcpTransferEngine(TransferEngine):
             raise ValueError(f"connections_per_peer: must be >= 1, got {connections_per_peer}")
         if not 0 < slice_bytes <= MAX_FRAME_BYTES:
             raise ValueError(f"slice_bytes: must be in (0, {MAX_FRAME_BYTES}], got {slice_bytes}")
-        if connect_timeout_s <= 0 or batch_timeout_s <= 0:
-            raise ValueError("connect_timeout_s/batch_timeout_s: must be positive")
+        if connect_timeout_s <= 0 or batch_timeout_s <= 0 or stall_timeout_s <= 0:
+            raise ValueError("connect_timeout_s/batch_timeout_s/stall_timeout_s: must be positive")
         if max_server_connections < 1:
             raise ValueError("max_server_connections: must be >= 1")
         self._host = host
@@ -69,8 +72,9 @@ class TcpTransferEngine(TransferEngine):
         self._slice_bytes = slice_bytes
         self._connect_timeout_s = connect_timeout_s
         self._batch_timeout_s = batch_timeout_s
+        self._stall_s = stall_timeout_s
         self._server = TcpTransferServer(
-            self._regions, host, port, max_server_connections, self._log
+            self._regions, host, port, max_server_connections, self._log, stall_timeout_s
         )
         self._peers: dict[str, list[Connection]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
@@ -87,7 +91,13 @@ class TcpTransferEngine(TransferEngine):
 
     def info(self) -> dict[str, object]:
         out = super().info()
-        out.update(connections_per_peer=self._lanes, slice_bytes=self._slice_bytes)
+        out.update(
+            connections_per_peer=self._lanes,
+            slice_bytes=self._slice_bytes,
+            stall_timeout_s=self._stall_s,
+            server_connections=self._server.num_connections,
+            peer_connections=sum(c.alive for conns in self._peers.values() for c in conns),
+        )
         return out
 
     async def _start(self) -> None:
@@ -117,7 +127,10 @@ class TcpTransferEngine(TransferEngine):
             missing = self._lanes - len(conns)
             if missing > 0:
                 opened = await asyncio.gather(
-                    *(Connection.open(host, port, self._connect_timeout_s) for _ in range(missing)),
+                    *(
+                        Connection.open(host, port, self._connect_timeout_s, self._stall_s)
+                        for _ in range(missing)
+                    ),
                     return_exceptions=True,
                 )
                 errors = [c for c in opened if isinstance(c, BaseException)]

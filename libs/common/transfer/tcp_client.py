@@ -31,6 +31,7 @@ from .tcp_frame import (
     RESPONSE,
     VERSION,
     pack_request,
+    set_liveness,
 )
 
 
@@ -67,11 +68,14 @@ class Connection:
         self._loop.add_reader(self._fd, self._on_readable)
 
     @classmethod
-    async def open(cls, host: str, port: int, timeout_s: float) -> Connection:
+    async def open(
+        cls, host: str, port: int, timeout_s: float, stall_s: float = 10.0
+    ) -> Connection:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_liveness(sock, stall_s)
         try:
             async with asyncio.timeout(timeout_s):
                 await loop.sock_connect(sock, (host, port))

@@ -36,6 +36,7 @@ the server close the connection: the stream can no longer be trusted to be in sy
 
 from __future__ import annotations
 
+import socket
 import struct
 
 MAGIC = 0x544E_444D  # "MDNT" little-endian: Tandem
@@ -80,3 +81,26 @@ def pack_response(kind: int, op_index: int, batch_id: int, length: int) -> bytes
 
 def error_payload(reason: str) -> bytes:
     return reason.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+
+
+def set_liveness(sock: socket.socket, stall_s: float) -> None:
+    """Make a dead peer (a cut link, a host gone without a FIN) fail this socket within
+    about `stall_s` seconds instead of the kernel's ~15 minutes of retransmissions.
+
+    TCP_USER_TIMEOUT bounds how long sent data may stay unacknowledged (a stalled
+    transfer); keepalive probes find a silent peer while nothing is in flight (a
+    server waiting for the next header, a client waiting for an ACK). Both ends set
+    them. Where an option is missing (not Linux), the batch timeout still applies.
+    """
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(stall_s / 2))
+    interval = max(1, int(stall_s / 6))
+    for name, value in (
+        ("TCP_USER_TIMEOUT", int(stall_s * 1000)),
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPINTVL", interval),
+        ("TCP_KEEPCNT", 3),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)

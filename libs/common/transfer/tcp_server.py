@@ -33,6 +33,7 @@ from .tcp_frame import (
     VERSION,
     error_payload,
     pack_response,
+    set_liveness,
 )
 
 _DRAIN_CHUNK = 1 << 16
@@ -67,18 +68,30 @@ class TcpTransferServer:
     """Listens on (host, port); serves ops against `regions` until `stop()`."""
 
     def __init__(
-        self, regions: RegionTable, host: str, port: int, max_connections: int, log: Any
+        self,
+        regions: RegionTable,
+        host: str,
+        port: int,
+        max_connections: int,
+        log: Any,
+        stall_s: float = 10.0,
     ) -> None:
         self._regions = regions
         self._host = host
         self._port = port
         self._max_connections = max_connections
         self._log = log
+        self._stall_s = stall_s
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+
+    @property
+    def num_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
 
     @property
     def port(self) -> int:
@@ -134,6 +147,7 @@ class TcpTransferServer:
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_liveness(sock, self._stall_s)  # a cut link must not hold this thread
             self._serve_frames(sock, peer)
         except OSError as exc:
             if not self._stopping.is_set():
