@@ -107,6 +107,7 @@ class WorkerService(BaseService):
             "kv_pages": self.num_kv_pages,
             "transport": self.transport,
             "transfer_endpoint": self.transfer.endpoint if self.transfer else "",
+            "transfer": self.transfer.info() if self.transfer else {},
             "prefix_cache": not self.config.no_prefix_cache,
             "pool": not self.config.no_pool,
             "active_requests": len(self._active),

@@ -1,0 +1,205 @@
+"""Two network namespaces joined by a veth pair, for link-cut tests (needs root).
+
+    root namespace                   ns <tag>-p                    ns <tag>-d
+    nats-server 127.0.0.1:N  <--relay--  127.0.0.1:N                 127.0.0.1:N  (relay)
+    router, the test                     prefill  10.200.0.1/30 ==veth== 10.200.0.2/30  decode
+
+Only the KV transfer crosses the veth: each namespace reaches the root namespace's
+nats-server through a relay whose listening socket lives inside that namespace (created
+by a thread that entered it with setns) and whose upstream socket lives in the root
+namespace. So cutting the veth cuts exactly the prefill <-> decode link, as a failed
+cable or switch port would, while the control plane stays up.
+
+Nothing of the host's own network is touched: the addresses exist only inside the two
+namespaces, and deleting the namespaces (always, in `close`) removes the veth with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import socket
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+CLONE_NEWNET = 0x40000000
+P_ADDR, D_ADDR = "10.200.0.1", "10.200.0.2"
+
+
+def _ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    if done.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be used here (a skip reason), or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    name = f"tdm-probe-{uuid.uuid4().hex[:6]}"
+    try:
+        _ip("netns", "add", name)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        return f"cannot create a network namespace: {e}"
+    with contextlib.suppress(Exception):
+        _ip("netns", "del", name)
+    if subprocess.run(["iptables", "--version"], capture_output=True).returncode:
+        return "iptables is not available (needed to cut the link)"
+    return None
+
+
+def in_netns(name: str, make: Callable[[], T]) -> T:
+    """Run `make` in a thread that entered namespace `name`: sockets it creates live there
+    (a socket keeps the namespace it was created in; the calling thread is untouched)."""
+    out: list = []
+
+    def enter() -> None:
+        try:
+            fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {name}")
+            finally:
+                os.close(fd)
+            out.append(make())
+        except BaseException as e:  # handed to the caller
+            out.append(e)
+
+    thread = threading.Thread(target=enter, name=f"netns-{name}")
+    thread.start()
+    thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+class Relay:
+    """127.0.0.1:<port> inside namespace `netns` -> `target` in the root namespace."""
+
+    def __init__(self, netns: str, port: int, target: tuple[str, int]):
+        self.netns, self.port, self.target = netns, port, target
+        self._listener: socket.socket | None = None
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> Relay:
+        self._listener = in_netns(
+            self.netns, lambda: socket.create_server(("127.0.0.1", self.port), backlog=64)
+        )
+        threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                inner, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                outer = socket.create_connection(self.target, timeout=5)
+                outer.settimeout(None)
+            except OSError:
+                inner.close()
+                continue
+            with self._lock:
+                self._socks += [inner, outer]
+            for a, b in ((inner, outer), (outer, inner)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+class LinkedNamespaces:
+    """Namespaces `<tag>-p` and `<tag>-d`, veth `<tag>p` <-> `<tag>d` (10.200.0.1/.2/30)."""
+
+    def __init__(self, tag: str | None = None):
+        tag = tag or f"tdm{os.getpid() % 100000}"
+        self.p, self.d = f"{tag}-p", f"{tag}-d"
+        self.veth = {self.p: f"{tag}p"[:15], self.d: f"{tag}d"[:15]}
+        self.relays: list[Relay] = []
+        self.cut_active = False
+
+    def create(self) -> LinkedNamespaces:
+        _ip("netns", "add", self.p)
+        _ip("netns", "add", self.d)
+        vp, vd = self.veth[self.p], self.veth[self.d]
+        _ip("link", "add", vp, "netns", self.p, "type", "veth", "peer", "name", vd,
+            "netns", self.d)  # fmt: skip
+        for ns, dev, addr in ((self.p, vp, P_ADDR), (self.d, vd, D_ADDR)):
+            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        return self
+
+    def relay_nats(self, port: int) -> None:
+        """Make 127.0.0.1:<port> in both namespaces reach the root namespace's port."""
+        for ns in (self.p, self.d):
+            self.relays.append(Relay(ns, port, ("127.0.0.1", port)).start())
+
+    def command(self, ns: str, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def tx_bytes(self, ns: str) -> int:
+        """Bytes sent on the namespace's veth (the KV transfer's progress)."""
+        path = f"/sys/class/net/{self.veth[ns]}/statistics/tx_bytes"
+        out = subprocess.run(self.command(ns, ["cat", path]), capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"cannot read {path} in {ns}: {out.stderr.strip()}")
+        return int(out.stdout)
+
+    def _iptables(self, action: str) -> None:
+        for ns, dev in self.veth.items():
+            for chain, way in (("INPUT", "-i"), ("OUTPUT", "-o")):
+                rule = [chain, way, dev, "-j", "DROP"]
+                subprocess.run(self.command(ns, ["iptables", action, *rule]), check=True,
+                               capture_output=True, timeout=10)  # fmt: skip
+
+    def cut(self) -> None:
+        """Drop every packet on the link, both ways, silently (no RST, no ICMP): what a
+        pulled cable or a dead switch port looks like to TCP."""
+        self._iptables("-I")
+        self.cut_active = True
+
+    def restore(self) -> None:
+        if self.cut_active:
+            self._iptables("-D")
+            self.cut_active = False
+
+    def close(self) -> None:
+        """Stop the relays and delete both namespaces (the veth goes with them)."""
+        for relay in self.relays:
+            relay.stop()
+        self.relays.clear()
+        for ns in (self.p, self.d):
+            if Path(f"/run/netns/{ns}").exists():
+                with contextlib.suppress(Exception):
+                    _ip("netns", "del", ns)
