@@ -9,7 +9,16 @@ Two clients take turns on the same worker, so both see the same model and load:
 Per concurrency level (1 and 64 by default) it reports p50/p99 of time to first token and
 of inter-token gaps for both, and the router's added latency as the difference of the
 p50s (per request: TTFT; per token: gap). Prompts are token ids, greedy, ignore_eos, so
-both paths generate exactly the same tokens.
+both paths generate exactly the same number of tokens; every request has a prompt of its
+own (no prefix-cache hits on either path: `cached_tokens` in the output says so).
+
+The difference of p50s taken minutes apart swings by tens of ms on a busy machine, so the
+router's requests are also timed against the bus itself, in the same request: this client
+watches the generate subject and the request's stream subject (the router takes its
+`x-request-id`), and reports
+- `front`: POST -> GenerateRequest on the bus, against send -> the same for `direct`;
+- `hold`: a TokenChunk on the bus -> its SSE event here (the first token's, and per token).
+`paired_added_ms_per_request_p50` = front (router - direct) + hold of the first token.
 """
 
 from __future__ import annotations
@@ -50,53 +59,111 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def via_router(http: aiohttp.ClientSession, url: str, ids: list[int], n: int):
+class Trace:
+    """One request's timestamps (perf_counter): start, tokens seen, and the bus's view."""
+
+    def __init__(self, rid: str):
+        self.rid, self.start, self.times, self.cached = rid, 0.0, [], 0
+        self.on_bus: list[float] = []  # TokenChunks with tokens, as seen on the bus
+
+
+class GenerateWatch:
+    """When each GenerateRequest appeared on the worker's generate subject, by request id."""
+
+    def __init__(self):
+        self.seen: dict[str, float] = {}
+
+    async def on_msg(self, msg) -> None:
+        self.seen[orjson.loads(msg.data)["request_id"]] = time.perf_counter()
+
+
+async def via_router(http: aiohttp.ClientSession, bus: Bus, url: str, ids: list[int], n: int):
+    t = Trace(uuid.uuid4().hex)
+
+    async def on_chunk(msg) -> None:
+        if TokenChunk.decode(msg.data).token_ids:
+            t.on_bus.append(time.perf_counter())
+
+    sub = await bus.nc.subscribe(f"tandem.stream.{t.rid}", cb=on_chunk)
+    await bus.nc.flush()
     body = {"model": "default", "prompt": ids, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    start, times = time.perf_counter(), []
-    async with http.post(f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.content:
-            if line.startswith(b"data: {") and b'"text":""' not in line:
-                times.append(time.perf_counter())
-    return start, times
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    try:
+        t.start = time.perf_counter()
+        async with http.post(
+            f"{url}/v1/completions", json=body, headers={"x-request-id": t.rid}
+        ) as resp:
+            resp.raise_for_status()
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                if b'"choices":[]' in line:  # the usage event
+                    usage = orjson.loads(line[6:])["usage"]
+                    t.cached = usage["prompt_tokens_details"]["cached_tokens"]
+                elif b'"text":""' not in line:
+                    t.times.append(time.perf_counter())
+    finally:
+        await sub.unsubscribe()
+    return t
 
 
 async def direct(bus: Bus, worker: str, ids: list[int], n: int):
-    rid = uuid.uuid4().hex
-    subject = f"tandem.stream.{rid}"
+    t = Trace(uuid.uuid4().hex)
+    subject = f"tandem.stream.{t.rid}"
     queue: asyncio.Queue = asyncio.Queue()
     sub = await bus.nc.subscribe(subject, cb=queue.put)
     sampling = SamplingSpec(max_tokens=n, temperature=0.0, ignore_eos=True)
-    start, times = time.perf_counter(), []
+    t.start = time.perf_counter()
     try:
-        request = GenerateRequest(rid, ids, sampling, subject)
+        request = GenerateRequest(t.rid, ids, sampling, subject)
         await bus.request(f"tandem.decode.{worker}.generate", request, GenerateAccepted, 30)
         while True:
             chunk = TokenChunk.decode((await asyncio.wait_for(queue.get(), 600)).data)
             if chunk.token_ids:
-                times.append(time.perf_counter())
+                t.times.append(time.perf_counter())
             if chunk.finish_reason is not None:
-                return start, times
+                t.cached = sum(chunk.usage.cached_tokens.values()) if chunk.usage else 0
+                return t
     finally:
         await sub.unsubscribe()
 
 
-async def level(concurrency: int, rounds: int, run) -> dict:
-    ttft, gaps = [], []
+def prompt(k: int) -> list[int]:
+    """The k-th prompt: its first page differs from every other k's below 4000 (13 is
+    invertible mod 4000), so no request hits a page that another one computed."""
+    return [1, *[(97 + 13 * k + 7 * j) % 4000 + 100 for j in range(40)]]
 
-    async def one(k: int) -> None:
-        ids = [1, *[(97 + 13 * k + 7 * j) % 4000 + 100 for j in range(40)]]
-        start, times = await run(ids)
-        if times:
-            ttft.append(times[0] - start)
-            gaps.extend(b - a for a, b in itertools.pairwise(times))
 
-    for r in range(rounds):
-        await asyncio.gather(*(one(r * concurrency + k) for k in range(concurrency)))
-    return {"ttft_p50_ms": _pct(ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(ttft, 0.99) * 1e3,
-            "itl_p50_ms": _pct(gaps, 0.5) * 1e3, "itl_p99_ms": _pct(gaps, 0.99) * 1e3,
-            "requests": len(ttft), "gaps": len(gaps)}  # fmt: skip
+async def level(
+    concurrency: int, rounds: int, run, prompts: itertools.count, watch: GenerateWatch
+) -> dict:
+    ttft, gaps, front, hold_first, hold, cached = [], [], [], [], [], 0
+
+    async def one() -> None:
+        nonlocal cached
+        t = await run(prompt(next(prompts)))
+        cached += t.cached
+        if t.times:
+            ttft.append(t.times[0] - t.start)
+            gaps.extend(b - a for a, b in itertools.pairwise(t.times))
+        if t.rid in watch.seen:
+            front.append(watch.seen.pop(t.rid) - t.start)
+        if t.on_bus and len(t.on_bus) == len(t.times):
+            hold_first.append(t.times[0] - t.on_bus[0])
+            hold.extend(a - b for a, b in zip(t.times, t.on_bus, strict=True))
+
+    for _ in range(rounds):
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+    ms = lambda v, q: _pct(v, q) * 1e3  # noqa: E731
+    out = {"ttft_p50_ms": ms(ttft, 0.5), "ttft_p99_ms": ms(ttft, 0.99),
+           "itl_p50_ms": ms(gaps, 0.5), "itl_p99_ms": ms(gaps, 0.99),
+           "front_p50_ms": ms(front, 0.5), "requests": len(ttft), "gaps": len(gaps),
+           "cached_tokens": cached}  # fmt: skip
+    if hold:
+        out |= {"hold_first_p50_ms": ms(hold_first, 0.5), "hold_p50_ms": ms(hold, 0.5),
+                "hold_p99_ms": ms(hold, 0.99)}  # fmt: skip
+    return out
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -121,6 +188,8 @@ async def run(args: argparse.Namespace) -> dict:
             cluster.start(("decode", "router"))
             await cluster.wait_ready(timeout=300)
             await bus.connect()
+            watch = GenerateWatch()
+            await bus.nc.subscribe("tandem.decode.bench-d1.generate", cb=watch.on_msg)
             info = await bus.request("tandem.router.bench-router.info", InfoRequest(), ServiceInfo)
             url = f"http://127.0.0.1:{info.details['port']}"
             out: dict = {"max_tokens": args.max_tokens, "prompt_tokens": 41, "levels": {}}
@@ -129,23 +198,26 @@ async def run(args: argparse.Namespace) -> dict:
             no_limit = aiohttp.ClientTimeout(total=None, sock_read=None)
             async with aiohttp.ClientSession(connector=conn, timeout=no_limit) as http:
                 await _wait_health(http, url)
-                n = args.max_tokens
+                n, prompts = args.max_tokens, itertools.count()
+                paths = {
+                    "router": lambda ids: via_router(http, bus, url, ids, n),
+                    "direct": lambda ids: direct(bus, "bench-d1", ids, n),
+                }
+                for path in paths.values():  # warm-up: first-call costs on both paths
+                    await level(1, 1, path, prompts, watch)
                 for c in args.concurrency:
                     rows = {"router": [], "direct": []}
                     for _ in range(args.repeats):  # alternate, so drift hits both alike
-                        rows["router"].append(
-                            await level(c, args.rounds, lambda ids: via_router(http, url, ids, n))
-                        )
-                        rows["direct"].append(
-                            await level(c, args.rounds, lambda ids: direct(bus, "bench-d1", ids, n))
-                        )
+                        for name, path in paths.items():
+                            rows[name].append(await level(c, args.rounds, path, prompts, watch))
                     merged = {k: _median_rows(v) for k, v in rows.items()}
-                    merged["added_ms_per_request_p50"] = (
-                        merged["router"]["ttft_p50_ms"] - merged["direct"]["ttft_p50_ms"]
+                    r, d = merged["router"], merged["direct"]
+                    merged["added_ms_per_request_p50"] = r["ttft_p50_ms"] - d["ttft_p50_ms"]
+                    merged["added_ms_per_token_p50"] = r["itl_p50_ms"] - d["itl_p50_ms"]
+                    merged["paired_added_ms_per_request_p50"] = (
+                        r["front_p50_ms"] - d["front_p50_ms"] + r["hold_first_p50_ms"]
                     )
-                    merged["added_ms_per_token_p50"] = (
-                        merged["router"]["itl_p50_ms"] - merged["direct"]["itl_p50_ms"]
-                    )
+                    merged["paired_added_ms_per_token_p50"] = r["hold_p50_ms"]
                     out["levels"][str(c)] = merged  # fmt: skip
                     # Each level as it completes, on stderr: a long run keeps what it has.
                     print(orjson.dumps({str(c): merged}).decode(), file=sys.stderr, flush=True)
@@ -188,17 +260,26 @@ def main() -> None:
     if args.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
         return
-    print("| streams | path | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | added/request | "
-          "added/token |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print("| streams | path | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | front p50 | "
+          "hold p50 (first) | added/request | added/token | paired added/request | "
+          "paired added/token |\n|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for c, m in result["levels"].items():
         for path in ("direct", "router"):
             r = m[path]
-            added = m["added_ms_per_request_p50"], m["added_ms_per_token_p50"]
-            extra = f"{added[0]:.2f} ms | {added[1]:.2f} ms" if path == "router" else " | "
-            print(
-                f"| {c} | {path} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-                f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {extra} |"
-            )
+            row = [c, path, f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p99_ms']:.1f}",
+                   f"{r['itl_p50_ms']:.2f}", f"{r['itl_p99_ms']:.2f}",
+                   f"{r['front_p50_ms']:.2f}"]  # fmt: skip
+            if path == "router":
+                row.append(f"{r['hold_p50_ms']:.2f} ({r['hold_first_p50_ms']:.2f})")
+                row += [f"{m[k]:.2f} ms" for k in ("added_ms_per_request_p50",
+                        "added_ms_per_token_p50", "paired_added_ms_per_request_p50",
+                        "paired_added_ms_per_token_p50")]  # fmt: skip
+            else:
+                row += [""] * 5
+            print("| " + " | ".join(str(x) for x in row) + " |")
+    cached = {p: sum(m[p]["cached_tokens"] for m in result["levels"].values()) for p in
+              ("router", "direct")}  # fmt: skip
+    print(f"cached prompt tokens (should be 0): {cached}", file=sys.stderr)
     print(f"load average: {result['loadavg']}", file=sys.stderr)
 
 
