@@ -1,7 +1,9 @@
-"""One real cluster for the whole chaos package (see harness.py).
+"""One real cluster (see harness.py) for the fault tests of this package that ask for it.
 
-A test that kills a process restarts it before it ends; the next test first waits until
-the cluster is whole again (`whole`), so tests do not depend on their order.
+`chaos_cluster` is started once, on first use; `chaos` hands it to a test after waiting
+until it is whole again: a test that kills a process restarts it before it ends, and the
+next one does not depend on the order they run in. Tests that build their own processes
+(test_link_cut.py) never start it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from tests.chaos.harness import ChaosCluster, connect
 
 
 @pytest.fixture(scope="package")
-def chaos(tmp_path_factory) -> Iterator[ChaosCluster]:
+def chaos_cluster(tmp_path_factory) -> Iterator[ChaosCluster]:
     cluster = ChaosCluster(tmp_path_factory.mktemp("chaos"))
     try:
         cluster.want = cluster.start()
@@ -24,13 +26,14 @@ def chaos(tmp_path_factory) -> Iterator[ChaosCluster]:
         cluster.stop()
 
 
-@pytest.fixture(autouse=True)
-async def whole(chaos: ChaosCluster) -> None:
-    await chaos.wait_whole(timeout=120)
+@pytest.fixture
+async def chaos(chaos_cluster: ChaosCluster) -> ChaosCluster:
+    await chaos_cluster.wait_whole(timeout=120)
+    return chaos_cluster
 
 
 @pytest.fixture
-async def bus(chaos, whole):
+async def bus(chaos):
     b = await connect(chaos.nats_url, "chaos-test")
     yield b
     await b.close()
