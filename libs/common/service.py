@@ -19,7 +19,7 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from libs.common import __version__
@@ -142,11 +142,11 @@ async def serve(service: BaseService) -> int:
 
 
 def main(
-    service_cls: type[BaseService],
+    service_cls: Callable[[Any], BaseService],
     config_cls: type[CommonConfig],
     argv: Sequence[str] | None = None,
 ) -> None:
-    """Entry point of `python -m services.<name>`."""
+    """Entry point of `python -m services.<name>`; `service_cls(config)` builds the service."""
     config = config_cls.parse(argv)
     setup_logging(
         config.log_level, config.log_format, service=config.SERVICE, service_id=config.service_id

@@ -41,15 +41,16 @@ class DecodeService(WorkerService):
     def __init__(self, config: DecodeConfig):
         super().__init__(config)
         self.config: DecodeConfig = config
-        self._prefill_seen: dict[str, float] = {}  # prefill worker -> last load report
+        self._prefill_seen: dict[str, float] = {}  # worker -> its last load report
 
     async def on_start(self) -> None:
         await super().on_start()
-        subject = self.subject("workers", "prefill", "*", "load")
-        await self.bus.subscribe(subject, self._on_prefill_load)  # ends with the connection
+        # Prefill peers are `prefill` or `both` workers: any worker's report says it lives.
+        subject = self.subject("workers", "*", "*", "load")
+        await self.bus.subscribe(subject, self._on_peer_load)  # ends with the connection
 
-    async def _on_prefill_load(self, msg) -> None:
-        self._prefill_seen[msg.subject.split(".")[3]] = time.monotonic()
+    async def _on_peer_load(self, msg) -> None:
+        self._prefill_seen[msg.subject.split(".")[-2]] = time.monotonic()
 
     def endpoints(self) -> list[Endpoint]:
         return [

@@ -19,8 +19,8 @@ A plan is a decode worker d plus who prefills; its cost is D(d) plus the prefill
     P(d) itself   when no prefill worker is live, or d's uncached part
                   (prompt_len - covered(d) * page_size) is at most `disagg_threshold`
                   tokens (conditional disaggregation), or d is a `both` worker no
-                  dearer than the best prefill worker
-    P(p*)         otherwise, p* = the prefill worker of least P
+                  dearer than the best prefill worker (or is that worker)
+    P(p*)         otherwise, p* = the prefill or `both` worker of least P
 
 The cheapest plan wins, so a decode worker that holds the prompt's prefix attracts the
 request when that makes its own prefill short.
@@ -104,7 +104,7 @@ def choose(
             plan = own, Route(d.id, "", covered, "no_prefill_worker")
         elif prompt_len - covered * page_size <= cfg.disagg_threshold:
             plan = own, Route(d.id, "", covered, "below_threshold")
-        elif d.role == "both" and own <= p_cost[best_p.id]:
+        elif d.role == "both" and (best_p.id == d.id or own <= p_cost[best_p.id]):
             plan = own, Route(d.id, "", covered, "self_prefill")
         else:
             cached = match.covered.get(best_p.id, 0)

@@ -38,7 +38,8 @@ class RouteSelector:
         self._hashers: dict[tuple[str, str, int], PageHasher] = {}
 
     def eligible(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
-        roles = ("decode", "both") if role == "decode" else ("prefill",)
+        # A `both` worker is on both sides: it decodes, and it prefills for the others.
+        roles = ("decode", "both") if role == "decode" else ("prefill", "both")
         return [
             w
             for w in self.workers.live(*roles)

@@ -90,6 +90,18 @@ def test_both_worker_prefills_itself_when_cheapest():
     assert (r.decode, r.prefill) == ("b", "")
 
 
+def test_both_workers_prefill_for_a_decode_worker_and_never_hand_off_to_themselves():
+    b1, b2 = worker("b1", "both", running=5), worker("b2", "both")
+    d = worker("d", "decode")
+    # The decode worker takes the long prompt; the idle `both` worker prefills it.
+    r = choose(400, PS, match(), [d], [b1, b2], CFG, random.Random(0))
+    assert (r.decode, r.prefill, r.reason) == ("d", "b2", "disaggregated")
+    # A `both` worker chosen to decode prefills itself rather than over the network.
+    for seed in range(8):
+        r = choose(400, PS, match(), [b2], [b2], CFG, random.Random(seed))
+        assert (r.decode, r.prefill) == ("b2", "")
+
+
 def test_no_decode_worker_means_no_route():
     assert choose(40, PS, match(), [], [worker("p", "prefill")], CFG, random.Random(0)) is None
 

@@ -1,4 +1,5 @@
-"""A real cluster: nats-server, the pool (master + store), 2 prefill + 2 decode workers.
+"""A real cluster: nats-server, the pool (master + store), 2 prefill + 2 decode workers
+(d2 with `--role both`).
 
 Starting workers loads the model (seconds each on 2 cores), so the cluster is started once
 per session; each test uses its own request ids and prompts.
@@ -43,8 +44,11 @@ def cluster(tmp_path_factory, worker_env) -> Iterator[tuple[str, LocalCluster]]:
     try:
         cluster.start_one("cache_master", "--service-id", "m1", "--replicas", "1")
         cluster.start_one("cache_store", "--service-id", "s1", "--segment-size", "96MiB")
-        for name, sid in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1"), ("decode", "d2")):
-            cluster.start_one(name, "--service-id", sid, *WORKER_ARGS, label=sid)
+        # d2 is a `both` worker: a decode worker that also serves prefill for the others.
+        workers = (("prefill", "p1", []), ("prefill", "p2", []), ("decode", "d1", []),
+                   ("decode", "d2", ["--role", "both"]))  # fmt: skip
+        for name, sid, extra in workers:
+            cluster.start_one(name, "--service-id", sid, *WORKER_ARGS, *extra, label=sid)
         asyncio.run(_wait_workers(server.url, {"p1", "p2", "d1", "d2"}))
         yield server.url, cluster
     finally:

@@ -110,3 +110,15 @@ async def test_decode_worker_reuses_its_cached_prefix_and_receives_only_the_suff
     assert first.accepted.num_held_pages == 0
     assert again.accepted.num_held_pages == (len(prompt) - 1) // 16
     assert again.token_ids == first.token_ids and again.error is None
+
+
+async def test_both_worker_prefills_for_a_decode_worker_and_serves_alone(bus):
+    info = await bus.request("tandem.decode.d2.info", InfoRequest(), ServiceInfo)
+    assert info.details["role"] == "both"
+    prompt = prompt_ids(60, seed=42)
+    expected = (await reference([prompt], max_tokens=8))[0]
+    split = await generate(bus, "both-1", prompt, decode="d1", prefill="d2", max_tokens=8)
+    alone = await generate(bus, "both-2", prompt_ids(60, seed=43), decode="d2", max_tokens=8)
+    assert split.error is None and split.token_ids == expected
+    assert split.workers == ["d1", "d2"]  # token 0 from d2 as a prefill worker
+    assert alone.error is None and alone.workers == ["d2"] and len(alone.token_ids) == 8
