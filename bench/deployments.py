@@ -45,6 +45,7 @@ class Topology:
     pool: bool = False
     router_args: list[str] = field(default_factory=list)
     note: str = ""
+    both: int = 0  # `--role both` workers (their flags: role_args["decode"])
 
 
 async def wait_healthy(url: str, workers: dict[str, int], procs: dict, timeout: float) -> None:
@@ -92,11 +93,15 @@ class Deployment:
                 label = f"{role[0]}{i + 1}"
                 args = [*t.worker_args, *t.role_args.get(role, [])]
                 self.cluster.start_one(role, "--service-id", label, *args, label=label)
+        for i in range(t.both):
+            args = [*t.worker_args, *t.role_args.get("decode", []), "--role", "both"]
+            self.cluster.start_one("decode", "--service-id", f"b{i + 1}", *args, label=f"b{i + 1}")
         port = free_port()
         self.cluster.start_one("router", "--port", str(port), *t.router_args)
         await self.cluster.wait_ready(timeout)
         base = f"http://127.0.0.1:{port}"
-        want = {k: n for k, n in (("prefill", t.prefill), ("decode", t.decode)) if n}
+        counts = (("prefill", t.prefill), ("decode", t.decode), ("both", t.both))
+        want = {k: n for k, n in counts if n}
         await wait_healthy(base, want, self.cluster.procs, timeout)
         self.url = f"{base}/v1"
 

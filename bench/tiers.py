@@ -10,8 +10,8 @@ and router), measured with bench.serve's workload through the router, and stoppe
     L1             2 prefill + 1 decode, each worker's own prefix cache, no pool
     L1+pool        2 prefill + 1 decode, prefix cache + KV pool (cache_master, cache_store)
     disaggregated  1 prefill + 1 decode, prefix cache, no pool, router always disaggregates
-    aggregated     2 decode workers that prefill themselves (router --disagg-threshold
-                   above any prompt; one idle prefill worker, which the router requires)
+    aggregated     2 `--role both` workers, each prefilling its own requests (router
+                   --disagg-threshold above any prompt)
     peer           `transformers serve` (continuous batching) on the same weights, or
                    llama.cpp's server (--peer llama.cpp), when installed (--peer-python)
 
@@ -63,17 +63,17 @@ def topologies(a: argparse.Namespace) -> dict[str, Topology]:
             router_args=["--disagg-threshold", "0"],
             note="1P+1D, L1, always disaggregated",
         ),
-        # The router serves only with a prefill worker live (or a `both` worker, which the
-        # workers do not offer yet): one idle prefill worker is started, and a threshold
-        # above any prompt makes every request prefill on its decode worker.
+        # Two `both` workers; a threshold above any prompt makes each prefill its own
+        # requests (no KV moves between them).
         Topology(
             "aggregated",
-            1,
-            2,
+            0,
+            0,
             no_pool,
             kv,
             router_args=["--disagg-threshold", "1000000"],
-            note="2 decode workers prefill themselves (+1 idle prefill), L1",
+            note="2 `--role both` workers, each prefilling its own requests, L1",
+            both=2,
         ),
     ]
     return {t.name: t for t in topos}

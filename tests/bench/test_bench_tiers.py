@@ -30,7 +30,7 @@ def test_cache_tiers_differ_only_in_cache_flags_and_the_pool():
 def test_aggregated_prefills_on_decode_and_disaggregated_never_does():
     t = topos()
     agg, dis = t["aggregated"], t["disaggregated"]
-    assert agg.decode == 2 and dis.prefill == dis.decode == 1
+    assert (agg.both, agg.prefill, agg.decode) == (2, 0, 0) and dis.prefill == dis.decode == 1
     assert int(agg.router_args[agg.router_args.index("--disagg-threshold") + 1]) >= 10**6
     assert dis.router_args == ["--disagg-threshold", "0"]
 
