@@ -45,7 +45,10 @@ class Message:
         return {"v": SCHEMA_VERSION, "type": self.TYPE, **body}
 
     def encode(self) -> bytes:
-        return orjson.dumps(self.to_dict())
+        # The same bytes as dumping to_dict(), without asdict's deep copy of every field
+        # (a prompt's ids, one token per chunk): orjson writes nested dataclasses itself.
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return orjson.dumps({"v": SCHEMA_VERSION, "type": self.TYPE, **body})
 
     @classmethod
     def decode(cls: type[M], data: bytes | str) -> M:
@@ -71,14 +74,17 @@ class Message:
         return _build(cls, obj, cls.TYPE)
 
 
+Check = typing.Callable[[Any, str], Any]  # (value, path) -> checked value, or MessageError
+
+
 @functools.cache
-def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
-    """(name, type, required) per field; resolving hints is slow, so once per class."""
+def _schema(cls: type) -> tuple[tuple[str, Check, bool], ...]:
+    """(name, check, required) per field; resolving hints is slow, so once per class."""
     hints = typing.get_type_hints(cls)
     return tuple(
         (
             f.name,
-            hints[f.name],
+            _checker(hints[f.name]),
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
         )
         for f in dataclasses.fields(cls)
@@ -88,9 +94,9 @@ def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
 
 def _build(cls: type, obj: dict, path: str) -> Any:
     values = {}
-    for name, hint, required in _schema(cls):
+    for name, check, required in _schema(cls):
         if name in obj:
-            values[name] = _check(obj[name], hint, f"{path}.{name}")
+            values[name] = check(obj[name], f"{path}.{name}")
         elif required:
             raise MessageError(f"{path}.{name}: required field missing")
     try:
@@ -99,50 +105,108 @@ def _build(cls: type, obj: dict, path: str) -> Any:
         raise MessageError(f"{path}: {e}") from None
 
 
-def _check(value: Any, hint: Any, path: str) -> Any:
+@functools.cache
+def _checker(hint: Any) -> Check:
+    """The check of one field type, built once per type: a decode only runs closures (a
+    token stream decodes a message per token; inspecting hints each time was most of it)."""
     origin = typing.get_origin(hint)
     if hint is Any:
-        return value
+        return lambda value, _path: value
     if origin is typing.Union or isinstance(hint, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
+        return _union_checker(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return _list_checker(item)
+    if origin is dict:
+        _, item = typing.get_args(hint) or (str, Any)
+        return _dict_checker(item)
+    if dataclasses.is_dataclass(hint):
+
+        def check_object(value: Any, path: str) -> Any:
+            if not isinstance(value, dict):
+                raise MessageError(f"{path}: expected an object")
+            return _build(hint, value, path)
+
+        return check_object
+    if hint is float:
+
+        def check_float(value: Any, path: str) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise MessageError(f"{path}: expected a number")
+            return float(value)
+
+        return check_float
+    if hint is int:
+
+        def check_int(value: Any, path: str) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise MessageError(f"{path}: expected an integer")
+            return value
+
+        return check_int
+    if hint in (str, bool):
+
+        def check_exact(value: Any, path: str) -> Any:
+            if not isinstance(value, hint):
+                raise MessageError(f"{path}: expected {hint.__name__}")
+            return value
+
+        return check_exact
+
+    def unsupported(_value: Any, path: str) -> Any:
+        raise MessageError(f"{path}: unsupported field type {hint!r}")
+
+    return unsupported
+
+
+def _union_checker(hint: Any) -> Check:
+    args = typing.get_args(hint)
+    nullable = type(None) in args
+    options = [_checker(option) for option in args if option is not type(None)]
+
+    def check_union(value: Any, path: str) -> Any:
+        if value is None and nullable:
             return None
         errors = []
-        for option in options:
-            if option is type(None):
-                continue
+        for check in options:
             try:
-                return _check(value, option, path)
+                return check(value, path)
             except MessageError as e:
                 errors.append(str(e))
         raise MessageError(errors[0] if len(errors) == 1 else f"{path}: no type matches")
-    if origin is list:
+
+    return check_union
+
+
+# Item types whose values pass unchanged when their Python type is exactly this one (bool is
+# not an int here, as in the item check); a list of them is checked in one pass.
+_PLAIN = {int: int, float: float, str: str, bool: bool}
+
+
+def _list_checker(item: Any) -> Check:
+    check_item, plain = _checker(item), _PLAIN.get(item)
+
+    def check_list(value: Any, path: str) -> list:
         if not isinstance(value, list):
             raise MessageError(f"{path}: expected a list")
-        (item,) = typing.get_args(hint) or (Any,)
-        return [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
+        if plain is not None and all(type(v) is plain for v in value):
+            return value  # fresh from orjson: nobody else holds it
+        return [check_item(v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+    return check_list
+
+
+def _dict_checker(item: Any) -> Check:
+    check_item = _checker(item)
+
+    def check_dict(value: Any, path: str) -> dict:
         if not isinstance(value, dict):
             raise MessageError(f"{path}: expected an object")
-        _, item = typing.get_args(hint) or (str, Any)
-        return {k: _check(v, item, f"{path}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise MessageError(f"{path}: expected an object")
-        return _build(hint, value, path)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise MessageError(f"{path}: expected a number")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise MessageError(f"{path}: expected an integer")
-        return value
-    if hint in (str, bool):
-        if not isinstance(value, hint):
-            raise MessageError(f"{path}: expected {hint.__name__}")
-        return value
-    raise MessageError(f"{path}: unsupported field type {hint!r}")
+        if item is Any:
+            return dict(value)
+        return {k: check_item(v, f"{path}.{k}") for k, v in value.items()}
+
+    return check_dict
 
 
 # --- generic replies --------------------------------------------------------------------
