@@ -31,7 +31,9 @@ class RouterConfig(CommonConfig):
         default=256,
         metadata={"help": "requests in flight at once; beyond it the API answers 429"},
     )
-    max_n: int = field(default=16, metadata={"help": "largest accepted `n` (choices per prompt)"})
+    max_n: int = field(
+        default=16, metadata={"help": "largest accepted `n`, and prompts x n, per request"}
+    )
     worker_timeout: float = field(
         default=3.0, metadata={"help": "seconds without a load report before a worker is dropped"}
     )

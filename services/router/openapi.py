@@ -10,33 +10,71 @@ from __future__ import annotations
 from typing import Any
 
 from libs.common import __version__
-from services.router.validation import CHAT_SPECS, COMPLETION_SPECS, Spec
+from services.router.validation import (
+    CHAT_SPECS,
+    COMPLETION_SPECS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_IDS,
+    ROLES,
+    Spec,
+)
 
-_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+def _obj(required: list[str], **props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": props}
+
+
+_ID = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+_IDS = {"type": "array", "items": _ID, "minItems": 1}
+_STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+_TEXT_PARTS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    },
+}
 _KINDS: dict[str, dict[str, Any]] = {
     "integer": {"type": "integer"},
     "number": {"type": "number"},
     "boolean": {"type": "boolean"},
     "string": {"type": "string"},
     "object": {"type": "object"},
-    "ids": _IDS,
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "ids": {"type": "array", "items": _ID, "maxItems": MAX_STOP_IDS},
+    "stop": {"oneOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP}]},
     "prompt": {
         "oneOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": "string"}},
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
             _IDS,
-            {"type": "array", "items": _IDS},
+            {"type": "array", "items": _IDS, "minItems": 1},
         ]
     },
     "messages": {
         "type": "array",
+        "minItems": 1,
         "items": {
-            "type": "object",
-            "required": ["role"],
-            "properties": {"role": {"type": "string"}, "content": {}},
+            "oneOf": [
+                _obj(
+                    ["role", "content"],
+                    role={"enum": [r for r in ROLES if r != "assistant"]},
+                    content={"oneOf": [{"type": "string"}, _TEXT_PARTS]},
+                ),
+                _obj(
+                    ["role"],
+                    role={"const": "assistant"},
+                    content={"oneOf": [{"type": ["string", "null"]}, _TEXT_PARTS]},
+                ),
+            ]
         },
     },
+}
+# Fields that are only valid together with another one.
+_NEEDS = {
+    "stream_options": ("stream", True),
+    "top_logprobs": ("logprobs", True),
 }
 
 
@@ -49,15 +87,18 @@ def _schema(specs: tuple[Spec, ...]) -> dict[str, Any]:
         if s.hi is not None:
             prop["maximum"] = s.hi
         props[s.name] = prop
+    names = {s.name for s in specs}
+    needs = {
+        field: {"required": [other], "properties": {other: {"const": value}}}
+        for field, (other, value) in _NEEDS.items()
+        if field in names and other in names
+    }
     return {
         "type": "object",
         "required": [s.name for s in specs if s.required],
         "properties": props,
+        "dependentSchemas": needs,
     }
-
-
-def _obj(required: list[str], **props: Any) -> dict[str, Any]:
-    return {"type": "object", "required": required, "properties": props}
 
 
 _STR, _INT, _ANY = {"type": "string"}, {"type": "integer"}, {}

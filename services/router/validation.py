@@ -16,6 +16,10 @@ from services.router.errors import bad_request
 
 MAX_LOGPROBS = 20  # the engine's cap (libs/common/engine/sampling_params.py)
 MAX_STOP = 16
+# Bounds that keep one choice's GenerateRequest well under NATS's 1 MiB max payload
+# (the prompt itself is bounded by the context length).
+MAX_STOP_CHARS = 4096
+MAX_STOP_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ _SAMPLING_KEYS = (
     "repetition_penalty",
     "ignore_eos",
 )
-_ROLES = ("system", "user", "assistant", "developer", "tool")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 @dataclass
@@ -132,6 +136,12 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
     req.sampling = sampling
     if endpoint == "completions":
         req.prompts = _prompts(v["prompt"])
+        if len(req.prompts) * req.n > max_n:  # each choice is a request on the workers
+            raise bad_request(
+                f"{len(req.prompts)} prompts x n={req.n} choices is more than this server's "
+                f"{max_n} per request",
+                "prompt",
+            )
         req.max_tokens = 16 if v["max_tokens"] is None else v["max_tokens"]  # OpenAI's default
         req.logprobs, req.echo = v["logprobs"], bool(v["echo"])
     else:
@@ -151,6 +161,8 @@ def _check(spec: Spec, value: Any) -> Any:
         return None
     kind = spec.kind
     if kind == "integer":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # JSON has one number type: 3.0 is the integer 3
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad_request(f"'{name}' must be an integer, got {_show(value)}", name)
         _bounds(spec, value)
@@ -171,8 +183,15 @@ def _check(spec: Spec, value: Any) -> Any:
         ok = isinstance(items, list) and all(isinstance(s, str) and s for s in items)
         if not ok or len(items) > MAX_STOP:
             raise bad_request(f"'{name}' must be a string or up to {MAX_STOP} strings", name)
-    elif kind == "ids" and not _is_ids(value):
-        raise bad_request(f"'{name}' must be a list of non-negative integers", name)
+        if any(len(s) > MAX_STOP_CHARS for s in items):
+            raise bad_request(f"'{name}': a stop string is at most {MAX_STOP_CHARS} characters",
+                              name)  # fmt: skip
+    elif kind == "ids":
+        value = _ids(value)
+        if value is None:
+            raise bad_request(f"'{name}' must be a list of non-negative integers", name)
+        if len(value) > MAX_STOP_IDS:
+            raise bad_request(f"'{name}' takes at most {MAX_STOP_IDS} token ids", name)
     return value
 
 
@@ -186,10 +205,18 @@ def _bounds(spec: Spec, value: float) -> None:
         raise bad_request(f"'{spec.name}' must be in {lo}, {hi}, got {value}", spec.name)
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value
-    )
+def _ids(value: Any) -> list[int] | None:
+    """`value` as a list of token ids (integral floats included), or None if it is not one."""
+    if not isinstance(value, list):
+        return None
+    out = []
+    for t in value:
+        if isinstance(t, float) and t.is_integer():
+            t = int(t)
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
+            return None
+        out.append(t)
+    return out
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
@@ -198,10 +225,12 @@ def _prompts(value: Any) -> list[str | list[int]]:
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
             return list(value)
-        if _is_ids(value):
-            return [list(value)]
-        if all(_is_ids(p) and p for p in value):
-            return [list(p) for p in value]
+        ids = _ids(value)
+        if ids is not None:
+            return [ids]
+        lists = [_ids(p) for p in value]
+        if all(lists):  # every item a non-empty list of ids
+            return lists
     raise bad_request(
         "'prompt' must be a string, a non-empty list of strings, a list of token ids or a "
         "list of such lists",
@@ -215,8 +244,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise bad_request(f"'{where}' needs a 'role' among {', '.join(_ROLES)}", "messages")
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad_request(f"'{where}' needs a 'role' among {', '.join(ROLES)}", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is served here
             parts = []
