@@ -8,6 +8,9 @@
 - `add_service()` registers a `nats.micro` service (`nats micro ls` shows it) whose
   endpoints take a typed request and return a typed reply; an exception in a handler
   becomes an error reply and never kills the subscription that serves everyone else.
+- Subscriptions (micro endpoints included) come back by themselves after a reconnect;
+  state a restarted nats-server lost (a JetStream stream, a consumer) does not:
+  `on_reconnect(hook)` re-creates it after every reconnect.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class Bus:
         self._nc: Client | None = None
         self._services: list[Service] = []
         self._tasks: set[asyncio.Task] = set()
+        self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._hook_tasks: set[asyncio.Task] = set()
 
     @property
     def nc(self) -> Client:
@@ -130,6 +135,21 @@ class Bus:
 
     async def _on_reconnected(self) -> None:
         log.info("nats reconnected")
+        for hook in self._reconnect_hooks:  # in tasks: the client's callback must not block
+            task = asyncio.ensure_future(self._run_hook(hook))
+            self._hook_tasks.add(task)
+            task.add_done_callback(self._hook_tasks.discard)
+
+    def on_reconnect(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Call `hook()` after every reconnect (not the first connect). A hook that raises
+        is logged; it should retry what it needs itself."""
+        self._reconnect_hooks.append(hook)
+
+    async def _run_hook(self, hook: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await hook()
+        except Exception:
+            log.exception("reconnect hook failed", hook=getattr(hook, "__qualname__", str(hook)))
 
     async def publish(self, subject: str, message: Message) -> None:
         await self.nc.publish(subject, message.encode())
@@ -253,6 +273,8 @@ class Bus:
     async def close(self) -> None:
         """Flush and close. Safe to call twice and before connect()."""
         await self.stop_services()
+        for task in list(self._hook_tasks):
+            task.cancel()
         nc, self._nc = self._nc, None
         if nc is None or nc.is_closed:
             return

@@ -10,8 +10,9 @@ worker), `host` a GPU worker's host-memory offload, `pool` the distributed KV po
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
@@ -53,6 +54,37 @@ async def ensure_kv_stream(
         await js.add_stream(config)
     except BadRequestError as e:  # exists with another config: keep the operator's
         log.info("kv events stream exists", stream=name, detail=str(e))
+
+
+async def keep_kv_stream(
+    bus: Bus, prefix: str, max_age_s: float = 3600.0, max_bytes: int = 256 << 20
+) -> None:
+    """`ensure_kv_stream` now, and again after every reconnect of `bus`: a nats-server
+    restarted without its JetStream store (or a new one on the same address) has lost the
+    stream, and events published meanwhile would go nowhere a router replays from."""
+
+    async def again() -> None:
+        await retry(lambda: ensure_kv_stream(bus, prefix, max_age_s, max_bytes), "kv stream")
+
+    bus.on_reconnect(again)
+    await ensure_kv_stream(bus, prefix, max_age_s, max_bytes)
+
+
+async def retry(step: Callable[[], Awaitable[None]], what: str, within: float = 60.0) -> bool:
+    """Run `step` until it succeeds or `within` seconds pass (backoff 0.25 s -> 4 s).
+    JetStream may answer late in a server's first moments; True when it succeeded."""
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + within, 0.25
+    while True:
+        try:
+            await step()
+            return True
+        except Exception as e:
+            if loop.time() + pause > deadline:
+                log.warning("gave up after reconnect", what=what, error=str(e) or type(e).__name__)
+                return False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 4.0)
 
 
 class KvEventPublisher:

@@ -14,6 +14,7 @@ Subclasses add their endpoints and say how a cancel applies to them (`cancel`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from libs.common.engine.engine import Engine
 from libs.common.engine.engine_config import EngineConfig
 from libs.common.engine.sampler import TokenLogprobs
 from libs.common.engine.sampling_params import SamplingParams
-from libs.common.kv_events import KvEventPublisher, ensure_kv_stream
+from libs.common.kv_events import KvEventPublisher, keep_kv_stream
 from libs.common.log import get_logger, request_context
 from libs.common.messages import CancelRequest, LoadReport, MessageError, SamplingSpec
 from libs.common.pool_client import PoolClient
@@ -34,6 +35,8 @@ from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
 
 log = get_logger(__name__)
+
+_CANCELLED_KEPT = 4096  # early cancels remembered (request ids)
 
 
 def sampling_params(spec: SamplingSpec) -> SamplingParams:
@@ -71,6 +74,10 @@ class WorkerService(BaseService):
         self._loops: list[asyncio.Task] = []
         self._cancel_sub: Any = None
         self._active: dict[str, asyncio.Task] = {}  # request id -> the task serving it
+        # Cancels that came before their request was registered (a router that gave up
+        # waiting for the reply): such a request is refused when it registers, instead of
+        # running for nobody. Bounded, oldest dropped first.
+        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._tokens_out = 0  # output tokens since the last load report
         self.queued_prompt_tokens = 0  # accepted, not yet prefilled (for routing)
 
@@ -145,7 +152,7 @@ class WorkerService(BaseService):
             # Pool pages enter through the prefix cache, so the pool needs it on.
             client = PoolClient(self.bus, self.transfer, self.config.subject_prefix)
             self.pool = PoolTier(client, self.engine, self.transfer)
-        await ensure_kv_stream(self.bus, self.config.subject_prefix)
+        await keep_kv_stream(self.bus, self.config.subject_prefix)
         self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self._on_cancel_msg)
         self._loops = [
             asyncio.create_task(self._load_loop(), name="load-reports"),
@@ -202,6 +209,14 @@ class WorkerService(BaseService):
             with request_context(request_id):
                 log.info("request cancelled", reason=reason)
             task.cancel()
+        else:
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > _CANCELLED_KEPT:
+                self._cancelled.popitem(last=False)
+
+    def was_cancelled(self, request_id: str) -> bool:
+        """True if a cancel for `request_id` came before the request registered here."""
+        return self._cancelled.pop(request_id, False) is None
 
     # --- load reports and KV events --------------------------------------------------------
 

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from libs.common.bus import Endpoint, HandlerError
-from libs.common.kv_events import ensure_kv_stream, events_subject
+from libs.common.kv_events import events_subject, keep_kv_stream
 from libs.common.log import get_logger
 from libs.common.messages import (
     InfoRequest,
@@ -96,7 +96,7 @@ class CacheMasterService(BaseService):
 
     async def on_start(self) -> None:
         try:
-            await ensure_kv_stream(self.bus, self.config.subject_prefix)
+            await keep_kv_stream(self.bus, self.config.subject_prefix)
         except Exception as e:  # events still flow on core NATS without the stream
             log.warning("kv events stream unavailable", error=str(e) or type(e).__name__)
         self._sweeper = asyncio.create_task(self._sweep_loop())

@@ -5,6 +5,11 @@ notes its last sequence number, and reads it from the first kept event with an o
 consumer (in order, no acks, recreated by nats-py after a gap). `replayed` turns true
 when the consumer has passed the sequence noted at start: from then on the index is as
 good as that of a router that never restarted (within the stream's age and size limits).
+
+After a reconnect to NATS the feed subscribes again (the server may have restarted and
+lost its consumers, or the stream itself): from the event after the last one applied when
+the stream is the same one, from its start when it is a new stream (another creation
+time: the events it holds were all published after the old one was lost).
 """
 
 from __future__ import annotations
@@ -12,10 +17,10 @@ from __future__ import annotations
 import asyncio
 
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from libs.common.bus import Bus
-from libs.common.kv_events import STREAM_NAME, ensure_kv_stream, events_subject
+from libs.common.kv_events import STREAM_NAME, ensure_kv_stream, events_subject, retry
 from libs.common.log import get_logger
 from libs.common.messages import KvEvent, MessageError
 from services.router.kv_index import KvIndex
@@ -33,7 +38,10 @@ class KvFeed:
         self.applied = 0
         self.replay_target = 0
         self.done = asyncio.Event()
+        self.last_seq = 0  # stream sequence of the last event applied
+        self._created = None  # the stream's creation time: a new stream has another
         self._sub = None
+        self._stopped = False
 
     @property
     def replayed(self) -> bool:
@@ -43,16 +51,44 @@ class KvFeed:
         await ensure_kv_stream(self.bus, self.prefix, self.max_age, self.max_mb << 20)
         js = self.bus.nc.jetstream()
         info = await js.stream_info(self.stream)
+        self._created = info.created
         self.replay_target = info.state.last_seq if info.state.messages else 0
         if self.replay_target == 0:
             self.done.set()
-        self._sub = await js.subscribe(
-            events_subject(self.prefix),
-            cb=self._on_msg,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-        )
+        self._sub = await self._subscribe(DeliverPolicy.ALL)
+        self.bus.on_reconnect(self._resume)
         log.info("kv index replaying", stream=self.stream, up_to=self.replay_target)
+
+    async def _subscribe(self, policy: DeliverPolicy, start_seq: int | None = None):
+        config = ConsumerConfig(deliver_policy=policy, opt_start_seq=start_seq)
+        return await self.bus.nc.jetstream().subscribe(
+            events_subject(self.prefix), cb=self._on_msg, ordered_consumer=True, config=config
+        )
+
+    async def _resume(self) -> None:
+        """After a reconnect: the stream again (if lost), and a new consumer on it."""
+
+        async def step() -> None:
+            await ensure_kv_stream(self.bus, self.prefix, self.max_age, self.max_mb << 20)
+            info = await self.bus.nc.jetstream().stream_info(self.stream)
+            old, self._sub = self._sub, None
+            if old is not None:
+                await _quietly(old.unsubscribe())
+            if self._stopped:
+                return
+            same = info.created == self._created and info.state.last_seq >= self.last_seq
+            self._created = info.created
+            if same:
+                start = max(self.last_seq + 1, info.state.first_seq)
+                self._sub = await self._subscribe(DeliverPolicy.BY_START_SEQUENCE, start)
+            else:
+                self.last_seq = 0
+                self._sub = await self._subscribe(DeliverPolicy.ALL)
+            self.done.set()  # what was lost with the old stream is not coming back
+            log.info("kv feed resumed", stream=self.stream, same_stream=same,
+                     from_seq=self.last_seq + 1 if same else 1)  # fmt: skip
+
+        await retry(step, "kv feed")
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -60,19 +96,25 @@ class KvFeed:
             self.applied += 1
         except MessageError as e:
             log.warning("unreadable kv event dropped", subject=msg.subject, error=str(e))
+        try:
+            seq = msg.metadata.sequence.stream
+        except Exception:  # not a JetStream delivery: cannot tell
+            return
+        self.last_seq = max(self.last_seq, seq)
         if not self.done.is_set():
-            try:
-                seq = msg.metadata.sequence.stream
-            except Exception:  # not a JetStream delivery: cannot tell; keep waiting
-                return
             if seq >= self.replay_target:
                 self.done.set()
                 log.info("kv index replayed", events=self.applied, keys=len(self.index))
 
     async def stop(self) -> None:
+        self._stopped = True
         sub, self._sub = self._sub, None
         if sub is not None:
-            try:
-                await asyncio.wait_for(sub.unsubscribe(), timeout=2)
-            except Exception as e:  # a closed connection already dropped it
-                log.debug("kv feed unsubscribe failed", error=str(e))
+            await _quietly(sub.unsubscribe())
+
+
+async def _quietly(awaitable) -> None:
+    try:
+        await asyncio.wait_for(awaitable, timeout=2)
+    except Exception as e:  # a closed connection already dropped it
+        log.debug("kv feed unsubscribe failed", error=str(e))
