@@ -86,6 +86,10 @@ class DecodeService(WorkerService):
                 run = self._run_disaggregated(req, pages, held)
             else:
                 run = self._run_local(req, params)
+            if self.was_cancelled(req.request_id):  # the router gave up while we reserved
+                if pages:
+                    await self.engine.abort(req.request_id)
+                raise HandlerError(499, "request cancelled before it was accepted")
             self.queued_prompt_tokens += len(req.token_ids)
             task = self.bus.spawn(self._guard(req, run), name=f"decode-{req.request_id}")
             self._active[req.request_id] = task

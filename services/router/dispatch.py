@@ -11,7 +11,8 @@ Failure handling, in one place:
   --queue-timeout, then 429 to the client;
 - the decode worker refuses (error reply, no responder, no reply in time), a worker on
   the route stops reporting, or the stream ends in an error, *before any token was
-  yielded*: retried once on a route that avoids the failed workers (`<rid>-r1`);
+  yielded*: retried once on a route that avoids the failed workers (`<rid>-r1`); if
+  that fails too, 503 with Retry-After (nothing was produced: safe to retry);
 - the same after tokens were yielded: `WorkerFailed`, the caller ends the response;
 - the caller stops iterating (client gone, stop, error), or the time is up:
   `CancelRequest` on `tandem.cancel` so every worker frees the request's pages.
@@ -112,9 +113,16 @@ class Dispatcher:
                 pause = min(pause * 2, 1.0)
                 continue
             except WorkerFailed as e:
-                if e.streamed or streamed or attempt == 1:
+                if e.streamed or streamed:
                     msg = f"worker failed mid-request: {e}"
                     raise ApiError(502, msg, code="worker_failed") from None
+                if attempt == 1:
+                    # Nothing was produced and two routes failed (dead, or too slow to
+                    # answer under overload): the client may simply try again later.
+                    raise ApiError(
+                        503, f"no worker could take the request now: {e}",
+                        code="workers_unavailable", headers={"Retry-After": "1"},
+                    ) from None  # fmt: skip
                 log.warning("retrying on another worker", error=str(e), route=chosen.decode)
                 exclude |= {chosen.decode, chosen.prefill} - {""}
                 attempt += 1
@@ -186,8 +194,9 @@ class Dispatcher:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ApiError(504, "the request took longer than the router's timeout")
-            try:
-                msg = await asyncio.wait_for(queue.get(), timeout=min(_POLL_S, left))
+            try:  # asyncio.timeout, not wait_for: no task per chunk on the hot path
+                async with asyncio.timeout(min(_POLL_S, left)):
+                    msg = await queue.get()
             except TimeoutError:
                 self._check_alive(route, next_index)
                 continue

@@ -149,6 +149,16 @@ async def test_error_after_tokens_streamed_is_a_502_not_a_retry(nats_url):
     assert e.value.status == 502 and resp[1].seen == []
 
 
+async def test_failure_before_any_token_on_both_routes_is_a_503_with_retry_after(nats_url):
+    def failing(rid):
+        return [chunk(rid, 0, [], "error")]
+
+    async with setup(nats_url, {"d1": failing, "d2": failing}) as (dispatcher, _, _, _):
+        with pytest.raises(ApiError) as e:
+            await collect(dispatcher, route_to("d1", "d2"))
+    assert e.value.status == 503 and e.value.headers["Retry-After"] == "1"
+
+
 async def test_error_numbered_before_tokens_already_streamed_still_ends_the_stream(nats_url):
     # The prefill worker streamed token 0; the decode worker's handoff then failed and it
     # numbers its error chunk 0 (it never saw token 0): that must end the stream, not be
