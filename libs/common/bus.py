@@ -233,7 +233,16 @@ class Bus:
                 log.exception("endpoint failed", endpoint=ep.name)
                 await _respond_error(req, 500, f"{ep.name} failed: {type(e).__name__}: {e}")
             else:
-                await req.respond(reply.encode())
+                data = reply.encode()
+                limit = self.nc.max_payload
+                if len(data) > limit:  # nats-py would raise: answer the caller instead
+                    log.warning("reply over the max payload", endpoint=ep.name, size=len(data))
+                    await _respond_error(
+                        req, 413, f"{ep.name}: the reply is {len(data)} bytes, over NATS's "
+                        f"max payload of {limit}; ask for less per request",
+                    )  # fmt: skip
+                else:
+                    await req.respond(data)
 
         if not ep.concurrent:
             return serve

@@ -1,0 +1,203 @@
+"""Malformed and oversized messages on every subject a service listens to: each request gets
+an error reply (never a crash, never a 500 from an unhandled exception, never silence),
+each published message is logged and dropped, and afterwards every process is alive and
+serves a valid request.
+
+Subjects (docs/protocol.md): the micro endpoints of each service (`info`; decode
+`generate`; prefill `prefill`; the master's `pool.master.*`) and the subscriptions
+(`cancel` on the workers, `workers.*.*.load` on the router and decode, the store's
+`pool.store.<id>.update`, the router's `kv.events.>` through JetStream). The per-request
+`stream.<rid>` inboxes exist only while a request runs and are not attacked here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import nats
+import orjson
+import pytest
+
+from libs.common.messages import (
+    CancelRequest,
+    GenerateRequest,
+    InfoRequest,
+    KvEvent,
+    LoadReport,
+    PoolKeys,
+    PoolMount,
+    PoolPutFinish,
+    PoolPutStart,
+    PoolStoreRef,
+    PoolStoreUpdate,
+    PrefillRequest,
+    SamplingSpec,
+    ServiceInfo,
+)
+from tests.hostile.conftest import PROCESSES, Hostile
+
+pytestmark = pytest.mark.slow
+
+MAX_PAYLOAD = 1 << 20  # nats-server's default; a client refuses to send more
+SAMPLING = SamplingSpec(max_tokens=1, temperature=0)
+KEY = "0" * 32
+
+
+def _generate() -> GenerateRequest:
+    return GenerateRequest(request_id="hostile-gen", token_ids=[1, 2, 3], sampling=SAMPLING,
+                           stream_subject="tandem.stream.hostile-gen", prefill_worker="p1",
+                           timeout=10.0)  # fmt: skip
+
+
+def _prefill() -> PrefillRequest:
+    return PrefillRequest(request_id="hostile-pre", token_ids=[1, 2, 3], sampling=SAMPLING,
+                          stream_subject="tandem.stream.hostile-pre", decode_worker="d1",
+                          kv_region={}, page_indices=[0], skip_pages=0, model_id="x",
+                          page_size=16, kv_dtype="float32", kv_num_pages=1,
+                          timeout=10.0)  # fmt: skip
+
+
+# subject -> a well-formed request of the kind it takes (its fields are then mutated)
+REQUESTS = {
+    **{f"tandem.{service}.{sid}.info": InfoRequest() for sid, (service, _) in PROCESSES.items()},
+    "tandem.decode.d1.generate": _generate(),
+    "tandem.prefill.p1.prefill": _prefill(),
+    "tandem.pool.master.mount": PoolMount(
+        keys=[], offsets=[], sizes=[], checksums=[], store_id="evil", segment={}
+    ),
+    "tandem.pool.master.unmount": PoolStoreRef(store_id="evil"),
+    "tandem.pool.master.heartbeat": PoolStoreRef(store_id="evil"),
+    "tandem.pool.master.put_start": PoolPutStart(keys=[KEY], sizes=[64], checksums=["0" * 16]),
+    "tandem.pool.master.put_end": PoolPutFinish(put_id="nope", keys=[KEY]),
+    "tandem.pool.master.put_revoke": PoolPutFinish(put_id="nope", keys=[KEY]),
+    "tandem.pool.master.get": PoolKeys(keys=[KEY]),
+    "tandem.pool.master.exists": PoolKeys(keys=[KEY]),
+    "tandem.pool.master.remove": PoolKeys(keys=["f" * 32]),
+    "tandem.pool.master.stats": InfoRequest(),
+}
+# subject -> a well-formed message (None: only malformed ones are sent; a well-formed load
+# report would enter a fake worker into rotation, which any NATS client may do: see
+# docs/security.md)
+PUBLISHED = {
+    "tandem.cancel": CancelRequest(request_id="hostile-none"),
+    "tandem.workers.prefill.evil.load": None,
+    "tandem.workers.decode.evil.load": None,
+    "tandem.pool.store.s1.update": PoolStoreUpdate(
+        keys=[], offsets=[], sizes=[], checksums=[], removed=[], seq=0
+    ),
+    "tandem.kv.events.evil": KvEvent(
+        source="evil", seq=1, kind="stored", tier="device", keys=[KEY]
+    ),
+}
+_ = LoadReport  # documented above: the load subjects get malformed input only
+
+
+def malformed() -> Iterator[tuple[str, bytes]]:
+    """Bytes that are not a message of any kind."""
+    yield "empty", b""
+    yield "garbage", os.urandom(256)
+    yield "invalid utf-8", b'{"v": 1, "type": "\xff\xfe"}'
+    yield "truncated", b'{"v": 1, "type": "generate", "token_ids": [1, 2'
+    for text in ("null", "[]", '"text"', "1e400", "true", "-1"):
+        yield f"json {text}", text.encode()
+    yield "deep nesting", b"[" * 100_000 + b"]" * 100_000
+    yield "huge", b'{"v": 1, "pad": "' + b"x" * (MAX_PAYLOAD - 64) + b'"}'
+
+
+def mutations(message) -> Iterator[tuple[str, bytes]]:
+    """The wrong version and type, then each field in turn set to a wrong type or an
+    extreme value of its own type."""
+    body = message.to_dict()
+    yield "schema version 999", orjson.dumps({**body, "v": 999})
+    yield "another type", orjson.dumps({**body, "type": "nope"})
+    for name, value in body.items():
+        if name in ("v", "type"):
+            continue
+        for label, bad in _extremes(value):
+            try:
+                yield f"{name}={label}", orjson.dumps({**body, name: bad})
+            except TypeError:  # an integer orjson cannot write: send it as raw text
+                raw = orjson.dumps({**body, name: "@@"}).replace(b'"@@"', str(bad).encode())
+                yield f"{name}={label}", raw
+
+
+_WRONG = [("wrong type object", {"a": [1]}), ("null", None)]
+_EXTREMES = {
+    bool: [("string", "true")],
+    int: [("-1", -1), ("-2**63", -(2**63)), ("2**63", 2**63), ("10**30", 10**30)],
+    float: [("-1.0", -1.0), ("1e308", 1e308), ("0", 0.0)],
+    str: [("empty", ""), ("300k chars", "x" * 300_000), ("subject wildcards", "a b.*.>"),
+          ("NUL", "\x00\n")],
+    list: [("empty list", []), ("100k ints", [2**31] * 100_000), ("nested", [[[]]]),
+           ("100k strings", ["k"] * 100_000)],
+    dict: [("empty object", {}), ("nested", {"a": {"b": {"c": []}}})],
+}  # fmt: skip
+
+
+def _extremes(value) -> list[tuple[str, object]]:
+    return [*_WRONG, *_EXTREMES.get(type(value), [])]
+
+
+def _fits(payload: bytes) -> bool:
+    return len(payload) < MAX_PAYLOAD - 1024
+
+
+async def _check_alive(hostile: Hostile, nc) -> None:
+    assert not hostile.dead(), f"exited: {hostile.dead()}"
+    for sid, (service, _) in PROCESSES.items():
+        reply = await nc.request(f"tandem.{service}.{sid}.info", InfoRequest().encode(), timeout=10)
+        assert ServiceInfo.decode(reply.data).service_id == sid
+    await hostile.completion_works()
+
+
+@pytest.fixture
+async def nc(hostile: Hostile):
+    client = await nats.connect(hostile.nats.url, connect_timeout=5, max_reconnect_attempts=3)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("subject", list(REQUESTS))
+async def test_bad_request_gets_an_error_reply_and_the_service_keeps_serving(
+    hostile: Hostile, nc, subject
+):
+    cases = [*malformed(), *mutations(REQUESTS[subject])]
+    failures, answered, refused = [], 0, 0
+    for label, payload in cases:
+        if not _fits(payload):
+            continue
+        try:
+            reply = await nc.request(subject, payload, timeout=20)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+            failures.append(f"{label}: no reply ({type(e).__name__})")
+            continue
+        answered += 1
+        code = (reply.headers or {}).get("Nats-Service-Error-Code")
+        if code is not None:
+            refused += 1
+            if not code.isdigit() or int(code) >= 500:
+                failures.append(f"{label}: error {code}: {reply.headers.get('Nats-Service-Error')}")
+    print(f"nats {subject}: {answered} inputs, {refused} refused with 4xx, {len(failures)} bad")
+    assert not failures, "\n".join(failures)
+    await _check_alive(hostile, nc)
+
+
+@pytest.mark.parametrize("subject", list(PUBLISHED))
+async def test_bad_published_message_is_dropped_and_the_service_keeps_serving(
+    hostile: Hostile, nc, subject
+):
+    message = PUBLISHED[subject]
+    cases = [*malformed(), *(mutations(message) if message is not None else [])]
+    sent = 0
+    for _label, payload in cases:
+        if _fits(payload):
+            await nc.publish(subject, payload)
+            sent += 1
+    await nc.flush()
+    await asyncio.sleep(1.0)  # let every subscriber read them
+    print(f"nats {subject}: {sent} inputs published")
+    await _check_alive(hostile, nc)
