@@ -400,6 +400,18 @@ class CancelRequest(Message):
     reason: str = "client disconnected"
 
 
+@dataclass
+class RdmaConnect(Message):
+    """The rdma transport's queue-pair exchange, request and reply alike, on
+    `tandem.transfer.<engine-id>.connect` (libs/common/transfer_exchange.py).
+
+    `exchange` is a QpExchange dict (libs/common/transfer/rdma_link.py), validated there.
+    """
+
+    TYPE: ClassVar[str] = "rdma_connect"
+    exchange: dict[str, Any]
+
+
 # --- cluster state: load reports and KV events --------------------------------------------
 
 

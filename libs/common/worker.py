@@ -33,6 +33,7 @@ from libs.common.pool_tier import PoolTier
 from libs.common.radix_cache import CacheEvent
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
+from libs.common.transfer_exchange import engine_options, serve_connect
 
 log = get_logger(__name__)
 
@@ -130,8 +131,11 @@ class WorkerService(BaseService):
                 "advertise_host": self.config.transfer_advertise_host or None,
                 "stall_timeout_s": self.config.transfer_stall_timeout,
             }
+        prefix, sid = self.config.subject_prefix, self.config.service_id
+        options.update(engine_options(self.transport, self.bus, prefix, sid))
         self.transfer = create_engine(self.transport, **options)
         await self.transfer.start()
+        await serve_connect(self.bus, self.transfer, prefix, sid)
         self.engine = Engine(
             EngineConfig(
                 model=self.config.model,

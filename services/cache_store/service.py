@@ -32,6 +32,7 @@ from libs.common.messages import (
 )
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine
+from libs.common.transfer_exchange import engine_options, serve_connect
 from services.cache_store.config import CacheStoreConfig
 from services.cache_store.segment import StoreSegment
 
@@ -72,8 +73,11 @@ class CacheStoreService(BaseService):
 
     async def on_start(self) -> None:
         options = {"host": self.config.transfer_host} if self._transport() == "tcp" else {}
+        prefix, sid = self.config.subject_prefix, self.config.service_id
+        options.update(engine_options(self._transport(), self.bus, prefix, sid))
         self.engine = create_engine(self._transport(), **options)
         await self.engine.start()
+        await serve_connect(self.bus, self.engine, prefix, sid)
         self.segment = StoreSegment.open(
             self.engine, self.config.segment_bytes, self.config.segment_file
         )
