@@ -1,0 +1,124 @@
+"""The TCP transfer port under random hostile frames: without a region's own token no byte
+of memory changes or leaves, whatever the region id, offset, length or payload; the whole
+backing memory (two registered regions and the unregistered bytes around them) is hashed
+before and after. tests/transfer/ covers each refusal alone (wrong token, stale region,
+forged length, garbage header, oversized frame, disconnects); this is the randomized sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import socket
+
+import pytest
+
+from libs.common.transfer.tcp import TcpTransferEngine
+from libs.common.transfer.tcp_frame import (
+    FLAG_LAST,
+    KIND_ACK,
+    KIND_DATA,
+    KIND_ERR,
+    KIND_READ,
+    KIND_WRITE,
+    MAGIC,
+    REQUEST,
+    RESPONSE,
+    VERSION,
+    pack_request,
+)
+
+FRAMES = 2000
+PAGE = 4096
+
+
+@pytest.fixture
+async def server():
+    engine = TcpTransferEngine(host="127.0.0.1", port=0, batch_timeout_s=10.0)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def _frame(rng: random.Random, regions, tokens) -> tuple[bytes, bytes]:
+    """One hostile request: header and payload. Never carries the addressed region's token."""
+    region_id = rng.choice([*[d.region_id for d in regions], 0, rng.getrandbits(64)])
+    own = {d.region_id: d.token_bytes for d in regions}.get(region_id)
+    token = rng.choice([t for t in [bytes(16), b"\xff" * 16, rng.randbytes(16), *tokens]
+                        if t != own])  # fmt: skip
+    offset = rng.choice([0, 1, PAGE - 1, PAGE, 2 * PAGE, 2**63, 2**64 - 1, rng.getrandbits(64)])
+    length = rng.choice([0, 1, 16, PAGE, PAGE + 1, 2**30, 2**64 - 1, rng.getrandbits(64)])
+    kind = rng.choice([KIND_WRITE, KIND_READ, KIND_WRITE, rng.getrandbits(8)])
+    magic, version = rng.choice([(MAGIC, VERSION)] * 6 + [(rng.getrandbits(32), VERSION),
+                                                          (MAGIC, rng.getrandbits(8))])  # fmt: skip
+    header = REQUEST.pack(magic, version, kind, rng.choice([0, FLAG_LAST]),
+                          rng.getrandbits(32), 0, rng.getrandbits(64), region_id, offset,
+                          length, token)  # fmt: skip
+    payload = b""
+    if kind == KIND_WRITE and length <= 2 * PAGE:
+        payload = rng.randbytes(length if rng.random() < 0.8 else rng.randrange(length + 1))
+    if rng.random() < 0.1:  # a truncated header instead
+        return header[: rng.randrange(REQUEST.size)], b""
+    return header, payload
+
+
+def _exchange(endpoint: str, data: bytes) -> bytes:
+    """Send `data`, close our side, read the server's answer until it closes."""
+    host, port = endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the server closed first (garbage header): that is a refusal
+            pass
+        chunks = []
+        while True:
+            try:
+                chunk = sock.recv(1 << 16)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _kinds(answer: bytes) -> list[int]:
+    """Kinds of the responses in `answer` (ERR reasons skipped by their length)."""
+    kinds, pos = [], 0
+    while pos + RESPONSE.size <= len(answer):
+        _, _, kind, _, _, _, _, length = RESPONSE.unpack_from(answer, pos)
+        kinds.append(kind)
+        pos += RESPONSE.size + length
+    return kinds
+
+
+async def test_random_frames_without_the_token_change_and_leak_nothing(server):
+    rng = random.Random(1234)
+    backing = bytearray(rng.randbytes(5 * PAGE))  # | free | A | free | B | free |
+    view = memoryview(backing)
+    a = server.register(view[PAGE : 2 * PAGE])
+    b = server.register(view[3 * PAGE : 4 * PAGE])
+    before = hashlib.sha256(backing).hexdigest()
+    tokens = [a.token_bytes, b.token_bytes]
+    answers: list[int] = []
+    for _ in range(FRAMES):
+        header, payload = _frame(rng, [a, b], tokens)
+        answer = await asyncio.to_thread(_exchange, a.endpoint, header + payload)
+        answers += _kinds(answer)
+    assert hashlib.sha256(backing).hexdigest() == before, "a refused frame changed memory"
+    assert KIND_DATA not in answers and KIND_ACK not in answers, "a refused frame was served"
+    print(f"transfer port: {FRAMES} hostile frames, {answers.count(KIND_ERR)} ERR replies")
+
+    # Control: with the token, a write lands exactly in its range and nowhere else.
+    good = pack_request(KIND_WRITE, FLAG_LAST, 0, 7, a.region_id, 100, 50, a.token_bytes)
+    answer = await asyncio.to_thread(_exchange, a.endpoint, good + b"\xab" * 50)
+    assert _kinds(answer) == [KIND_ACK]
+    changed = PAGE + 100
+    assert backing[changed : changed + 50] == b"\xab" * 50
+    rest = backing[:changed] + backing[changed + 50 :]
+    reference = random.Random(1234).randbytes(5 * PAGE)  # the memory as first filled
+    assert rest == reference[:changed] + reference[changed + 50 :]
