@@ -11,6 +11,13 @@ class DecodeConfig(WorkerConfig):
 
     SERVICE = "decode"
 
+    max_queue_delay: float = field(
+        default=30.0,
+        metadata={
+            "help": "answer 429 when a new prompt would wait longer than this for its "
+            "prefill (measured drain rate; 0: never)"
+        },
+    )
     role: str = field(
         default="decode",
         metadata={
@@ -19,3 +26,8 @@ class DecodeConfig(WorkerConfig):
             "choices": ("decode", "both"),
         },
     )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_queue_delay < 0:
+            raise ValueError(f"--max-queue-delay: must be >= 0, got {self.max_queue_delay}")

@@ -26,6 +26,7 @@ from libs.common.messages import (
     Usage,
 )
 from libs.common.worker import WorkerService, logprobs_wire, sampling_params
+from services.decode.backlog import PromptBacklog
 from services.decode.config import DecodeConfig
 from services.decode.stream import TokenStream
 
@@ -42,6 +43,7 @@ class DecodeService(WorkerService):
         super().__init__(config)
         self.config: DecodeConfig = config
         self._prefill_seen: dict[str, float] = {}  # worker -> its last load report
+        self.backlog = PromptBacklog()  # admission by expected prefill wait
 
     async def on_start(self) -> None:
         await super().on_start()
@@ -71,6 +73,11 @@ class DecodeService(WorkerService):
                 raise HandlerError(400, f"sampling: {e}") from None
             if req.request_id in self._active:
                 raise HandlerError(409, f"request {req.request_id} is already running here")
+            limit = self.config.max_queue_delay
+            wait = self.backlog.expected_wait(len(req.token_ids))
+            if limit and wait > limit:
+                raise HandlerError(429, f"prefill backlog: a new prompt would wait ~{wait:.0f}s "
+                                        f"(--max-queue-delay {limit:g})")  # fmt: skip
             pages: list[int] = []
             held = 0
             if req.prefill_worker:
@@ -91,6 +98,7 @@ class DecodeService(WorkerService):
                     await self.engine.abort(req.request_id)
                 raise HandlerError(499, "request cancelled before it was accepted")
             self.queued_prompt_tokens += len(req.token_ids)
+            self.backlog.add(len(req.token_ids))
             task = self.bus.spawn(self._guard(req, run), name=f"decode-{req.request_id}")
             self._active[req.request_id] = task
             task.add_done_callback(lambda _t: self._active.pop(req.request_id, None))
@@ -114,6 +122,7 @@ class DecodeService(WorkerService):
             if not counted:
                 counted = True
                 self.queued_prompt_tokens -= len(req.token_ids)
+                self.backlog.done(len(req.token_ids))
 
         with request_context(req.request_id):
             try:
