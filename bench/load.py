@@ -11,7 +11,9 @@ router's disaggregation threshold, some below) with `ignore_eos`, `logprobs: 0` 
 entry per streamed token) and `include_usage`, one after the other until the time or
 the request count is up. A 429 or 503 is honoured: the client waits Retry-After.
 
-The report holds what the invariants need: requests completed, completed with exact
+No request starts after --duration; those in flight then may finish during --grace
+(after it they are cut off and counted, never as errors). The report holds what the
+invariants need: requests completed, completed with exact
 usage (completion_tokens == tokens streamed == max_tokens, prompt_tokens == prompt
 length), 429/503 counts and how many lacked Retry-After, the 5xx count (must be zero),
 other errors (with samples), TTFT p50/p99, and per service process the peak RSS
@@ -229,6 +231,7 @@ async def run_load(url: str, a: argparse.Namespace, pids: dict[str, int]) -> dic
         "url": url,
         "clients": a.clients,
         "duration_s": round(elapsed, 1),
+        "drain_s": round(max(0.0, elapsed - a.duration), 1),
         "requests_sent": tally.sent,
         "requests_completed": tally.completed,
         "requests_cut_off": len(late),
@@ -315,7 +318,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grace",
         type=float,
-        default=60.0,
+        default=240.0,
         help="seconds after --duration before requests still running are cut off",
     )
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")

@@ -20,7 +20,7 @@ def test_tiny_load_completes_with_exact_usage_and_throttles_with_retry_after(tmp
                       "--json", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
     assert code == 0, report
-    assert report["requests_completed"] >= 2
+    assert report["requests_completed"] >= 2 and report["requests_cut_off"] == 0
     assert report["completed_usage_correct"] == report["requests_completed"]
     assert report["http_429"] >= 1 and report["throttled_without_retry_after"] == 0
     assert report["server_errors_5xx"] == 0 and report["other_errors"] == 0, report["samples"]
