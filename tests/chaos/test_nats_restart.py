@@ -13,10 +13,12 @@ from libs.common.bus import discover
 from libs.common.kv_events import STREAM_NAME
 from tests.chaos.harness import CASES, TOPOLOGY, complete, prompt_ids
 from tests.chaos.load import Load
+from tests.router.e2e_cluster import metric
 
 pytestmark = pytest.mark.slow
 
-SERVICES = {f"tandem-{service}" for service, _ in TOPOLOGY.values()}
+DOWN_S = 4.0
+HIT_PAGES = "tandem:router_expected_cached_pages_total"  # pages the KV index said were cached
 
 
 async def _health(http: aiohttp.ClientSession, url: str) -> dict:
@@ -35,6 +37,18 @@ async def _until(http, url: str, check, timeout: float) -> dict:
             if check(health):
                 return health
             await asyncio.sleep(0.2)
+
+
+async def _stream_state(url: str) -> str:
+    nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=5)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(STREAM_NAME)
+        consumers = await js.consumers_info(STREAM_NAME)
+        seen = [(c.config.deliver_policy, c.delivered, c.num_pending) for c in consumers]
+        return f"kv index not fed: stream {info.state}, consumers {seen}"
+    finally:
+        await nc.close()
 
 
 async def _everyone_back(url: str, timeout: float) -> tuple[float, dict[str, float]]:
@@ -68,7 +82,7 @@ async def test_nats_restart_under_load_every_service_reconnects_within_10s_and_s
         await load.start()
         await load.wait_completed(3, timeout=60)
         chaos.kill_nats()
-        await asyncio.sleep(1.0)  # the services see the connection drop
+        await asyncio.sleep(DOWN_S)  # longer than --worker-timeout: the router drops them
         started = len(load.sent)
         chaos.start_nats()  # same port, no JetStream state
         took, back = await _everyone_back(chaos.nats_url, timeout=30)
@@ -77,11 +91,17 @@ async def test_nats_restart_under_load_every_service_reconnects_within_10s_and_s
         await _until(http, chaos.url, lambda h: h.get("http") == 200, 15)  # workers back
         await load.wait_completed(load.completed + 4, timeout=60)
         await load.stop()
-        # the KV index is fed again: a new prompt's pages reach it from the new stream
-        keys_before = (await _health(http, chaos.url))["kv_index_keys"]
-        fresh = await complete(http, chaos.url, prompt_ids(90, seed=70), 4, False)
-        assert fresh.ok, fresh
-        await _until(http, chaos.url, lambda h: h.get("kv_index_keys", 0) > keys_before, 10)
+        # the KV index is fed again, from the new stream: a prompt's second time is routed
+        # to where its pages are (and the cached answer equals the computed one)
+        prompt = prompt_ids(90, seed=70)
+        first = await complete(http, chaos.url, prompt, 4, False)
+        assert first.ok, first
+        expected = await metric(chaos.url, HIT_PAGES)
+        await asyncio.sleep(1.0)  # its pages' events travel through the stream
+        second = await complete(http, chaos.url, prompt, 4, False)
+        assert second.ok and second.text == first.text, (first, second)
+        hit = await metric(chaos.url, HIT_PAGES) - expected
+        assert hit >= (len(prompt) - 1) // 16, await _stream_state(chaos.nats_url)
     finally:
         await load.stop()
     assert all(chaos.alive().values()), chaos.alive()
@@ -92,3 +112,7 @@ async def test_nats_restart_under_load_every_service_reconnects_within_10s_and_s
         assert sent.outcome.seconds < 60, sent
     after = [s for s in load.sent[started:] if s.outcome.ok]
     assert len(after) >= 4
+    failed = [(s.outcome.status, s.outcome.error[:80], round(s.outcome.seconds, 1))
+              for s in load.failed()]  # fmt: skip
+    print(f"\nnats restart: back in {took:.2f}s {back}; sent {len(load.sent)}, "
+          f"failed {failed}, wrong {len(load.wrong())}")  # fmt: skip

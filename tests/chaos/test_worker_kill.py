@@ -34,6 +34,7 @@ async def test_decode_kill_ends_its_streams_within_5s_and_the_other_decode_serve
         for s in cut:
             assert s.outcome.status == 200 and victim in s.outcome.error
             assert s.ended_at - killed_at < 5, f"ended {s.ended_at - killed_at:.1f}s after"
+        cut_after = [round(s.ended_at - killed_at, 1) for s in cut]
         for s, text in zip(streams, want, strict=True):
             assert text.startswith(s.text) if s.outcome.error else s.text == text
         # new requests: served by the survivor, exactly
@@ -43,6 +44,10 @@ async def test_decode_kill_ends_its_streams_within_5s_and_the_other_decode_serve
         # the prefill workers hold nothing for the dead worker's requests
         for worker, free in before.items():
             assert await free_pages(bus, worker, want=free) == free
+        print(
+            f"\ndecode kill: {len(cut)}/{len(streams)} streams on {victim} ended with an "
+            f"error after {cut_after}s; the rest and 2 new requests exact; prefill pages back"
+        )
     finally:
         for s in streams:
             s.task.cancel()
@@ -77,6 +82,11 @@ async def test_prefill_kill_with_queued_requests_retries_or_fails_cleanly(chaos,
         # every reservation made for p1's prompts is released on the decode workers
         for worker, free in before.items():
             assert await free_pages(bus, worker, want=free) == free
+        failed = [(o.status, o.error[:60]) for o in done if not o.ok]
+        print(
+            f"\nprefill kill: {sum(o.ok for o in done)}/{len(done)} exact, failed {failed}, "
+            f"slowest {max(o.seconds for o in done):.1f}s; decode pages back"
+        )
     finally:
         await sub.unsubscribe()
         for call in calls:
