@@ -103,7 +103,12 @@ class WorkerService(BaseService):
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.core.model.config.max_position if self.engine and self.engine.core else 0
+        """The longest sequence this worker can serve: the model's context, or less when
+        its KV pool is smaller (a longer one could never be scheduled here)."""
+        if not (self.engine and self.engine.core):
+            return 0
+        pool_tokens = self.num_kv_pages * self.config.page_size
+        return min(self.engine.core.model.config.max_position, pool_tokens)
 
     def details(self) -> dict[str, Any]:
         return {

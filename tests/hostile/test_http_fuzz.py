@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 DOC = openapi.document("default")
 SCHEMA = schemathesis.openapi.from_dict(DOC)
-EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 100}
+EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 100}
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 

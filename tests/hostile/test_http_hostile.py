@@ -61,6 +61,7 @@ CASES = [
     ("2000 prompts", COMP, _body(prompt=[[1] * 10] * 2000), 400, "prompt"),
     ("5000 string prompts", COMP, _body(prompt=["a"] * 5000), 400, "prompt"),
     ("prompt of 1M tokens", COMP, _body(prompt=[1] * 1_000_000), 400, None),
+    ("prompt past the workers' KV pool", COMP, _body(prompt=[1] * 3000), 400, None),
     ("model is a list", COMP, json.dumps({"model": ["default"], "prompt": "hi"}).encode(), 400,
      "model"),
     ("prompt is an object", COMP, _body(prompt={"a": 1}), 400, "prompt"),
