@@ -168,20 +168,23 @@ async def _stream(request, state, rid, api, prompts, sources) -> web.StreamRespo
         d = await anext(merged, None)
         response = await open_sse(request, {"x-request-id": request["request_id"]})
         started: set[int] = set()
+        tail = [DONE]  # the last events go out with the end of the body: one send
         try:
             while d is not None:
                 tally.add(d)
-                for event in _events(d, api, prompts, tally, started):
-                    await response.write(sse(chunk(rid, created, api.model, [event], None)))
+                events = _events(d, api, prompts, tally, started)
+                # One send per delta (a send is a syscall that wakes the client).
+                await response.write(
+                    b"".join(sse(chunk(rid, created, api.model, [e], None)) for e in events)
+                )
                 d = await anext(merged, None)
             if api.include_usage:
-                await response.write(sse(chunk(rid, created, api.model, [], tally.totals)))
+                tail.insert(0, sse(chunk(rid, created, api.model, [], tally.totals)))
         except ApiError as e:
             log.warning("stream ended by an error", status=e.status, error=e.message)
             state.metrics.failure.labels(state.metrics.model, str(e.status)).inc()
-            await response.write(sse(e.body()))
-    await response.write(DONE)
-    await response.write_eof()
+            tail.insert(0, sse(e.body()))
+    await response.write_eof(b"".join(tail))
     return response
 
 
