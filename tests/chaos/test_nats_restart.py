@@ -11,7 +11,7 @@ import pytest
 
 from libs.common.bus import discover
 from libs.common.kv_events import STREAM_NAME
-from tests.chaos.harness import CASES, TOPOLOGY, complete, prompt_ids
+from tests.chaos.harness import CASES, TOPOLOGY, Stream, complete, prompt_ids
 from tests.chaos.load import Load
 from tests.router.e2e_cluster import metric
 
@@ -116,3 +116,32 @@ async def test_nats_restart_under_load_every_service_reconnects_within_10s_and_s
               for s in load.failed()]  # fmt: skip
     print(f"\nnats restart: back in {took:.2f}s {back}; sent {len(load.sent)}, "
           f"failed {failed}, wrong {len(load.wrong())}")  # fmt: skip
+
+
+async def test_nats_quick_restart_mid_stream_leaves_no_request_hanging(chaos, http):
+    """The usual restart: down for a moment, shorter than --worker-timeout, with streams
+    in flight. Messages the old server held are lost; no request may wait for them."""
+    case, want = CASES["nats_blip"], chaos.want["nats_blip"]
+    streams = [Stream(http, chaos.url, ids, case.max_tokens, case.ignore_eos, timeout=60)
+               for ids in case.prompts]  # fmt: skip
+    try:
+        for s in streams:
+            await s.wait_tokens(2, timeout=60)
+        chaos.kill_nats()
+        chaos.start_nats()
+        restarted = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*(s.task for s in streams)), 90)
+    finally:
+        for s in streams:
+            s.task.cancel()
+    ends = [round(s.ended_at - restarted, 1) for s in streams]
+    for s, text in zip(streams, want, strict=True):
+        assert s.outcome.status == 200, s.outcome
+        assert text.startswith(s.text) if s.outcome.error else s.text == text
+    assert max(ends) < 20, ends
+    again = await complete(http, chaos.url, case.prompts[0], case.max_tokens, case.ignore_eos)
+    assert again.ok and again.text == want[0], again
+    print(
+        f"\nnats quick restart: {sum(not s.outcome.error for s in streams)}/{len(streams)} "
+        f"streams whole, the rest ended with an error; ended {ends}s after the restart"
+    )
