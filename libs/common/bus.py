@@ -155,11 +155,21 @@ class Bus:
         await self.nc.publish(subject, message.encode())
 
     async def request(
-        self, subject: str, message: Message, reply_type: type[R], timeout: float | None = None
+        self,
+        subject: str,
+        message: Message,
+        reply_type: type[R],
+        timeout: float | None = None,
+        responder_wait: float | None = None,
     ) -> R:
-        """Send `message`, wait for one reply of `reply_type`; raise RemoteError/BusError."""
+        """Send `message`, wait for one reply of `reply_type`; raise RemoteError/BusError.
+
+        "No responders" is retried for `responder_wait` seconds (default: the whole
+        timeout); a caller with a fallback (the pool: compute instead) gives up sooner."""
         timeout = self.request_timeout if timeout is None else timeout
-        deadline = asyncio.get_running_loop().time() + timeout
+        now = asyncio.get_running_loop().time()
+        deadline = now + timeout
+        give_up = now + (timeout if responder_wait is None else min(responder_wait, timeout))
         payload, pause = message.encode(), 0.02
         while True:
             left = deadline - asyncio.get_running_loop().time()
@@ -171,7 +181,7 @@ class Bus:
                 # a nats-server in its first moments (seen: a fresh server answers
                 # "no responders" once to an interest it already has). Retry until the
                 # deadline rather than fail a request that would succeed 20 ms later.
-                if left <= pause:
+                if give_up - asyncio.get_running_loop().time() <= pause:
                     raise BusError(f"{subject}: no service is listening") from None
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.25)

@@ -51,6 +51,8 @@ log = get_logger(__name__)
 
 # Keys per master request: keeps every message far below NATS's 1 MiB payload limit.
 BATCH_KEYS = 256
+# How long "no responders" (no master subscribed: dead, or restarting) is retried.
+NO_MASTER_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,10 @@ class PoolClient:
         return f"{self.prefix}.pool.master.{name}"
 
     async def _ask(self, name: str, message: Any, reply_type: type) -> Any:
-        return await self.bus.request(self._subject(name), message, reply_type, self.timeout)
+        # No master listening: fail within NO_MASTER_WAIT_S (the caller computes instead)
+        # rather than after the whole timeout, which would add it to a request's latency.
+        return await self.bus.request(self._subject(name), message, reply_type, self.timeout,
+                                      responder_wait=NO_MASTER_WAIT_S)  # fmt: skip
 
     async def batch_exists(self, keys: Sequence[str]) -> int:
         """How many leading `keys` are in the pool (a prompt's cached prefix, in pages)."""

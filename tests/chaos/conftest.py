@@ -20,7 +20,7 @@ from tests.chaos.harness import ChaosCluster, connect
 def chaos_cluster(tmp_path_factory) -> Iterator[ChaosCluster]:
     cluster = ChaosCluster(tmp_path_factory.mktemp("chaos"))
     try:
-        cluster.want = cluster.start()
+        cluster.start()
         yield cluster
     finally:
         cluster.stop()

@@ -59,6 +59,7 @@ class ChaosCluster:
         self.nats: NatsServer | None = None
         self.local: LocalCluster | None = None
         self.url = ""
+        self.want: dict[str, list[str]] = {}  # case name -> greedy reference texts
         self.nats_port = -1
         self._nats_runs = 0
 
@@ -66,21 +67,20 @@ class ChaosCluster:
     def nats_url(self) -> str:
         return self.nats.url
 
-    def start(self, timeout: float = 240.0) -> dict[str, list[str]]:
-        """Start everything; meanwhile compute the reference texts of CASES (returned)."""
+    def start(self, timeout: float = 240.0) -> None:
+        """Start everything; meanwhile compute the reference texts of CASES (`want`)."""
         self.start_nats()
         self.local = LocalCluster(self.nats_url, env=router_env(), capture=self.workdir / "logs")
         for label in TOPOLOGY:
             self._spawn(label)
 
-        async def both() -> dict[str, list[str]]:
-            want = await references(CASES)
+        async def both() -> None:
+            self.want = await references(CASES)
             port = await router_port(self.nats_url, "router", timeout)
             self.url = f"http://127.0.0.1:{port}"
             await self.wait_whole(timeout)
-            return want
 
-        return asyncio.run(both())
+        asyncio.run(both())
 
     async def wait_whole(self, timeout: float = 120.0) -> None:
         """Until every process runs, the router sees 2 + 2 workers and the master 2 stores."""
