@@ -106,7 +106,7 @@ class Dispatcher:
                 # Full KV pools are back-pressure: wait for room, up to --queue-timeout.
                 if time.monotonic() + pause > min(deadline, start + self.queue_timeout):
                     raise ApiError(
-                        429, "every decode worker is full (KV pages or prefill backlog); retry shortly",
+                        429, "every decode worker is full (KV pages, prefill backlog); retry",
                         code="workers_full", headers={"Retry-After": "1"},
                     ) from None  # fmt: skip
                 await asyncio.sleep(pause)
