@@ -276,8 +276,8 @@ class OwnCluster:
         env["TANDEM_LOG_FORMAT"] = "json"
         env["TANDEM_LOG_LEVEL"] = "warning"
         self.cluster = LocalCluster(self.nats.url, env=env, capture=self.workdir / "logs")
-        extra = a.worker_arg or []
         for role, count in (("prefill", a.prefill), ("decode", a.decode)):
+            extra = [*(a.worker_arg or []), *(getattr(a, f"{role}_arg") or [])]
             for i in range(1, count + 1):
                 self.cluster.start_one(role, "--service-id", f"{role[0]}{i}", *WORKER_ARGS,
                                        *extra, label=f"{role}-{i}")  # fmt: skip
@@ -327,6 +327,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1, help="own cluster: decode workers")
     p.add_argument("--worker-arg", action="append", help="own cluster: extra worker flag "
                    "(repeat; e.g. --worker-arg=--kv-cache-mb --worker-arg=256)")  # fmt: skip
+    p.add_argument("--prefill-arg", action="append", help="own cluster: prefill-only flag")
+    p.add_argument("--decode-arg", action="append", help="own cluster: decode-only flag "
+                   "(e.g. --decode-arg=--max-queue-delay --decode-arg=0)")  # fmt: skip
     p.add_argument("--router-arg", action="append", help="own cluster: extra router flag")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--keep-logs", action="store_true", help="own cluster: keep its logs")
