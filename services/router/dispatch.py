@@ -14,6 +14,10 @@ Failure handling, in one place:
   yielded*: retried once on a route that avoids the failed workers (`<rid>-r1`); if
   that fails too, 503 with Retry-After (nothing was produced: safe to retry);
 - the same after tokens were yielded: `WorkerFailed`, the caller ends the response;
+- chunks lost in transit while both workers are live (a restarted nats-server drops what
+  it held, and what is published before the router has subscribed again): a hole in the
+  chunk order for `lost_after` seconds, or a started stream silent for `lost_after` since
+  the router's last reconnect, is a `WorkerFailed` too, never an endless wait;
 - the caller stops iterating (client gone, stop, error), or the time is up:
   `CancelRequest` on `tandem.cancel` so every worker frees the request's pages.
 Callers must close the generator (`contextlib.aclosing`) so the cancel is sent at once.
@@ -73,10 +77,17 @@ class Dispatcher:
         request_timeout: float,
         queue_timeout: float,
         on_accepted: Callable[[float], None] = lambda _s: None,
+        lost_after: float = 3.0,
     ):
         self.bus, self.prefix, self.workers = bus, prefix, workers
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
         self.on_accepted = on_accepted
+        self.lost_after = lost_after
+        self.reconnected_at = 0.0  # time.monotonic() of the bus's last reconnect
+        bus.on_reconnect(self._on_reconnect)
+
+    async def _on_reconnect(self) -> None:
+        self.reconnected_at = time.monotonic()
 
     async def generate(
         self,
@@ -190,6 +201,7 @@ class Dispatcher:
         self, queue: asyncio.Queue[Msg], route: Route, deadline: float
     ) -> AsyncIterator[TokenChunk]:
         next_index, held = 0, {}
+        moved = time.monotonic()  # when the stream last moved on
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -199,6 +211,7 @@ class Dispatcher:
                     msg = await queue.get()
             except TimeoutError:
                 self._check_alive(route, next_index)
+                self._check_lost(held, next_index, moved)
                 continue
             try:
                 chunk = TokenChunk.decode(msg.data)
@@ -217,11 +230,22 @@ class Dispatcher:
             while next_index in held:
                 chunk = held.pop(next_index)
                 next_index += len(chunk.token_ids)
+                moved = time.monotonic()
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
                 if not chunk.token_ids:
                     break  # an empty non-final chunk cannot advance the order
+            self._check_lost(held, next_index, moved)
+
+    def _check_lost(self, held: dict, next_index: int, moved: float) -> None:
+        """Both workers are live, yet the stream cannot move on: chunks were lost."""
+        now = time.monotonic()
+        if held and now - moved > self.lost_after:
+            raise WorkerFailed(f"token chunk {next_index} lost in transit", next_index > 0)
+        since = max(moved, self.reconnected_at)
+        if next_index and moved < self.reconnected_at and now - since > self.lost_after:
+            raise WorkerFailed("the stream went silent across a NATS reconnect", True)
 
     def _check_alive(self, route: Route, next_index: int) -> None:
         if not self.workers.is_live(route.decode):
