@@ -172,7 +172,7 @@ CASES = {
     "store_kill": Case([prompt_ids(100, seed=40), prompt_ids(120, seed=41)], 8),
     "master_kill": Case([prompt_ids(70 + 10 * i, seed=50 + i) for i in range(6)], 6),
     "nats_restart": Case([prompt_ids(60 + 10 * i, seed=60 + i) for i in range(6)], 6),
-    "nats_blip": Case([prompt_ids(50 + 10 * i, seed=80 + i) for i in range(4)], 40, True),
+    "nats_blip": Case([prompt_ids(50 + 10 * i, seed=80 + i) for i in range(4)], 64, True),
 }
 
 
