@@ -28,7 +28,6 @@ import asyncio
 import itertools
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -135,35 +134,41 @@ def prompt(k: int) -> list[int]:
     return [1, *[(97 + 13 * k + 7 * j) % 4000 + 100 for j in range(40)]]
 
 
-async def level(
-    concurrency: int, rounds: int, run, prompts: itertools.count, watch: GenerateWatch
-) -> dict:
-    ttft, gaps, front, hold_first, hold, cached = [], [], [], [], [], 0
+class Samples:
+    """Raw timings of one path at one concurrency, pooled over its batches."""
 
-    async def one() -> None:
-        nonlocal cached
-        t = await run(prompt(next(prompts)))
-        cached += t.cached
-        if t.times:
-            ttft.append(t.times[0] - t.start)
-            gaps.extend(b - a for a, b in itertools.pairwise(t.times))
-        if t.rid in watch.seen:
-            front.append(watch.seen.pop(t.rid) - t.start)
-        if t.on_bus and len(t.on_bus) == len(t.times):
-            hold_first.append(t.times[0] - t.on_bus[0])
-            hold.extend(a - b for a, b in zip(t.times, t.on_bus, strict=True))
+    def __init__(self):
+        self.ttft, self.gaps, self.front, self.hold_first, self.hold = [], [], [], [], []
+        self.cached = 0
 
-    for _ in range(rounds):
+    async def batch(self, concurrency: int, run, prompts: itertools.count, watch) -> None:
+        """`concurrency` requests at once, each with a prompt of its own."""
+
+        async def one() -> None:
+            t = await run(prompt(next(prompts)))
+            self.cached += t.cached
+            if t.times:
+                self.ttft.append(t.times[0] - t.start)
+                self.gaps.extend(b - a for a, b in itertools.pairwise(t.times))
+            if t.rid in watch.seen:
+                self.front.append(watch.seen.pop(t.rid) - t.start)
+            if t.on_bus and len(t.on_bus) == len(t.times):
+                self.hold_first.append(t.times[0] - t.on_bus[0])
+                self.hold.extend(a - b for a, b in zip(t.times, t.on_bus, strict=True))
+
         await asyncio.gather(*(one() for _ in range(concurrency)))
-    ms = lambda v, q: _pct(v, q) * 1e3  # noqa: E731
-    out = {"ttft_p50_ms": ms(ttft, 0.5), "ttft_p99_ms": ms(ttft, 0.99),
-           "itl_p50_ms": ms(gaps, 0.5), "itl_p99_ms": ms(gaps, 0.99),
-           "front_p50_ms": ms(front, 0.5), "requests": len(ttft), "gaps": len(gaps),
-           "cached_tokens": cached}  # fmt: skip
-    if hold:
-        out |= {"hold_first_p50_ms": ms(hold_first, 0.5), "hold_p50_ms": ms(hold, 0.5),
-                "hold_p99_ms": ms(hold, 0.99)}  # fmt: skip
-    return out
+
+    def summary(self) -> dict:
+        ms = lambda v, q: _pct(v, q) * 1e3  # noqa: E731
+        out = {"ttft_p50_ms": ms(self.ttft, 0.5), "ttft_p99_ms": ms(self.ttft, 0.99),
+               "itl_p50_ms": ms(self.gaps, 0.5), "itl_p99_ms": ms(self.gaps, 0.99),
+               "front_p50_ms": ms(self.front, 0.5), "requests": len(self.ttft),
+               "gaps": len(self.gaps), "cached_tokens": self.cached}  # fmt: skip
+        if self.hold:
+            out |= {"hold_first_p50_ms": ms(self.hold_first, 0.5),
+                    "hold_p50_ms": ms(self.hold, 0.5),
+                    "hold_p99_ms": ms(self.hold, 0.99)}  # fmt: skip
+        return out
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -204,13 +209,14 @@ async def run(args: argparse.Namespace) -> dict:
                     "direct": lambda ids: direct(bus, "bench-d1", ids, n),
                 }
                 for path in paths.values():  # warm-up: first-call costs on both paths
-                    await level(1, 1, path, prompts, watch)
+                    await Samples().batch(1, path, prompts, watch)
                 for c in args.concurrency:
-                    rows = {"router": [], "direct": []}
-                    for _ in range(args.repeats):  # alternate, so drift hits both alike
+                    samples = {name: Samples() for name in paths}
+                    # Batch by batch in turn, so a burst of load elsewhere hits both alike.
+                    for _ in range(args.repeats * args.rounds):
                         for name, path in paths.items():
-                            rows[name].append(await level(c, args.rounds, path, prompts, watch))
-                    merged = {k: _median_rows(v) for k, v in rows.items()}
+                            await samples[name].batch(c, path, prompts, watch)
+                    merged = {name: s.summary() for name, s in samples.items()}
                     r, d = merged["router"], merged["direct"]
                     merged["added_ms_per_request_p50"] = r["ttft_p50_ms"] - d["ttft_p50_ms"]
                     merged["added_ms_per_token_p50"] = r["itl_p50_ms"] - d["itl_p50_ms"]
@@ -227,10 +233,6 @@ async def run(args: argparse.Namespace) -> dict:
             await bus.close()
             cluster.stop()
             server.stop()
-
-
-def _median_rows(rows: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
 async def _wait_health(http: aiohttp.ClientSession, url: str) -> None:
@@ -251,7 +253,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--rounds", type=int, default=3, help="batches of requests per level")
-    p.add_argument("--repeats", type=int, default=2, help="router/direct alternations")
+    p.add_argument("--repeats", type=int, default=2, help="multiplies --rounds")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
     args = p.parse_args()
