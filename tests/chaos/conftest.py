@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from tests.chaos.harness import ChaosCluster, connect
+from tests.chaos.harness import ChaosCluster
+from tests.chaos.reports import connect
 
 
 @pytest.fixture(scope="package")

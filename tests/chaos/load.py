@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from tests.chaos.harness import Case, Outcome, complete
+from tests.chaos.cases import Case
+from tests.chaos.client import Outcome, complete
 
 
 @dataclass

@@ -11,7 +11,9 @@ import pytest
 
 from libs.common.bus import discover
 from libs.common.kv_events import STREAM_NAME
-from tests.chaos.harness import CASES, TOPOLOGY, Stream, complete, prompt_ids
+from tests.chaos.cases import CASES, prompt_ids
+from tests.chaos.client import Stream, complete
+from tests.chaos.harness import TOPOLOGY
 from tests.chaos.load import Load
 from tests.router.e2e_cluster import metric
 

@@ -11,8 +11,10 @@ from libs.common.kv_hash import PageHasher
 from libs.common.messages import InfoRequest, PoolStats
 from libs.common.pool_client import LocalMemory, PoolClient
 from libs.common.transfer import create_engine
-from tests.chaos.harness import CASES, PoolWatch, complete, info
+from tests.chaos.cases import CASES
+from tests.chaos.client import complete
 from tests.chaos.load import Load
+from tests.chaos.reports import PoolWatch, info
 from tests.workers.conftest import generate
 
 pytestmark = pytest.mark.slow

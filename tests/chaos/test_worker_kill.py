@@ -10,7 +10,9 @@ import time
 import pytest
 
 from libs.common.messages import LoadReport
-from tests.chaos.harness import CASES, Stream, complete, free_pages, info
+from tests.chaos.cases import CASES
+from tests.chaos.client import Stream, complete
+from tests.chaos.reports import free_pages, info
 
 pytestmark = pytest.mark.slow
 
