@@ -17,6 +17,7 @@ router's requests are also timed against the bus itself, in the same request: th
 watches the generate subject and the request's stream subject (the router takes its
 `x-request-id`), and reports
 - `front`: POST -> GenerateRequest on the bus, against send -> the same for `direct`;
+- `worker_ttft`: GenerateRequest on the bus -> first token on the bus (the worker's part);
 - `hold`: a TokenChunk on the bus -> its SSE event here (the first token's, and per token).
 `paired_added_ms_per_request_p50` = front (router - direct) + hold of the first token.
 """
@@ -139,6 +140,7 @@ class Samples:
 
     def __init__(self):
         self.ttft, self.gaps, self.front, self.hold_first, self.hold = [], [], [], [], []
+        self.worker: list[float] = []  # GenerateRequest on the bus -> first token on the bus
         self.cached = 0
 
     async def batch(self, concurrency: int, run, prompts: itertools.count, watch) -> None:
@@ -150,8 +152,11 @@ class Samples:
             if t.times:
                 self.ttft.append(t.times[0] - t.start)
                 self.gaps.extend(b - a for a, b in itertools.pairwise(t.times))
-            if t.rid in watch.seen:
-                self.front.append(watch.seen.pop(t.rid) - t.start)
+            seen = watch.seen.pop(t.rid, None)
+            first = (t.on_bus or t.times or [None])[0]  # the first token, as the bus saw it
+            if seen is not None and first is not None:
+                self.front.append(seen - t.start)
+                self.worker.append(first - seen)
             if t.on_bus and len(t.on_bus) == len(t.times):
                 self.hold_first.append(t.times[0] - t.on_bus[0])
                 self.hold.extend(a - b for a, b in zip(t.times, t.on_bus, strict=True))
@@ -162,7 +167,8 @@ class Samples:
         ms = lambda v, q: _pct(v, q) * 1e3  # noqa: E731
         out = {"ttft_p50_ms": ms(self.ttft, 0.5), "ttft_p99_ms": ms(self.ttft, 0.99),
                "itl_p50_ms": ms(self.gaps, 0.5), "itl_p99_ms": ms(self.gaps, 0.99),
-               "front_p50_ms": ms(self.front, 0.5), "requests": len(self.ttft),
+               "front_p50_ms": ms(self.front, 0.5), "worker_ttft_p50_ms": ms(self.worker, 0.5),
+               "requests": len(self.ttft),
                "gaps": len(self.gaps), "cached_tokens": self.cached}  # fmt: skip
         if self.hold:
             out |= {"hold_first_p50_ms": ms(self.hold_first, 0.5),
