@@ -33,7 +33,8 @@ async def test_methods_need_a_running_engine() -> None:
         await engine.write(desc, desc, [(0, 0, 1)])
     assert engine.info() == {"transport": "tcp", "endpoint": None, "state": "stopped",
                              "regions": 0, "connections_per_peer": 2,
-                             "slice_bytes": 1 << 20}  # fmt: skip
+                             "slice_bytes": 1 << 20, "stall_timeout_s": 10.0,
+                             "peer_connections": 0, "server_connections": 0}  # fmt: skip
 
 
 async def test_failed_start_leaves_a_stopped_engine() -> None:
