@@ -7,7 +7,8 @@
     cancel (tandem.cancel) -> abort wherever the request is; its pages are freed
 
 Errors after the request was accepted end its stream with finish_reason "error"; the
-reservation is always released (by abort) whatever happens.
+reservation is always released (by abort) whatever happens, and never before the handoff's
+own region is unregistered (`_handoff_region`): a late write cannot reach freed pages.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from libs.common.messages import (
     PrefillResult,
     Usage,
 )
+from libs.common.transfer import RegionDescriptor
 from libs.common.worker import WorkerService, logprobs_wire, sampling_params
 from services.decode.backlog import PromptBacklog
 from services.decode.config import DecodeConfig
@@ -167,8 +169,40 @@ class DecodeService(WorkerService):
 
         return run
 
+    def _handoff_region(self) -> RegionDescriptor:
+        """The KV pool registered again, under an id and token for one handoff only.
+
+        It is unregistered the moment the handoff ends, however it ends (done, failed,
+        cancelled, timed out, prefill worker silent), before the pages are freed: a prefill
+        worker that writes late (slow, paused, partitioned, or its cancel not seen yet) is
+        refused by the transfer engine instead of overwriting pages that may already hold
+        another request's KV. rdma registers memory with the NIC, too slow per request: it
+        and a full shm slot table fall back to the pool's shared descriptor (unfenced).
+        """
+        if self.transfer.transport == "rdma":
+            return self.kv_region
+        try:
+            return self.transfer.register(self.engine.core.kv_cache.buffer)
+        except ValueError as e:  # shm: every slot of the segment in use
+            log.warning("handoff not fenced: no region slot left", error=str(e))
+            return self.kv_region
+
+    def _end_handoff(self, region: RegionDescriptor) -> None:
+        if region.region_id != self.kv_region.region_id and self.transfer is not None:
+            self.transfer.unregister(region)
+
     async def _handoff(self, req: GenerateRequest, pages: list[int], held: int) -> PrefillResult:
-        """Ask the prefill worker to write prompt pages `held..` into `pages`."""
+        """Ask the prefill worker to write prompt pages `held..` into `pages` (through a
+        region that accepts writes only while this handoff lasts)."""
+        region = self._handoff_region()
+        try:
+            return await self._ask_prefill(req, pages, held, region)
+        finally:
+            self._end_handoff(region)
+
+    async def _ask_prefill(
+        self, req: GenerateRequest, pages: list[int], held: int, region: RegionDescriptor
+    ) -> PrefillResult:
         kv = self.engine.core.kv_cache
         prefill = PrefillRequest(
             request_id=req.request_id,
@@ -176,7 +210,7 @@ class DecodeService(WorkerService):
             sampling=req.sampling,
             stream_subject=req.stream_subject,
             decode_worker=self.config.service_id,
-            kv_region=self.kv_region.to_dict(),
+            kv_region=region.to_dict(),
             page_indices=pages,
             skip_pages=held,
             model_id=self.model_id,

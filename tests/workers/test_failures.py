@@ -2,44 +2,26 @@
 
 import asyncio
 
-from libs.common.bus import Bus, RemoteError
+import pytest
+
+from libs.common.bus import RemoteError
 from libs.common.kv_hash import PageHasher
 from libs.common.messages import (
     CancelRequest,
     InfoRequest,
     KvEvent,
-    LoadReport,
     PrefillRequest,
     PrefillResult,
     SamplingSpec,
     ServiceInfo,
 )
+from libs.common.transfer import RegionDescriptor, TransferError, create_engine
+from tests.chaos.reports import free_pages
 from tests.workers.conftest import generate, prompt_ids
 
 
-async def _free_pages(bus: Bus, worker: str, want: int | None = None, timeout: float = 10):
-    """Free pages (free + evictable cached) from the worker's load reports: the next report,
-    or, with `want`, the first report showing `want` (the last seen if none does in time)."""
-    last: list[int] = []
-    matched = asyncio.Event()
-
-    async def on_load(msg) -> None:
-        last.append(LoadReport.decode(msg.data).free_pages)
-        if want is None or last[-1] == want:
-            matched.set()
-
-    sub = await bus.subscribe(f"tandem.workers.*.{worker}.load", on_load)
-    try:
-        await asyncio.wait_for(matched.wait(), timeout)
-    except TimeoutError:
-        pass
-    finally:
-        await sub.unsubscribe()
-    return last[-1]
-
-
 async def test_cancel_ends_the_stream_and_frees_pages_on_both_workers(bus):
-    before = {w: await _free_pages(bus, w) for w in ("p1", "d1")}
+    before = {w: await free_pages(bus, w) for w in ("p1", "d1")}
     prompt = prompt_ids(40, seed=60)
     task = asyncio.create_task(
         generate(bus, "cancel-1", prompt, decode="d1", prefill="p1", max_tokens=400)
@@ -50,15 +32,15 @@ async def test_cancel_ends_the_stream_and_frees_pages_on_both_workers(bus):
     assert done.finish_reason == "abort"
     assert len(done.token_ids) < 400
     for worker, free in before.items():
-        assert await _free_pages(bus, worker, want=free) == free
+        assert await free_pages(bus, worker, want=free) == free
 
 
 async def test_unreachable_prefill_worker_fails_the_request_and_releases_the_reservation(bus):
-    before = await _free_pages(bus, "d2")
+    before = await free_pages(bus, "d2")
     done = await generate(bus, "ghost-1", prompt_ids(50, seed=61), decode="d2",
                           prefill="ghost", max_tokens=4, timeout=30)  # fmt: skip
     assert done.finish_reason == "error" and "ghost stopped reporting" in done.error
-    assert await _free_pages(bus, "d2", want=before) == before
+    assert await free_pages(bus, "d2", want=before) == before
     ok = await generate(bus, "ghost-2", prompt_ids(20, seed=62), decode="d2", prefill="p2",
                         max_tokens=3)  # fmt: skip
     assert ok.error is None and len(ok.token_ids) == 3
@@ -70,7 +52,7 @@ async def test_transfer_refused_by_peer_fails_that_prefill_only(bus):
         "v": 1, "transport": "tcp", "endpoint": info.details["transfer_endpoint"],
         "region_id": 999, "length": 1 << 30, "token": "00" * 16, "addr": 0, "rkey": 0,
     }  # fmt: skip
-    before = await _free_pages(bus, "p1")
+    before = await free_pages(bus, "p1")
     req = PrefillRequest(
         request_id="xfer-1", token_ids=prompt_ids(40, seed=63), sampling=SamplingSpec(),
         stream_subject="tandem.stream.xfer-1", decode_worker="d1", kv_region=region,
@@ -82,7 +64,7 @@ async def test_transfer_refused_by_peer_fails_that_prefill_only(bus):
         raise AssertionError("a transfer into an unknown region must fail")
     except RemoteError as e:
         assert e.code == 502 and "transfer" in e.message
-    assert await _free_pages(bus, "p1", want=before) == before
+    assert await free_pages(bus, "p1", want=before) == before
     ok = await generate(bus, "xfer-2", prompt_ids(20, seed=64), decode="d1", prefill="p1",
                         max_tokens=3)  # fmt: skip
     assert ok.error is None and len(ok.token_ids) == 3
@@ -113,3 +95,30 @@ async def test_kv_events_name_the_pages_each_worker_stored(bus):
     # the decode worker holds the prompt's pages too (and any full page of the output)
     full_seq = hasher.keys(prompt + done.token_ids[:-1])
     assert stored["d2"] == full_seq[: len(stored["d2"])] and len(stored["d2"]) >= len(prompt_keys)
+
+
+async def test_a_prefill_write_after_the_handoff_ended_is_refused(bus):
+    """The decode worker fences each handoff: the region it gives the prefill worker dies
+    with the handoff, so a late writer (slow, paused, cut off) cannot reach freed pages."""
+    captured: list[PrefillRequest] = []
+
+    async def on_prefill(msg) -> None:  # a plain subscriber sees a copy of each request
+        captured.append(PrefillRequest.decode(msg.data))
+
+    sub = await bus.subscribe("tandem.prefill.p2.prefill", on_prefill)
+    try:
+        done = await generate(bus, "fence-1", prompt_ids(40, seed=64), decode="d1",
+                              prefill="p2", max_tokens=3)  # fmt: skip
+    finally:
+        await sub.unsubscribe()
+    assert done.error is None and len(done.token_ids) == 3
+    (req,) = [r for r in captured if r.request_id == "fence-1"]
+    remote = RegionDescriptor.from_dict(req.kv_region)
+    late = create_engine("tcp")
+    await late.start()
+    try:
+        local = late.register(late.allocate(4096))
+        with pytest.raises(TransferError, match=r"unknown region"):
+            await late.write(local, remote, [(0, 0, 4096)])
+    finally:
+        await late.stop()
