@@ -34,8 +34,8 @@ import xxhash
 
 from libs.common.bus import Bus, BusError
 from libs.common.log import get_logger
-from libs.common.messages import (
-    InfoRequest,
+from libs.common.messages import InfoRequest
+from libs.common.pool_messages import (
     PoolCount,
     PoolGetReply,
     PoolKeys,

@@ -16,10 +16,8 @@ from typing import Any
 from libs.common.bus import Endpoint, HandlerError
 from libs.common.kv_events import events_subject, keep_kv_stream
 from libs.common.log import get_logger
-from libs.common.messages import (
-    InfoRequest,
-    KvEvent,
-    Message,
+from libs.common.messages import InfoRequest, KvEvent, Message
+from libs.common.pool_messages import (
     PoolCount,
     PoolGetReply,
     PoolHeartbeatReply,

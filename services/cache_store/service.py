@@ -21,8 +21,8 @@ from nats.aio.msg import Msg
 
 from libs.common.bus import BusError
 from libs.common.log import get_logger
-from libs.common.messages import (
-    MessageError,
+from libs.common.messages import MessageError
+from libs.common.pool_messages import (
     PoolCount,
     PoolHeartbeatReply,
     PoolMount,

@@ -18,7 +18,8 @@ import signal
 from pathlib import Path
 
 from libs.common.bus import BusError
-from libs.common.messages import InfoRequest, PoolStats
+from libs.common.messages import InfoRequest
+from libs.common.pool_messages import PoolStats
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 from tests.chaos.cases import CASES, references

@@ -26,15 +26,17 @@ from libs.common.messages import (
     InfoRequest,
     KvEvent,
     LoadReport,
+    PrefillRequest,
+    SamplingSpec,
+    ServiceInfo,
+)
+from libs.common.pool_messages import (
     PoolKeys,
     PoolMount,
     PoolPutFinish,
     PoolPutStart,
     PoolStoreRef,
     PoolStoreUpdate,
-    PrefillRequest,
-    SamplingSpec,
-    ServiceInfo,
 )
 from tests.hostile.conftest import PROCESSES, Hostile
 

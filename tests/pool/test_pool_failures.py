@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from libs.common.messages import PoolGetReply, PoolKeys
+from libs.common.pool_messages import PoolGetReply, PoolKeys
 from libs.common.transfer import RegionDescriptor
 
 

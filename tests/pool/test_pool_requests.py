@@ -7,7 +7,7 @@ import nats
 import pytest
 
 from libs.common.bus import RemoteError
-from libs.common.messages import PoolStoreRef
+from libs.common.pool_messages import PoolHeartbeatReply, PoolStoreRef
 
 
 async def _master_still_serves(pool) -> None:
@@ -96,7 +96,6 @@ async def test_store_that_stops_heartbeating_loses_its_replicas(pool):
 
 
 async def test_heartbeat_from_an_unknown_store_asks_it_to_mount(pool):
-    from libs.common.messages import PoolHeartbeatReply
 
     await pool.wait_stores(0)
     reply = await pool.bus.request("tandem.pool.master.heartbeat", PoolStoreRef("ghost", 1),
