@@ -40,6 +40,7 @@ import aiohttp
 import orjson
 
 from bench.deployments import free_port, wait_healthy
+from libs.common import event_loop
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         _validate(a)
-        report = asyncio.run(_main(a))
+        report = event_loop.run(_main(a))
     except ValueError as e:
         print(f"bench.load: {e}", file=sys.stderr)
         return 2

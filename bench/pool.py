@@ -31,6 +31,7 @@ import orjson
 import structlog
 
 from bench.pool_common import CASES, BenchProcs, row, timed
+from libs.common import event_loop
 from libs.common.bus import Bus
 from libs.common.pool_client import LocalMemory, PoolClient
 from libs.common.transfer import create_engine
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.time(),
     }
     with tempfile.TemporaryDirectory(prefix="tandem-bench-pool-") as tmp:
-        rows = asyncio.run(run_tandem(args, Path(tmp)))
+        rows = event_loop.run(run_tandem(args, Path(tmp)))
         meta["load_mid"] = os.getloadavg()
         mooncake = "skipped (--no-mooncake)"
         if not args.no_mooncake:

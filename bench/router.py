@@ -38,6 +38,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from libs.common import event_loop
 from libs.common.bus import Bus
 from libs.common.log import setup_logging
 from libs.common.messages import (
@@ -264,7 +265,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
     args = p.parse_args()
     setup_logging("warning", "console")  # logs to stderr: stdout is the result
-    result = asyncio.run(run(args))
+    result = event_loop.run(run(args))
     if args.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
         return

@@ -14,7 +14,6 @@ usage.prompt_tokens_details.cached_tokens, and per round when the barrier is on.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import sys
 import time
@@ -29,6 +28,7 @@ from bench.client import Endpoint, RequestResult, send
 from bench.driver import Arrivals, drive
 from bench.metrics import Slo, per_round, summarize
 from bench.workloads import MultiTurn, TraceReplay, Workload
+from libs.common import event_loop
 from scripts.cluster import REPO
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -233,7 +233,7 @@ def _jsonable(a: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
-        return asyncio.run(_main(a))
+        return event_loop.run(_main(a))
     except ValueError as e:
         print(f"bench.serve: {e}", file=sys.stderr)
         return 2

@@ -23,7 +23,6 @@ from a small pool, so that what L1 evicts is what the pool keeps. One table at t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import sys
@@ -36,6 +35,7 @@ from bench.client import Endpoint
 from bench.deployments import PEER_KINDS, Deployment, PeerServer, Topology
 from bench.metrics import Slo
 from bench.serve import add_workload_args, benchmark, make_arrivals, make_workload, served_model
+from libs.common import event_loop
 from libs.common.engine.model_source import default_model_path
 from scripts.cluster import REPO
 
@@ -196,7 +196,7 @@ async def _main(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
-        return asyncio.run(_main(a))
+        return event_loop.run(_main(a))
     except ValueError as e:
         print(f"bench.tiers: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ import numpy as np
 import orjson
 import structlog
 
+from libs.common import event_loop
 from libs.common.transfer import RegionDescriptor, create_engine
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -74,7 +75,7 @@ def _time_sync(fn: Callable[[], Any], seconds: float, max_iters: int) -> list[fl
     async def wrapped() -> None:
         fn()
 
-    return asyncio.run(_time_async(wrapped, seconds, max_iters))
+    return event_loop.run(_time_async(wrapped, seconds, max_iters))
 
 
 # -- peers in child processes ------------------------------------------------------------
@@ -95,7 +96,7 @@ def _tandem_peer(transport: str, conn: Any) -> None:
             conn.send(engine.register(region).to_dict())
             await asyncio.to_thread(conn.recv)
 
-    asyncio.run(serve())
+    event_loop.run(serve())
 
 
 def _mooncake_peer(conn: Any) -> None:
@@ -151,7 +152,7 @@ def run_tandem(transport: str, ops_kinds: list[str], seconds: float, max_iters: 
                     rows.append(_stats(transport, kind, case, sum(o[2] for o in ops), lat))
 
     try:
-        asyncio.run(measure())
+        event_loop.run(measure())
     finally:
         _stop(proc, parent)
     return rows

@@ -25,6 +25,7 @@ from typing import IO
 
 import nats
 
+from libs.common import event_loop
 from libs.common.bus import discover
 from scripts.nats_server import NatsServer
 
@@ -248,7 +249,7 @@ def main() -> None:
         help="router HTTP port (env TANDEM_ROUTER_PORT; default 8000)",
     )
     parser.add_argument("--ready-timeout", type=float, default=120.0)
-    sys.exit(asyncio.run(_run(parser.parse_args())))
+    sys.exit(event_loop.run(_run(parser.parse_args())))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,13 @@ class CommonConfig:
             "choices": _LOG_FORMATS,
         },
     )
+    event_loop: str = field(
+        default="uvloop",
+        metadata={
+            "help": "uvloop (faster NATS and socket wake-ups) or asyncio's own loop",
+            "choices": ("uvloop", "asyncio"),
+        },
+    )
     connect_timeout: float = field(
         default=10.0, metadata={"help": "seconds to keep trying the first NATS connection"}
     )

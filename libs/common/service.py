@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from libs.common import __version__
+from libs.common import __version__, event_loop
 from libs.common.bus import Bus, BusError, Endpoint
 from libs.common.config import CommonConfig, redact_url
 from libs.common.log import get_logger, setup_logging
@@ -151,4 +151,6 @@ def main(
     setup_logging(
         config.log_level, config.log_format, service=config.SERVICE, service_id=config.service_id
     )
-    sys.exit(asyncio.run(serve(service_cls(config))))
+    loop = event_loop.loop_name(config.event_loop)
+    log.info("event loop", event_loop=loop)
+    sys.exit(event_loop.run(serve(service_cls(config)), loop))
