@@ -46,6 +46,7 @@ class DecodeService(WorkerService):
         self.config: DecodeConfig = config
         self._prefill_seen: dict[str, float] = {}  # worker -> its last load report
         self.backlog = PromptBacklog()  # admission by expected prefill wait
+        self._region_freed = asyncio.Condition()  # a handoff region was unregistered
 
     async def on_start(self) -> None:
         await super().on_start()
@@ -169,36 +170,42 @@ class DecodeService(WorkerService):
 
         return run
 
-    def _handoff_region(self) -> RegionDescriptor:
+    async def _handoff_region(self) -> RegionDescriptor:
         """The KV pool registered again, under an id and token for one handoff only.
 
         It is unregistered the moment the handoff ends, however it ends (done, failed,
         cancelled, timed out, prefill worker silent), before the pages are freed: a prefill
         worker that writes late (slow, paused, partitioned, or its cancel not seen yet) is
         refused by the transfer engine instead of overwriting pages that may already hold
-        another request's KV. rdma registers memory with the NIC, too slow per request: it
-        and a full shm slot table fall back to the pool's shared descriptor (unfenced).
+        another request's KV. shm holds 1023 regions per segment: when every slot is in
+        use the handoff waits for one (never unfenced). rdma registers memory with the
+        NIC, too slow per request: it uses the pool's shared descriptor (unfenced; see
+        docs/reliability.md).
         """
         if self.transfer.transport == "rdma":
             return self.kv_region
-        try:
-            return self.transfer.register(self.engine.core.kv_cache.buffer)
-        except ValueError as e:  # shm: every slot of the segment in use
-            log.warning("handoff not fenced: no region slot left", error=str(e))
-            return self.kv_region
+        async with self._region_freed:
+            while True:
+                try:
+                    return self.transfer.register(self.engine.core.kv_cache.buffer)
+                except ValueError as e:  # shm: every slot of the segment in use
+                    log.warning("handoff waits for a region slot", error=str(e))
+                    await self._region_freed.wait()
 
-    def _end_handoff(self, region: RegionDescriptor) -> None:
+    async def _end_handoff(self, region: RegionDescriptor) -> None:
         if region.region_id != self.kv_region.region_id and self.transfer is not None:
             self.transfer.unregister(region)
+            async with self._region_freed:
+                self._region_freed.notify()
 
     async def _handoff(self, req: GenerateRequest, pages: list[int], held: int) -> PrefillResult:
         """Ask the prefill worker to write prompt pages `held..` into `pages` (through a
         region that accepts writes only while this handoff lasts)."""
-        region = self._handoff_region()
+        region = await self._handoff_region()
         try:
             return await self._ask_prefill(req, pages, held, region)
         finally:
-            self._end_handoff(region)
+            await self._end_handoff(region)
 
     async def _ask_prefill(
         self, req: GenerateRequest, pages: list[int], held: int, region: RegionDescriptor

@@ -95,3 +95,23 @@ async def test_concurrent_shm_batches(shm_pair) -> None:
     async with asyncio.timeout(20):
         await asyncio.gather(*(a.write(d_src, d_dst, o) for o in ops))
     assert dst == src
+
+
+async def test_one_buffer_registered_1023_times_each_fenced_alone(shm_pair) -> None:
+    """A decode worker registers its KV pool once per handoff in flight: 1023 at once work,
+    the next is refused (the worker waits), and an unregistered one refuses writes while
+    every other registration still takes them."""
+    from libs.common.transfer.shm_segment import NSLOTS
+
+    a, b = shm_pair
+    src = a.register(a.allocate(4096))
+    pool = b.allocate(1 << 16)
+    regions = [b.register(pool) for _ in range(NSLOTS)]
+    assert NSLOTS == 1023 and len({r.region_id for r in regions}) == NSLOTS
+    with pytest.raises(ValueError, match="1023 regions"):
+        b.register(pool)
+    b.unregister(regions[500])
+    with pytest.raises(TransferError, match="unknown region"):
+        await a.write(src, regions[500], [(0, 0, 16)])
+    await a.write(src, regions[-1], [(0, 0, 16)])  # the last slot is found
+    assert b.register(pool).region_id not in {r.region_id for r in regions}  # slot reused

@@ -1,15 +1,16 @@
 """A POSIX shared-memory segment with a region table in its first page.
 
-    0                         4096                                  4096 + data_len
+    0                         65536                                 65536 + data_len
     +-------------------------+-------------------------------------+
-    | header | slot 0 .. 62   | data: what engine.allocate() returns |
+    | header | slot 0 .. 1022 | data: what engine.allocate() returns |
     +-------------------------+-------------------------------------+
 
     header (64 B): magic "TNDMSHM1" | version u32 | nslots u32 | data_len u64 | 0...
     slot   (64 B): region_id u64 | offset u64 | length u64 | live u64 | token 16 B | 0...
 
 The owner writes a slot when it registers a region and clears it on unregister, so
-a peer holding a stale or forged descriptor is refused before it copies a byte. The
+a peer holding a stale or forged descriptor is refused before it copies a byte (1023
+slots: a decode worker registers its KV pool once per handoff in flight). The
 file is created 0600 under an unguessable name: the OS user is the trust boundary,
 the slot check catches stale descriptors and mix-ups. Files live in /dev/shm (a
 tmpfs) rather than multiprocessing.shared_memory, whose resource tracker in
@@ -26,9 +27,11 @@ import re
 import secrets
 import struct
 
+import numpy as np
+
 MAGIC = b"TNDMSHM1"
-VERSION = 1
-HEADER_BYTES = 4096
+VERSION = 2
+HEADER_BYTES = 65536
 SLOT_BYTES = 64
 NSLOTS = (HEADER_BYTES - 64) // SLOT_BYTES
 _HEADER = struct.Struct("<8sII Q")
@@ -51,6 +54,9 @@ class Segment:
         self.owner = owner
         self.data = memoryview(mm)[HEADER_BYTES : HEADER_BYTES + data_len]
         self.data_addr = ctypes.addressof(ctypes.c_char.from_buffer(self.data))
+        # The slot table as u64 columns [region_id, offset, length, live, token, token, ...],
+        # so a lookup is one vectorized compare rather than 1023 struct unpacks.
+        self._slots = np.frombuffer(mm, np.uint64, NSLOTS * SLOT_BYTES // 8, 64).reshape(NSLOTS, 8)
 
     @classmethod
     def create(cls, directory: str, nbytes: int) -> Segment:
@@ -98,15 +104,16 @@ class Segment:
 
     def put(self, region_id: int, offset: int, length: int, token: bytes) -> int:
         """Publish a region in a free slot; ValueError when the table is full."""
-        for index in range(NSLOTS):
-            at = _slot_at(index)
-            if _SLOT.unpack_from(self._mm, at)[3] == 0:
-                # Fields first, `live` last: a concurrent reader never sees a live
-                # slot with a half-written token.
-                self._mm[at : at + _SLOT.size] = _SLOT.pack(region_id, offset, length, 0, token)
-                self._mm[at + 24 : at + 32] = struct.pack("<Q", 1)
-                return index
-        raise ValueError(f"buffer: segment {self.name} already holds {NSLOTS} regions")
+        free = np.flatnonzero(self._slots[:, 3] == 0)
+        if not free.size:
+            raise ValueError(f"buffer: segment {self.name} already holds {NSLOTS} regions")
+        index = int(free[0])
+        at = _slot_at(index)
+        # Fields first, `live` last: a concurrent reader never sees a live
+        # slot with a half-written token.
+        self._mm[at : at + _SLOT.size] = _SLOT.pack(region_id, offset, length, 0, token)
+        self._mm[at + 24 : at + 32] = struct.pack("<Q", 1)
+        return index
 
     def clear(self, index: int) -> None:
         at = _slot_at(index)
@@ -115,8 +122,8 @@ class Segment:
 
     def find(self, region_id: int) -> tuple[int, int, bytes] | None:
         """(offset, length, token) of a live region, or None."""
-        for index in range(NSLOTS):
-            rid, offset, length, live, token = _SLOT.unpack_from(self._mm, _slot_at(index))
+        for index in np.flatnonzero(self._slots[:, 0] == np.uint64(region_id)):
+            rid, offset, length, live, token = _SLOT.unpack_from(self._mm, _slot_at(int(index)))
             if live == 1 and rid == region_id:
                 return offset, length, token
         return None
@@ -128,6 +135,7 @@ class Segment:
                 os.unlink(self.path)
         # Views handed out by allocate() may still be alive; the mapping then goes
         # away with the last of them.
+        self._slots = None
         with contextlib.suppress(BufferError):
             self.data.release()
             self._mm.close()
