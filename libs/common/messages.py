@@ -358,6 +358,23 @@ class PrefillResult(Message):
 
 
 @dataclass
+class RequestStatus(Message):
+    """Decode worker -> the prefill worker it waits on (`tandem.prefill.<id>.status`): is
+    this request still in flight there? "No" while the PrefillResult has not come means
+    the reply was lost (e.g. in a NATS restart): the decode worker stops waiting."""
+
+    TYPE: ClassVar[str] = "request_status"
+    request_id: str
+
+
+@dataclass
+class RequestStatusReply(Message):
+    TYPE: ClassVar[str] = "request_status_reply"
+    request_id: str
+    active: bool
+
+
+@dataclass
 class Usage(Message):
     """Exact token counts of one request, as the router reports them to the client."""
 

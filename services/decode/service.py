@@ -24,6 +24,8 @@ from libs.common.messages import (
     GenerateRequest,
     PrefillRequest,
     PrefillResult,
+    RequestStatus,
+    RequestStatusReply,
     Usage,
 )
 from libs.common.transfer import RegionDescriptor
@@ -230,14 +232,11 @@ class DecodeService(WorkerService):
         call = asyncio.ensure_future(
             self.bus.request(subject, prefill, PrefillResult, timeout=self.config.handoff_timeout)
         )
-        watch = asyncio.ensure_future(self._watch_prefill(req.prefill_worker))
+        watch = asyncio.ensure_future(self._watch_prefill(req.prefill_worker, req.request_id))
         try:
             await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
             if not call.done():
-                raise RuntimeError(
-                    f"prefill worker {req.prefill_worker} stopped reporting "
-                    f"(silent for {self.config.peer_timeout:g}s)"
-                )
+                raise RuntimeError(f"prefill worker {req.prefill_worker} {watch.result()}")
             result = call.result()
         except BusError as e:
             raise RuntimeError(f"prefill on {req.prefill_worker} failed: {e}") from None
@@ -249,15 +248,36 @@ class DecodeService(WorkerService):
             raise RuntimeError(f"KV handoff from {req.prefill_worker} failed its check")
         return result
 
-    async def _watch_prefill(self, worker: str) -> None:
-        """Returns when `worker` has sent no load report for --peer-timeout: it is dead
-        (or was never there), and waiting out --handoff-timeout would only hold pages."""
+    async def _watch_prefill(self, worker: str, request_id: str) -> str:
+        """Returns (why) when waiting for `worker`'s PrefillResult is pointless: it sent no
+        load report for --peer-timeout (dead, or never there), or it answered twice,
+        --peer-timeout apart, that the request is no longer in flight there (its reply was
+        lost, e.g. in a NATS restart). Waiting out --handoff-timeout would only hold pages."""
         since = time.monotonic()
+        next_probe, gone = since + self.config.peer_timeout, 0
         while True:
             await asyncio.sleep(min(0.5, self.config.peer_timeout / 2))
+            now = time.monotonic()
             last = self._prefill_seen.get(worker, since)  # never seen: count from now
-            if time.monotonic() - last > self.config.peer_timeout:
-                return
+            if now - last > self.config.peer_timeout:
+                return f"stopped reporting (silent for {self.config.peer_timeout:g}s)"
+            if now >= next_probe:
+                next_probe = now + self.config.peer_timeout
+                gone = gone + 1 if not await self._prefill_active(worker, request_id) else 0
+                if gone >= 2:
+                    return "no longer has the request and its reply never came (lost)"
+
+    async def _prefill_active(self, worker: str, request_id: str) -> bool:
+        """Whether `worker` says `request_id` is in flight there; True when it cannot tell."""
+        subject = self.subject("prefill", worker, "status")
+        try:
+            ask = RequestStatus(request_id=request_id)
+            reply = await self.bus.request(
+                subject, ask, RequestStatusReply, timeout=self.config.peer_timeout
+            )
+        except BusError:  # an older worker, or a slow one: the load reports decide
+            return True
+        return reply.active
 
     async def _pump(
         self, req, stream, outputs, prompt_done, skip_first, prefilled=None, pool_tokens=0

@@ -21,7 +21,14 @@ import asyncio
 from libs.common.bus import Endpoint, HandlerError
 from libs.common.handoff import KvLayout, handoff_check
 from libs.common.log import get_logger, request_context
-from libs.common.messages import PrefillRequest, PrefillResult, TokenChunk, Usage
+from libs.common.messages import (
+    PrefillRequest,
+    PrefillResult,
+    RequestStatus,
+    RequestStatusReply,
+    TokenChunk,
+    Usage,
+)
 from libs.common.transfer import RegionDescriptor, TransferError
 from libs.common.worker import WorkerService, logprobs_wire, sampling_params
 from services.prefill.config import PrefillConfig
@@ -48,8 +55,17 @@ class PrefillService(WorkerService):
                 request_type=PrefillRequest,
                 handler=self._prefill,
                 concurrent=True,
-            )
+            ),
+            Endpoint(
+                name="status",
+                subject=self.subject("prefill", self.config.service_id, "status"),
+                request_type=RequestStatus,
+                handler=self._status,
+            ),
         ]
+
+    async def _status(self, req: RequestStatus) -> RequestStatusReply:
+        return RequestStatusReply(request_id=req.request_id, active=req.request_id in self._active)
 
     def _check_pairing(self, req: PrefillRequest) -> None:
         mine = (self.model_id, self.config.page_size, self.kv_dtype)

@@ -27,6 +27,7 @@ from libs.common.messages import (
     KvEvent,
     LoadReport,
     PrefillRequest,
+    RequestStatus,
     SamplingSpec,
     ServiceInfo,
 )
@@ -66,6 +67,7 @@ REQUESTS = {
     **{f"tandem.{service}.{sid}.info": InfoRequest() for sid, (service, _) in PROCESSES.items()},
     "tandem.decode.d1.generate": _generate(),
     "tandem.prefill.p1.prefill": _prefill(),
+    "tandem.prefill.p1.status": RequestStatus(request_id="hostile-none"),
     "tandem.pool.master.mount": PoolMount(
         keys=[], offsets=[], sizes=[], checksums=[], store_id="evil", segment={}
     ),

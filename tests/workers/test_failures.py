@@ -1,6 +1,7 @@
 """Worker failure and cancel paths: each fails one request only and frees its pages."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -10,8 +11,11 @@ from libs.common.messages import (
     CancelRequest,
     InfoRequest,
     KvEvent,
+    LoadReport,
     PrefillRequest,
     PrefillResult,
+    RequestStatus,
+    RequestStatusReply,
     SamplingSpec,
     ServiceInfo,
 )
@@ -122,3 +126,63 @@ async def test_a_prefill_write_after_the_handoff_ended_is_refused(bus):
             await late.write(local, remote, [(0, 0, 4096)])
     finally:
         await late.stop()
+
+
+async def test_prefill_worker_says_which_requests_it_has_in_flight(bus):
+    async def active(request_id: str) -> bool:
+        ask = RequestStatus(request_id=request_id)
+        return (await bus.request("tandem.prefill.p2.status", ask, RequestStatusReply)).active
+
+    assert not await active("status-nobody")
+    task = asyncio.create_task(generate(bus, "status-1", prompt_ids(600, seed=66), decode="d1",
+                                        prefill="p2", max_tokens=2))  # fmt: skip
+    seen = False
+    for _ in range(400):  # a 600-token prompt is ~10 chunks of 64 tokens on p2
+        if seen := await active("status-1"):
+            break
+        await asyncio.sleep(0.02)
+    done = await task
+    assert seen and done.error is None and len(done.token_ids) == 2
+    assert not await active("status-1")
+
+
+async def test_a_lost_prefill_reply_fails_the_request_in_seconds_not_at_the_handoff_timeout(bus):
+    """A live prefill worker whose PrefillResult never comes (lost in a NATS restart) and
+    which says it no longer has the request: the decode worker gives up after two status
+    probes --peer-timeout (3 s) apart, not after --handoff-timeout (120 s here), and frees
+    the reserved pages. The mute worker is this test: a message cannot be lost on demand."""
+    asked: list[str] = []
+
+    async def swallow(msg) -> None:  # takes the PrefillRequest, never replies
+        asked.append(PrefillRequest.decode(msg.data).request_id)
+
+    async def status(msg) -> None:
+        req = RequestStatus.decode(msg.data)
+        await msg.respond(RequestStatusReply(request_id=req.request_id, active=False).encode())
+
+    async def report_load() -> None:
+        while True:
+            await bus.publish("tandem.workers.prefill.mute.load", LoadReport(
+                worker="mute", role="prefill", model_id="m", page_size=16, kv_dtype="float32",
+                waiting=0, running=0, waiting_prefill_tokens=0, free_pages=1, total_pages=1,
+                tokens_per_s=0.0, max_model_len=1024, timestamp=time.time()))  # fmt: skip
+            await asyncio.sleep(0.25)
+
+    subs = [await bus.subscribe("tandem.prefill.mute.prefill", swallow),
+            await bus.subscribe("tandem.prefill.mute.status", status)]  # fmt: skip
+    reporter = asyncio.create_task(report_load())
+    try:
+        await asyncio.sleep(0.5)  # d1 has seen the mute worker's load reports
+        before = await free_pages(bus, "d1")
+        started = time.monotonic()
+        done = await generate(bus, "lost-1", prompt_ids(50, seed=65), decode="d1",
+                              prefill="mute", max_tokens=4, timeout=60)  # fmt: skip
+        took = time.monotonic() - started
+        assert asked == ["lost-1"]
+        assert done.finish_reason == "error" and "its reply never came" in done.error
+        assert took < 20, f"gave up after {took:.1f}s"
+        assert await free_pages(bus, "d1", want=before) == before
+    finally:
+        reporter.cancel()
+        for sub in subs:
+            await sub.unsubscribe()
