@@ -8,7 +8,9 @@ times whole batches, back to back, for `--seconds` (at most `--max-iters`), and
 reports GB/s (bytes moved / time spent in batches) and p50/p99 batch latency. The
 peer lives in a separate process, like in a deployment. memcpy is numpy.copyto of
 the same sizes in this process; Mooncake (mooncake-transfer-engine-non-cuda, TCP
-transport, P2PHANDSHAKE metadata, no etcd) runs when the package imports. Load
+transport, P2PHANDSHAKE metadata, no etcd) runs when the package imports. The floors
+of bare Python sockets (bench/transfer_floors.py: a 4 KiB ping-pong, a 1 MiB stream)
+are measured in the same run, so the table shows whether a tcp goal is reachable. Load
 averages are recorded because the machine may be shared: compare ratios measured in
 one run rather than absolute numbers across runs.
 """
@@ -31,6 +33,9 @@ import structlog
 
 from libs.common import event_loop
 from libs.common.transfer import RegionDescriptor, create_engine
+
+from .transfer_floors import run_floors
+from .transfer_report import ratios, table
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB)
@@ -86,11 +91,11 @@ def _logs_to_stderr() -> None:
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 
-def _tandem_peer(transport: str, conn: Any) -> None:
+def _tandem_peer(transport: str, options: dict[str, Any], conn: Any) -> None:
     _logs_to_stderr()
 
     async def serve() -> None:
-        engine = create_engine(transport)
+        engine = create_engine(transport, **options)
         async with engine:
             region = engine.allocate(REGION_BYTES)
             conn.send(engine.register(region).to_dict())
@@ -130,13 +135,15 @@ def _stop(proc: Any, parent: Any) -> None:
 # -- runs ---------------------------------------------------------------------------------
 
 
-def run_tandem(transport: str, ops_kinds: list[str], seconds: float, max_iters: int) -> list:
-    proc, parent, remote_dict = _spawn(_tandem_peer, transport)
+def run_tandem(
+    transport: str, options: dict[str, Any], ops_kinds: list[str], seconds: float, max_iters: int
+) -> list:
+    proc, parent, remote_dict = _spawn(_tandem_peer, transport, options)
     remote = RegionDescriptor.from_dict(remote_dict)
     rows: list[dict[str, Any]] = []
 
     async def measure() -> None:
-        engine = create_engine(transport)
+        engine = create_engine(transport, **options)
         async with engine:
             local_mem = engine.allocate(REGION_BYTES)
             local_mem[:] = os.urandom(MIB) * (REGION_BYTES // MIB)
@@ -215,35 +222,22 @@ def _mooncake_available() -> str | None:
     return None
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        "| transport | op | case | GB/s | p50 µs | p99 µs | iters |\n"
-        + "|---" * 3
-        + "|---:" * 4
-        + "|"
-    )
-    body = [f"| {r['transport']} | {r['op']} | {r['case']} | {r['gbps']} | {r['p50_us']} | "
-            f"{r['p99_us']} | {r['iters']} |" for r in rows]  # fmt: skip
-    return "\n".join([head, *body])
-
-
-def _ratios(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's goals, as ratios within this run."""
-    by = {(r["transport"], r["op"], r["case"]): r for r in rows}
-    lines = []
-    batch = f"{BATCH[0]} x {_human(BATCH[1])}"
-    for op in ("write", "read"):
-        ours, theirs = by.get(("tcp", op, batch)), by.get(("mooncake-tcp", op, batch))
-        if ours and theirs:
-            lines.append(f"tcp/mooncake {op} {batch}: {ours['gbps'] / theirs['gbps']:.2f}x GB/s")
-        ours, theirs = by.get(("tcp", op, "1 x 4 KiB")), by.get(("mooncake-tcp", op, "1 x 4 KiB"))
-        if ours and theirs:
-            lines.append(f"tcp/mooncake {op} 4 KiB p50: {ours['p50_us'] / theirs['p50_us']:.2f}x")
-        for case in ("1 x 1 MiB", "1 x 16 MiB", batch):
-            ours, base = by.get(("shm", op, case)), by.get(("memcpy", "copy", case))
-            if ours and base:
-                lines.append(f"shm/memcpy {op} {case}: {100 * ours['gbps'] / base['gbps']:.0f}%")
-    return lines
+def _options(pairs: list[str]) -> dict[str, Any]:
+    """--tcp-opt KEY=VALUE pairs -> engine keywords (ints, floats, else strings)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--tcp-opt: expected KEY=VALUE, got {pair!r}")
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,30 +252,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=1.0, help="time per case")
     parser.add_argument("--max-iters", type=int, default=5000, help="iterations cap per case")
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake even if present")
+    parser.add_argument("--no-floors", action="store_true", help="skip the bare-socket floors")
+    parser.add_argument("--tcp-opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="TcpTransferEngine keyword for both ends, e.g. "
+                        "connections_per_peer=4 (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     _logs_to_stderr()
     if args.seconds <= 0 or args.max_iters < 5:
         parser.error("--seconds must be positive and --max-iters at least 5")
+    try:
+        tcp_options = _options(args.tcp_opt)
+    except ValueError as exc:
+        parser.error(str(exc))
     kinds = [k for k in args.ops.split(",") if k]
     meta: dict[str, Any] = {
         "load_before": os.getloadavg(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "started": time.time(),
+        "tcp_options": tcp_options,
     }
     rows = run_memcpy(args.seconds, args.max_iters)
-    for transport in [t for t in args.transports.split(",") if t]:
-        rows += run_tandem(transport, kinds, args.seconds, args.max_iters)
+    transports = [t for t in args.transports.split(",") if t]
+    if "tcp" in transports and not args.no_floors:
+        conns = tcp_options.get("connections_per_peer", 2)
+        rows += run_floors(args.seconds, args.max_iters, conns, _stats)
+    for transport in transports:
+        options = tcp_options if transport == "tcp" else {}
+        rows += run_tandem(transport, options, kinds, args.seconds, args.max_iters)
     missing = "skipped (--no-mooncake)" if args.no_mooncake else _mooncake_available()
     if missing is None:
         rows += run_mooncake(kinds, args.seconds, args.max_iters)
-    meta.update(load_after=os.getloadavg(), mooncake=missing or "measured", ratios=_ratios(rows))
+    meta.update(load_after=os.getloadavg(), mooncake=missing or "measured", ratios=ratios(rows))
     if args.json:
         sys.stdout.write(orjson.dumps({"meta": meta, "rows": rows}, option=orjson.OPT_INDENT_2)
                          .decode() + "\n")  # fmt: skip
     else:
-        print(_table(rows))
-        print("\n" + "\n".join(_ratios(rows)))
+        print(table(rows))
+        print("\n" + "\n".join(ratios(rows)))
         print(f"\nload average before {meta['load_before']}, after {meta['load_after']}; "
               f"mooncake: {meta['mooncake']}")  # fmt: skip
     return 0

@@ -33,7 +33,7 @@ async def test_methods_need_a_running_engine() -> None:
         await engine.write(desc, desc, [(0, 0, 1)])
     assert engine.info() == {"transport": "tcp", "endpoint": None, "state": "stopped",
                              "regions": 0, "connections_per_peer": 2,
-                             "slice_bytes": 1 << 20, "stall_timeout_s": 10.0,
+                             "slice_bytes": 1 << 20, "stall_timeout_s": 10.0, "busy_poll_us": 50.0,
                              "peer_connections": 0, "server_connections": 0}  # fmt: skip
 
 
@@ -59,6 +59,8 @@ async def test_info_shows_transport_and_endpoint() -> None:
         ({"port": 70000}, "port"),
         ({"connections_per_peer": 0}, "connections_per_peer"),
         ({"slice_bytes": 0}, "slice_bytes"),
+        ({"busy_poll_us": -1}, "busy_poll_us"),
+        ({"busy_poll_bytes": -1}, "busy_poll_bytes"),
     ],
 )
 def test_bad_tcp_config_names_the_parameter(kwargs: dict, match: str) -> None:

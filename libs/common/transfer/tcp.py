@@ -38,6 +38,9 @@ class TcpTransferEngine(TransferEngine):
     name when host is a wildcard).
     stall_timeout_s: a connection whose peer stops acknowledging (a cut link, a dead
     host) fails after about this long, on both ends (see tcp_frame.set_liveness).
+    busy_poll_us: how long a client waiting for the ACK of a batch of at most
+    busy_poll_bytes, and a server thread waiting for the next request, spin on
+    non-blocking recvs before sleeping (0: never spin). See Connection._poll.
     """
 
     transport = "tcp"
@@ -54,6 +57,8 @@ class TcpTransferEngine(TransferEngine):
         batch_timeout_s: float = 60.0,
         max_server_connections: int = 256,
         stall_timeout_s: float = 10.0,
+        busy_poll_us: float = 50.0,
+        busy_poll_bytes: int = 256 << 10,
     ) -> None:
         super().__init__()
         if not 0 <= port < 65536:
@@ -66,6 +71,10 @@ class TcpTransferEngine(TransferEngine):
             raise ValueError("connect_timeout_s/batch_timeout_s/stall_timeout_s: must be positive")
         if max_server_connections < 1:
             raise ValueError("max_server_connections: must be >= 1")
+        if not 0 <= busy_poll_us <= 10_000:
+            raise ValueError(f"busy_poll_us: must be in [0, 10000], got {busy_poll_us}")
+        if busy_poll_bytes < 0:
+            raise ValueError(f"busy_poll_bytes: must be >= 0, got {busy_poll_bytes}")
         self._host = host
         self._advertise = advertise_host
         self._lanes = connections_per_peer
@@ -73,9 +82,13 @@ class TcpTransferEngine(TransferEngine):
         self._connect_timeout_s = connect_timeout_s
         self._batch_timeout_s = batch_timeout_s
         self._stall_s = stall_timeout_s
+        self._poll_us = busy_poll_us
+        self._poll_s = busy_poll_us / 1e6
+        self._poll_bytes = busy_poll_bytes
         self._server = TcpTransferServer(
-            self._regions, host, port, max_server_connections, self._log, stall_timeout_s
-        )
+            self._regions, host, port, max_server_connections, self._log, stall_timeout_s,
+            self._poll_s,
+        )  # fmt: skip
         self._peers: dict[str, list[Connection]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._batch_ids = itertools.count(1)
@@ -95,6 +108,7 @@ class TcpTransferEngine(TransferEngine):
             connections_per_peer=self._lanes,
             slice_bytes=self._slice_bytes,
             stall_timeout_s=self._stall_s,
+            busy_poll_us=self._poll_us,
             server_connections=self._server.num_connections,
             peer_connections=sum(c.alive for conns in self._peers.values() for c in conns),
         )
@@ -155,21 +169,27 @@ class TcpTransferEngine(TransferEngine):
             raise TransferError(peer, f"cannot connect: {exc}") from exc
         code = KIND_WRITE if kind == "write" else KIND_READ
         batch_id = next(self._batch_ids)
+        deadline = asyncio.get_running_loop().time() + self._batch_timeout_s
         lanes = spread(slices, len(conns))
         used = [(c, lane) for c, lane in zip(conns, lanes, strict=True) if lane]
-        tasks = [c.run(code, batch_id, lane, region.view, remote) for c, lane in used]
-        try:
-            async with asyncio.timeout(self._batch_timeout_s):
-                if len(tasks) == 1:  # small batches: no gather, no extra task
-                    results: list[BaseException | None] = [await _settle(tasks[0])]
-                else:
-                    results = await asyncio.gather(*tasks, return_exceptions=True)
-        except TimeoutError:
+        if len(used) == 1:
+            # Small batches: no gather, no extra task; busy-poll for the ACK when
+            # the part is small enough to be answered within the poll budget.
+            conn, lane = used[0]
+            nbytes = sum(s.length for s in lane)
+            poll_s = self._poll_s if nbytes <= self._poll_bytes else 0.0
+            results: list[BaseException | None] = [
+                await _settle(conn.run(code, batch_id, lane, region.view, remote, deadline, poll_s))
+            ]
+        else:
+            tasks = [c.run(code, batch_id, lane, region.view, remote, deadline) for c, lane in used]
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        if any(isinstance(r, TimeoutError) for r in results):
             # The parts may still be queued on these connections: drop them, so a
             # late ACK can never be taken for a later batch's.
             for c, _ in used:
                 c.close(TimeoutError("batch timed out"))
-            raise TransferError(peer, f"{kind} timed out after {self._batch_timeout_s}s") from None
+            raise TransferError(peer, f"{kind} timed out after {self._batch_timeout_s}s")
         for result in results:
             if isinstance(result, AccessRefused):
                 index = getattr(result, "op_index", -1)
