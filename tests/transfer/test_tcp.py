@@ -10,6 +10,7 @@ import torch
 
 from libs.common.transfer import TransferError
 from libs.common.transfer.descriptor import RegionDescriptor
+from libs.common.transfer.tcp import TcpTransferEngine
 
 
 async def test_write_then_read_moves_exact_bytes(tcp_pair) -> None:
@@ -128,3 +129,21 @@ async def test_peer_that_dies_mid_batch_fails_batches_in_flight(tcp_pair) -> Non
     failed = [r for r in results if isinstance(r, TransferError)]
     assert all(isinstance(r, TransferError) or r is None for r in results)
     assert all(d_dst.endpoint in str(r) for r in failed)
+
+
+@pytest.mark.parametrize("poll_us", [0.0, 50.0])
+async def test_batches_land_exactly_with_and_without_busy_polling(poll_us: float) -> None:
+    # Default slices: a 1 MiB + 3 op is cut into two odd halves, one per connection;
+    # the 4 KiB op goes whole to one connection and (poll_us > 0) is busy-polled.
+    a, b = TcpTransferEngine(busy_poll_us=poll_us), TcpTransferEngine(busy_poll_us=poll_us)
+    async with a, b:
+        size = (1 << 20) + 3
+        payload = os.urandom(size)
+        src, dst, back = bytearray(payload), bytearray(size + 5 + 4096), bytearray(size)
+        d_src, d_dst, d_back = a.register(src), b.register(dst), a.register(back)
+        for _ in range(3):
+            await a.write(d_src, d_dst, [(0, 5, size)])
+            await a.write(d_src, d_dst, [(0, size + 5, 4096)])
+            await a.read(d_back, d_dst, [(0, 5, size)])
+        assert dst[5 : size + 5] == payload and dst[size + 5 :] == payload[:4096]
+        assert back == payload and a.info()["peer_connections"] == 2

@@ -9,6 +9,7 @@ import socket
 import structlog
 
 from libs.common.transfer.tcp_frame import (
+    KIND_ACK,
     KIND_ERR,
     KIND_WRITE,
     RESPONSE,
@@ -117,3 +118,20 @@ async def test_disconnect_mid_header_is_logged(tcp_pair) -> None:
         sock.sendall(b"\x00" * 10)
         sock.close()
         await _events_until(logs, "transfer peer disconnected mid-header")
+
+
+async def test_header_split_across_the_busy_poll_is_still_served(tcp_pair) -> None:
+    # The server's busy-poll takes the first bytes of a header, then waits for the
+    # rest in a blocking recv: the frame must still be parsed whole.
+    _, b = tcp_pair
+    dst = bytearray(64)
+    d_dst = b.register(dst)
+    sock = _connect(d_dst.endpoint)
+    header = pack_request(KIND_WRITE, 1, 0, 7, d_dst.region_id, 8, 16, d_dst.token_bytes)
+    sock.sendall(header[:20])
+    await asyncio.sleep(0.05)  # far past the 50 µs poll budget
+    sock.sendall(header[20:] + b"\x33" * 16)
+    answer = await asyncio.to_thread(sock.recv, RESPONSE.size)
+    sock.close()
+    assert RESPONSE.unpack(answer)[2] == KIND_ACK
+    assert dst == bytes(8) + b"\x33" * 16 + bytes(40)

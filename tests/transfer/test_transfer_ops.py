@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from libs.common.transfer.ops import Op, Slice, check_range, slice_ops, spread, validate_ops
+from libs.common.transfer.ops import (
+    Op,
+    Slice,
+    check_range,
+    slice_ops,
+    slice_size,
+    spread,
+    validate_ops,
+)
 
 
 def test_check_range_is_overflow_safe() -> None:
@@ -62,3 +70,14 @@ def test_spread_balances_bytes_and_keeps_order_per_lane() -> None:
     assert spread(slice_ops([Op(0, 0, 4)], 4), 4)[1:] == [[], [], []]  # one op, one lane
     with pytest.raises(ValueError, match="lanes"):
         spread(slices, 0)
+
+
+def test_slice_size_gives_every_lane_a_share_and_never_exceeds_slice_bytes() -> None:
+    assert slice_size(1 << 20, 2, 1 << 20) == 1 << 19  # one 1 MiB op: two halves
+    assert slice_size(64 << 20, 2, 1 << 20) == 1 << 20  # capped at slice_bytes
+    odd = slice_size((1 << 20) + 3, 2, 1 << 20)
+    lanes = spread(slice_ops([Op(0, 0, (1 << 20) + 3)], odd), 2)
+    assert all(lanes) and sum(s.length for lane in lanes for s in lane) == (1 << 20) + 3
+    assert slice_size(1, 4, 1 << 20) == 1
+    with pytest.raises(ValueError, match="slice_size"):
+        slice_size(0, 2, 1 << 20)

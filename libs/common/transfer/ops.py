@@ -95,6 +95,20 @@ def slice_ops(ops: Sequence[Op], slice_bytes: int) -> list[Slice]:
     return slices
 
 
+def slice_size(total: int, lanes: int, slice_bytes: int) -> int:
+    """Slice length that gives each of `lanes` connections a share of `total` bytes.
+
+    At most `slice_bytes`; a batch smaller than lanes x slice_bytes is cut into
+    `lanes` near-equal slices, so one 1 MiB op over 2 connections moves as two
+    512 KiB halves in parallel instead of one serial stream.
+    """
+    if total <= 0 or lanes <= 0 or slice_bytes <= 0:
+        raise ValueError(
+            f"slice_size: needs positive arguments, got {total}, {lanes}, {slice_bytes}"
+        )
+    return max(1, min(slice_bytes, -(-total // lanes)))
+
+
 def spread(slices: Sequence[Slice], lanes: int) -> list[list[Slice]]:
     """Assign slices to `lanes` connections, balancing bytes, keeping order per lane.
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable
 from .descriptor import U32_MAX, RegionDescriptor
 from .engine import TransferEngine
 from .errors import AccessRefused, TransferError
-from .ops import Op, slice_ops, spread
+from .ops import Op, slice_ops, slice_size, spread
 from .region import Region
 from .tcp_client import Connection
 from .tcp_frame import KIND_READ, KIND_WRITE, MAX_FRAME_BYTES
@@ -38,9 +38,12 @@ class TcpTransferEngine(TransferEngine):
     name when host is a wildcard).
     stall_timeout_s: a connection whose peer stops acknowledging (a cut link, a dead
     host) fails after about this long, on both ends (see tcp_frame.set_liveness).
-    busy_poll_us: how long a client waiting for the ACK of a batch of at most
-    busy_poll_bytes, and a server thread waiting for the next request, spin on
-    non-blocking recvs before sleeping (0: never spin). See Connection._poll.
+    busy_poll_bytes: a batch of at most this many bytes goes whole to one connection
+    (the least busy) and its caller busy-polls for the ACK; a larger one is spread
+    over every connection, even a single op (see ops.slice_size).
+    busy_poll_us: how long that caller, and a server thread waiting for the next
+    request, spin on non-blocking recvs before sleeping (0: never spin); see
+    Connection._poll and tcp_server.recv_polled.
     """
 
     transport = "tcp"
@@ -159,8 +162,8 @@ class TcpTransferEngine(TransferEngine):
     ) -> None:
         if len(ops) > U32_MAX:
             raise ValueError(f"ops: at most {U32_MAX} ops per batch")
-        slices = slice_ops(ops, self._slice_bytes)
-        if not slices:
+        total = sum(op.length for op in ops)
+        if not total:
             return
         peer = remote.endpoint
         try:
@@ -170,18 +173,21 @@ class TcpTransferEngine(TransferEngine):
         code = KIND_WRITE if kind == "write" else KIND_READ
         batch_id = next(self._batch_ids)
         deadline = asyncio.get_running_loop().time() + self._batch_timeout_s
-        lanes = spread(slices, len(conns))
-        used = [(c, lane) for c, lane in zip(conns, lanes, strict=True) if lane]
-        if len(used) == 1:
-            # Small batches: no gather, no extra task; busy-poll for the ACK when
-            # the part is small enough to be answered within the poll budget.
-            conn, lane = used[0]
-            nbytes = sum(s.length for s in lane)
-            poll_s = self._poll_s if nbytes <= self._poll_bytes else 0.0
+        if total <= self._poll_bytes or len(conns) == 1:
+            # A small batch: one part on the least busy connection, no gather, no
+            # extra task, its ACK busy-polled (one round trip, no wake-ups).
+            conn = min(conns, key=Connection.backlog)
+            lane = slice_ops(ops, self._slice_bytes)
+            poll_s = self._poll_s if total <= self._poll_bytes else 0.0
+            used = [(conn, lane)]
             results: list[BaseException | None] = [
                 await _settle(conn.run(code, batch_id, lane, region.view, remote, deadline, poll_s))
             ]
         else:
+            # Every connection gets a share, even of a single op (1 MiB: two halves).
+            size = slice_size(total, len(conns), self._slice_bytes)
+            lanes = spread(slice_ops(ops, size), len(conns))
+            used = [(c, lane) for c, lane in zip(conns, lanes, strict=True) if lane]
             tasks = [c.run(code, batch_id, lane, region.view, remote, deadline) for c, lane in used]
             results = await asyncio.gather(*tasks, return_exceptions=True)
         if any(isinstance(r, TimeoutError) for r in results):

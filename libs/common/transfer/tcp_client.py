@@ -22,7 +22,6 @@ from .errors import AccessRefused
 from .ops import Slice
 from .tcp_frame import (
     FLAG_LAST,
-    IOV_MAX,
     KIND_ACK,
     KIND_DATA,
     KIND_ERR,
@@ -34,6 +33,7 @@ from .tcp_frame import (
     pack_request,
     set_liveness,
 )
+from .tcp_send import PartSender
 
 
 class ProtocolError(ConnectionError):
@@ -55,11 +55,9 @@ class Connection:
         self._sock = sock
         self.peer = peer
         self._loop = asyncio.get_running_loop()
-        self._send_lock = asyncio.Lock()
-        self._senders = 0  # parts being sent or waiting to send (keeps their order)
+        self._sender = PartSender(sock)
         self._pending: collections.deque[_Part] = collections.deque()
         self._closed: BaseException | None = None
-        self._write_waiter: asyncio.Future[None] | None = None
         self._fd = sock.fileno()
         self._rx_header = bytearray(RESPONSE.size)
         self._rx_header_view = memoryview(self._rx_header)
@@ -71,7 +69,11 @@ class Connection:
 
     @classmethod
     async def open(
-        cls, host: str, port: int, timeout_s: float, stall_s: float = 10.0
+        cls,
+        host: str,
+        port: int,
+        timeout_s: float,
+        stall_s: float = 10.0,
     ) -> Connection:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -89,6 +91,10 @@ class Connection:
     @property
     def alive(self) -> bool:
         return self._closed is None
+
+    def backlog(self) -> int:
+        """Parts sent or being sent on this connection and not yet answered."""
+        return len(self._pending)
 
     async def run(
         self,
@@ -123,21 +129,12 @@ class Connection:
             else:
                 part.reads.append(s)
         self._pending.append(part)
-        self._senders += 1
         try:
-            # Nobody else sending: send inline, no lock, no timeout object (most of a
-            # small batch's cost); what the socket does not take goes the slow way,
-            # still ahead of any later part (they see _senders > 1 and queue).
-            rest = self._send_some(buffers) if self._senders == 1 else buffers
-            if rest:
-                async with asyncio.timeout_at(deadline), self._send_lock:
-                    await self._send(rest)
+            await self._sender.send(buffers, deadline)
         except BaseException as exc:
             # A half-sent part leaves the stream out of sync: drop the connection.
             self.close(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
             raise
-        finally:
-            self._senders -= 1
         if poll_s > 0 and not part.future.done():
             self._poll(part.future, poll_s)
         if not part.future.done():
@@ -158,42 +155,6 @@ class Connection:
             self._on_readable()
             if future.done() or time.perf_counter() >= end:
                 return
-
-    def _send_some(self, buffers: list[Any]) -> list[memoryview]:
-        """sendmsg without waiting; return what the socket did not take yet."""
-        views = [memoryview(b) for b in buffers]
-        start = 0
-        while start < len(views):
-            try:
-                sent = self._sock.sendmsg(views[start : start + IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                break
-            while sent:
-                if sent >= views[start].nbytes:
-                    sent -= views[start].nbytes
-                    start += 1
-                else:
-                    views[start] = views[start][sent:]
-                    sent = 0
-        return views[start:]
-
-    async def _send(self, views: list[memoryview]) -> None:
-        while views:
-            views = self._send_some(views)
-            if views:
-                await self._writable()
-
-    async def _writable(self) -> None:
-        if self._closed is not None:
-            raise ConnectionError(f"connection closed: {self._closed}")
-        waiter = self._write_waiter = self._loop.create_future()
-        self._loop.add_writer(self._fd, lambda: waiter.done() or waiter.set_result(None))
-        try:
-            await waiter
-        finally:
-            self._write_waiter = None
-            if self._closed is None:
-                self._loop.remove_writer(self._fd)
 
     def _on_readable(self) -> None:
         """Event-loop reader callback: receive as much as is there, dispatch frames.
@@ -261,8 +222,7 @@ class Connection:
         """Mark the connection dead and fail every part still waiting on it."""
         if self._closed is None:
             self._closed = exc
-        if self._write_waiter is not None and not self._write_waiter.done():
-            self._write_waiter.set_exception(ConnectionError(str(exc)))
+        self._sender.close(exc)
         while self._pending:
             part = self._pending.popleft()
             if not part.future.done():
