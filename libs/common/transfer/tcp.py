@@ -1,6 +1,8 @@
 """The TCP transport: a transfer server in this process, pooled connections to peers.
 
-A batch is cut into slices of at most `slice_bytes`, spread over up to
+A batch of at most `busy_poll_bytes` goes whole to one connection and its ACK is
+busy-polled (one round trip, no scheduler wake-up on a quiet peer); a larger batch
+is cut into slices of at most `slice_bytes` and spread over the peer's
 `connections_per_peer` connections, each part pipelined on its connection (no
 per-op round trip) and acknowledged once; the batch completes when every part is
 acknowledged. See tcp_frame for the wire format and tcp_server for the checks.

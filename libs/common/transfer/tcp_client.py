@@ -1,12 +1,14 @@
 """Client side of the TCP transport: pipelined connections to one peer, on asyncio.
 
-A `Connection` sends each batch part as one gathered `sendmsg` (headers and payload
-memoryviews, no copies) and keeps a FIFO of parts awaiting their ACK/ERR; a reader
-task matches responses to parts in order (the server answers strictly in order) and
-receives READ data straight into the local region with `recv_into`.
+A `Connection` sends each batch part through tcp_send.PartSender (one gathered
+`sendmsg` of headers and payload memoryviews, no copies) and keeps a FIFO of parts
+awaiting their ACK/ERR; a reader callback matches responses to parts in order (the
+server answers strictly in order) and receives READ data straight into the local
+region with `recv_into`. A small part's caller busy-polls that same callback for a
+bounded time instead of sleeping until the loop wakes it (`_poll`).
 
-    caller tasks --part--> [send lock] --sendmsg--> socket --> server
-                  <--future--- pending FIFO <--reader callback-- ACK / DATA / ERR
+    caller tasks --part--> PartSender --sendmsg--> socket --> server
+                  <--future--- pending FIFO <--reader callback / _poll-- ACK / DATA / ERR
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ machines (docs/benchmarks.md): the kernel copies of `recv_into`/`sendmsg` releas
 GIL, so the threads move bytes while the service's event loop keeps running, and
 there is no per-op event-loop round trip. Payloads go straight from the socket into
 the region (`recv_into` on a memoryview slice) and from the region into the socket
-(`sendmsg` of a memoryview slice): no intermediate copies.
+(`sendmsg` of a memoryview slice): no intermediate copies. A thread waiting for
+the next request spins on non-blocking recvs for `poll_s` before it sleeps in the
+kernel (`recv_polled`): a peer's next small batch is then served without a wake-up.
 
 Every op is checked (region id, constant-time token compare, bounds) before any
 byte of its payload is read into the region; see tcp_frame for the protocol.
