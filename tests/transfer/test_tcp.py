@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 import pytest
 import torch
@@ -131,11 +132,15 @@ async def test_peer_that_dies_mid_batch_fails_batches_in_flight(tcp_pair) -> Non
     assert all(d_dst.endpoint in str(r) for r in failed)
 
 
-@pytest.mark.parametrize("poll_us", [0.0, 50.0])
-async def test_batches_land_exactly_with_and_without_busy_polling(poll_us: float) -> None:
-    # Default slices: a 1 MiB + 3 op is cut into two odd halves, one per connection;
-    # the 4 KiB op goes whole to one connection and (poll_us > 0) is busy-polled.
-    a, b = TcpTransferEngine(busy_poll_us=poll_us), TcpTransferEngine(busy_poll_us=poll_us)
+@pytest.mark.parametrize("poll_us, thread_bytes", [(0.0, 0), (50.0, 1 << 19)])
+async def test_batches_land_exactly_with_and_without_busy_polling(
+    poll_us: float, thread_bytes: int
+) -> None:
+    # Default slices: a 1 MiB + 3 op is cut into two odd halves, one per connection
+    # (sent from worker threads when thread_bytes is set); the 4 KiB op goes whole to
+    # one connection and (poll_us > 0) is busy-polled.
+    options = {"busy_poll_us": poll_us, "thread_send_bytes": thread_bytes}
+    a, b = TcpTransferEngine(**options), TcpTransferEngine(**options)
     async with a, b:
         size = (1 << 20) + 3
         payload = os.urandom(size)
@@ -147,3 +152,21 @@ async def test_batches_land_exactly_with_and_without_busy_polling(poll_us: float
             await a.read(d_back, d_dst, [(0, 5, size)])
         assert dst[5 : size + 5] == payload and dst[size + 5 :] == payload[:4096]
         assert back == payload and a.info()["peer_connections"] == 2
+
+
+async def test_stop_wakes_a_send_thread_blocked_on_a_peer_that_never_reads() -> None:
+    # The peer accepts and never reads: a 32 MiB part fills the socket buffers and its
+    # worker thread blocks in sendmsg; stop() must fail the batch and return.
+    with socket.create_server(("127.0.0.1", 0)) as sink:
+        endpoint = f"127.0.0.1:{sink.getsockname()[1]}"
+        remote = RegionDescriptor("tcp", endpoint, 1, 64 << 20, "00" * 16)
+        a = TcpTransferEngine(connections_per_peer=1, batch_timeout_s=60.0, stall_timeout_s=60.0)
+        await a.start()
+        src = a.register(bytearray(32 << 20))
+        write = asyncio.ensure_future(a.write(src, remote, [(0, 0, 32 << 20)]))
+        await asyncio.sleep(0.3)
+        assert not write.done()
+        async with asyncio.timeout(10):
+            await a.stop()
+            with pytest.raises(TransferError, match=endpoint):
+                await write

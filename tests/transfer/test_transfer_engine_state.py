@@ -34,6 +34,7 @@ async def test_methods_need_a_running_engine() -> None:
     assert engine.info() == {"transport": "tcp", "endpoint": None, "state": "stopped",
                              "regions": 0, "connections_per_peer": 2,
                              "slice_bytes": 1 << 20, "stall_timeout_s": 10.0, "busy_poll_us": 50.0,
+                             "thread_send_bytes": 1 << 20,
                              "peer_connections": 0, "server_connections": 0}  # fmt: skip
 
 
@@ -61,6 +62,7 @@ async def test_info_shows_transport_and_endpoint() -> None:
         ({"slice_bytes": 0}, "slice_bytes"),
         ({"busy_poll_us": -1}, "busy_poll_us"),
         ({"busy_poll_bytes": -1}, "busy_poll_bytes"),
+        ({"thread_send_bytes": -1}, "thread_send_bytes"),
     ],
 )
 def test_bad_tcp_config_names_the_parameter(kwargs: dict, match: str) -> None:

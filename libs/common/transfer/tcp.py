@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import socket
 from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
 
 from .descriptor import U32_MAX, RegionDescriptor
 from .engine import TransferEngine
@@ -46,6 +47,9 @@ class TcpTransferEngine(TransferEngine):
     busy_poll_us: how long that caller, and a server thread waiting for the next
     request, spin on non-blocking recvs before sleeping (0: never spin); see
     Connection._poll and tcp_server.recv_polled.
+    thread_send_bytes: a batch part at least this long is sent from a worker thread
+    (blocking sendmsg, no GIL held during the copy), so two connections' sends use
+    two cores; 0: every part is sent from the event loop. See tcp_send.
     """
 
     transport = "tcp"
@@ -64,6 +68,7 @@ class TcpTransferEngine(TransferEngine):
         stall_timeout_s: float = 10.0,
         busy_poll_us: float = 50.0,
         busy_poll_bytes: int = 256 << 10,
+        thread_send_bytes: int = 1 << 20,
     ) -> None:
         super().__init__()
         if not 0 <= port < 65536:
@@ -78,6 +83,8 @@ class TcpTransferEngine(TransferEngine):
             raise ValueError("max_server_connections: must be >= 1")
         if not 0 <= busy_poll_us <= 10_000:
             raise ValueError(f"busy_poll_us: must be in [0, 10000], got {busy_poll_us}")
+        if thread_send_bytes < 0:
+            raise ValueError(f"thread_send_bytes: must be >= 0, got {thread_send_bytes}")
         if busy_poll_bytes < 0:
             raise ValueError(f"busy_poll_bytes: must be >= 0, got {busy_poll_bytes}")
         self._host = host
@@ -90,6 +97,8 @@ class TcpTransferEngine(TransferEngine):
         self._poll_us = busy_poll_us
         self._poll_s = busy_poll_us / 1e6
         self._poll_bytes = busy_poll_bytes
+        self._thread_bytes = thread_send_bytes
+        self._executor: ThreadPoolExecutor | None = None
         self._server = TcpTransferServer(
             self._regions, host, port, max_server_connections, self._log, stall_timeout_s,
             self._poll_s,
@@ -114,6 +123,7 @@ class TcpTransferEngine(TransferEngine):
             slice_bytes=self._slice_bytes,
             stall_timeout_s=self._stall_s,
             busy_poll_us=self._poll_us,
+            thread_send_bytes=self._thread_bytes,
             server_connections=self._server.num_connections,
             peer_connections=sum(c.alive for conns in self._peers.values() for c in conns),
         )
@@ -121,13 +131,21 @@ class TcpTransferEngine(TransferEngine):
 
     async def _start(self) -> None:
         self._server.start()
+        if self._thread_bytes:
+            self._executor = ThreadPoolExecutor(
+                max_workers=4 * self._lanes, thread_name_prefix="tandem-transfer-send"
+            )
 
     async def _stop(self) -> None:
         peers, self._peers = self._peers, {}
         for conns in peers.values():
             for conn in conns:
                 conn.close()
-        # Joining server threads blocks; keep the event loop free while they exit.
+        executor, self._executor = self._executor, None
+        # Joining threads blocks; keep the event loop free while they exit (closing
+        # the connections woke every sending thread).
+        if executor is not None:
+            await asyncio.to_thread(executor.shutdown, wait=True)
         await asyncio.to_thread(self._server.stop)
 
     def _descriptor(self, region: Region) -> RegionDescriptor:
@@ -147,7 +165,14 @@ class TcpTransferEngine(TransferEngine):
             if missing > 0:
                 opened = await asyncio.gather(
                     *(
-                        Connection.open(host, port, self._connect_timeout_s, self._stall_s)
+                        Connection.open(
+                            host,
+                            port,
+                            self._connect_timeout_s,
+                            self._stall_s,
+                            self._executor,
+                            self._thread_bytes,
+                        )
                         for _ in range(missing)
                     ),
                     return_exceptions=True,

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import socket
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,11 +54,18 @@ class _Part:
 class Connection:
     """One TCP connection to a peer's transfer server."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: str,
+        executor: Executor | None = None,
+        thread_bytes: int = 0,
+        stall_s: float = 10.0,
+    ) -> None:
         self._sock = sock
         self.peer = peer
         self._loop = asyncio.get_running_loop()
-        self._sender = PartSender(sock)
+        self._sender = PartSender(sock, executor, thread_bytes, stall_s)
         self._pending: collections.deque[_Part] = collections.deque()
         self._closed: BaseException | None = None
         self._fd = sock.fileno()
@@ -76,6 +84,8 @@ class Connection:
         port: int,
         timeout_s: float,
         stall_s: float = 10.0,
+        executor: Executor | None = None,
+        thread_bytes: int = 0,
     ) -> Connection:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -88,7 +98,7 @@ class Connection:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, f"{host}:{port}")
+        return cls(sock, f"{host}:{port}", executor, thread_bytes, stall_s)
 
     @property
     def alive(self) -> bool:

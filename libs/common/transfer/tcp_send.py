@@ -1,20 +1,26 @@
 """Sending side of one TCP transport connection: batch parts onto the socket, in order.
 
-    part --(nobody else sending)--> sendmsg inline --all taken--> done
+    part >= thread_bytes ---------> [send lock] --> worker thread: blocking sendmsg
+    smaller, nobody else sending --> sendmsg inline --all taken--> done
                                         | the socket buffer is full
                                         v
-                          [send lock] --> sendmsg on each writable event
+                                   [send lock] --> sendmsg on each writable event
 
-Small parts cost one `sendmsg` and no lock, task or timeout object. (Large rests
-sent from a worker thread instead, so that two connections' kernel copies could use
-both cores, measured no faster on loopback here: 64 x 1 MiB writes 4.1-4.4 vs
-4.0-4.6 GB/s, the client at ~0.85 cores either way; docs/transfer.md.)
+Small parts cost one `sendmsg` and no lock, task or timeout object. A large part goes
+whole to a worker thread: on loopback one non-blocking `sendmsg` from the loop pushes
+a whole window (MBs), so the loop thread did every connection's kernel copy (and the
+receiving TCP stack, which runs in the sender's context) one after the other on one
+core; from threads, without the GIL, two connections use both cores (64 x 1 MiB
+write 3.7-4.3 -> 3.9-5.6 GB/s, docs/transfer.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import threading
+from concurrent.futures import Executor
 from typing import Any
 
 from .tcp_frame import IOV_MAX
@@ -40,8 +46,22 @@ class PartSender:
     then drops the connection (a half-sent part leaves the stream out of sync).
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        executor: Executor | None = None,
+        thread_bytes: int = 0,
+        stall_s: float = 10.0,
+    ) -> None:
         self._sock = sock
+        self._executor = executor if thread_bytes > 0 else None
+        self._thread_bytes = thread_bytes
+        self._stall_s = stall_s
+        # The worker thread writes through a dup of the socket, so closing the loop's
+        # socket object can never leave it holding a reused descriptor number.
+        self._tx: socket.socket | None = None
+        self._tx_active = False
+        self._tx_lock = threading.Lock()
         self._loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()
         self._senders = 0  # parts being sent or queued for the lock
@@ -52,6 +72,11 @@ class PartSender:
         views = [memoryview(b) for b in buffers]
         self._senders += 1
         try:
+            if self._executor is not None and sum(v.nbytes for v in views) >= self._thread_bytes:
+                async with asyncio.timeout_at(deadline), self._lock:
+                    tx = self._worker_socket()
+                    await self._loop.run_in_executor(self._executor, self._send_blocking, tx, views)
+                return
             rest = self._send_some(views) if self._senders == 1 else views
             if rest:
                 async with asyncio.timeout_at(deadline), self._lock:
@@ -73,6 +98,31 @@ class PartSender:
             start = advance(views, start, sent)
         return views[start:]
 
+    def _worker_socket(self) -> socket.socket:
+        if self._closed:
+            raise ConnectionError("connection closed")
+        with self._tx_lock:
+            if self._tx is None:
+                self._tx = self._sock.dup()
+                # A timeout keeps the shared file non-blocking (the loop needs that) and
+                # makes each sendmsg wait for room in poll(), without the GIL.
+                self._tx.settimeout(self._stall_s)
+            self._tx_active = True
+            return self._tx
+
+    def _send_blocking(self, tx: socket.socket, views: list[memoryview]) -> None:
+        """In a worker thread: send every view; `close()` wakes it with an error."""
+        try:
+            start = 0
+            while start < len(views):
+                start = advance(views, start, tx.sendmsg(views[start : start + IOV_MAX]))
+        finally:
+            with self._tx_lock:
+                self._tx_active = False
+                if self._closed and self._tx is not None:
+                    self._tx.close()
+                    self._tx = None
+
     async def _writable(self) -> None:
         if self._closed:
             raise ConnectionError("connection closed")
@@ -91,3 +141,11 @@ class PartSender:
         self._closed = True
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(ConnectionError(str(exc)))
+        with self._tx_lock:
+            if self._tx_active:
+                # shutdown() of the shared socket makes the worker's poll/sendmsg fail.
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+            elif self._tx is not None:
+                self._tx.close()
+                self._tx = None
