@@ -38,6 +38,7 @@ from .transfer_floors import run_floors
 from .transfer_report import ratios, table
 
 KIB, MIB = 1 << 10, 1 << 20
+TCP_DEFAULT_CONNECTIONS = 3  # TcpTransferEngine's connections_per_peer default
 SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB)
 BATCH = (64, MIB)
 REGION_BYTES = 64 * MIB
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_memcpy(args.seconds, args.max_iters)
     transports = [t for t in args.transports.split(",") if t]
     if "tcp" in transports and not args.no_floors:
-        conns = tcp_options.get("connections_per_peer", 2)
+        conns = tcp_options.get("connections_per_peer", TCP_DEFAULT_CONNECTIONS)
         rows += run_floors(args.seconds, args.max_iters, conns, _stats)
     for transport in transports:
         options = tcp_options if transport == "tcp" else {}

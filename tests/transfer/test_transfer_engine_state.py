@@ -32,7 +32,7 @@ async def test_methods_need_a_running_engine() -> None:
     with pytest.raises(RuntimeError, match="not running"):
         await engine.write(desc, desc, [(0, 0, 1)])
     assert engine.info() == {"transport": "tcp", "endpoint": None, "state": "stopped",
-                             "regions": 0, "connections_per_peer": 2,
+                             "regions": 0, "connections_per_peer": 3,
                              "slice_bytes": 1 << 20, "stall_timeout_s": 10.0, "busy_poll_us": 50.0,
                              "thread_send_bytes": 1 << 20,
                              "peer_connections": 0, "server_connections": 0}  # fmt: skip

@@ -25,6 +25,10 @@ from .tcp_client import Connection
 from .tcp_frame import KIND_READ, KIND_WRITE, MAX_FRAME_BYTES
 from .tcp_server import TcpTransferServer
 
+# A spread batch gives each connection at least this much: 1 MiB moves as two halves
+# (over three connections, 349 KiB thirds measured 3.5 vs 4.6-5.0 GB/s).
+_MIN_SHARE_BYTES = 512 << 10
+
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
@@ -60,7 +64,7 @@ class TcpTransferEngine(TransferEngine):
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
-        connections_per_peer: int = 2,
+        connections_per_peer: int = 3,
         slice_bytes: int = 1 << 20,
         connect_timeout_s: float = 5.0,
         batch_timeout_s: float = 60.0,
@@ -212,9 +216,9 @@ class TcpTransferEngine(TransferEngine):
             ]
         else:
             # Every connection gets a share, even of a single op (1 MiB: two halves).
-            size = slice_size(total, len(conns), self._slice_bytes)
-            lanes = spread(slice_ops(ops, size), len(conns))
-            used = [(c, lane) for c, lane in zip(conns, lanes, strict=True) if lane]
+            share = min(len(conns), -(-total // _MIN_SHARE_BYTES))
+            lanes = spread(slice_ops(ops, slice_size(total, share, self._slice_bytes)), share)
+            used = [(c, lane) for c, lane in zip(conns, lanes, strict=False) if lane]
             tasks = [c.run(code, batch_id, lane, region.view, remote, deadline) for c, lane in used]
             results = await asyncio.gather(*tasks, return_exceptions=True)
         if any(isinstance(r, TimeoutError) for r in results):
