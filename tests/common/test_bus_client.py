@@ -130,7 +130,7 @@ class _BehindWriter:
 
 
 async def test_a_socket_that_is_behind_goes_through_nats_py_s_flusher(pair):
-    server, client, _ = pair
+    _, client, _ = pair
     nc = client.nc
     real = nc._transport._io_writer
     nc._transport._io_writer = _BehindWriter(real)
