@@ -12,6 +12,10 @@ what the puts stored. The stores and the master run as separate processes, the c
 in this one, like a worker in a deployment. Mooncake Store (mooncake_master plus a store
 process contributing the segment, this process a client; zero-copy put_from/get_into on
 a registered buffer, TCP transport) runs when the package imports (bench/pool_mooncake.py).
+Rows of system `floor` (bench/pool_floor.py) measure, in the same run, what the calls are
+built on: a NATS round trip three ways (raw protocol, stock nats-py, the Bus), the
+transfer engine's read/write of one object and its xxh3, and from those the floor of a
+single get and put; `--no-floor` skips them.
 Load averages are recorded: on a shared machine compare ratios from one run.
 """
 
@@ -31,6 +35,7 @@ import orjson
 import structlog
 
 from bench.pool_common import CASES, BenchProcs, row, timed
+from bench.pool_floor import bounds, bytes_floor, round_trips
 from libs.common import event_loop
 from libs.common.bus import Bus
 from libs.common.pool_client import LocalMemory, PoolClient
@@ -58,7 +63,11 @@ async def run_tandem(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         try:
             client = PoolClient(bus, engine, timeout=30)
             await _wait_stores(client, 2)
-            return await _measure(client, engine, transport, args)
+            rows = await _measure(client, engine, transport, args)
+            if not args.no_floor:
+                rows += await round_trips(nats_server.url, bus, procs, args)
+                rows += bounds(rows)
+            return rows
         finally:
             await engine.stop()
             await bus.close()
@@ -87,6 +96,8 @@ async def _measure(client, engine, transport: str, args) -> list[dict[str, Any]]
     rows = []
     for label, size in CASES:
         rows += await _case(client, mem, name, label, size, args)
+        if not args.no_floor:
+            rows += await bytes_floor(client, mem, label, size, args)
     for n in (1, BATCH):
         probe = [f"exists-{j}" for j in range(n)]
         lat = await timed(lambda i, p=probe: client.batch_exists(p), args.seconds, args.max_iters)
@@ -147,11 +158,13 @@ def ratios(rows: list[dict[str, Any]], ours: str) -> list[str]:
     by = {(r["system"], r["op"], r["case"]): r for r in rows}
     out = []
     for (system, op, case), r in sorted(by.items()):
-        theirs = by.get(("mooncake", op, case))
-        if system != ours or theirs is None:
+        bound = system == "floor" and op.endswith(" bound")
+        theirs = by.get(("mooncake", op.removesuffix(" bound"), case))
+        if not (system == ours or bound) or theirs is None:
             continue
         if r["gbps"] and theirs["gbps"]:
-            out.append(f"{op} {case}: {r['gbps'] / theirs['gbps']:.2f}x Mooncake GB/s")
+            what = f"{op} {case}" + (" (floor: round trips + bytes + xxh3)" if bound else "")
+            out.append(f"{what}: {r['gbps'] / theirs['gbps']:.2f}x Mooncake GB/s")
         elif r["p50_us"] and theirs["p50_us"]:
             out.append(f"{op}: p50 {r['p50_us']:.0f} us vs Mooncake {theirs['p50_us']:.0f} us")
     return out
@@ -171,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--put-budget-mib", type=int, default=1024,
                         help="MiB a case may put (keep under the stores' total)")  # fmt: skip
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake even if present")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the floor rows (bench/pool_floor.py)")  # fmt: skip
     args = parser.parse_args(argv)
     # stdout carries the table / JSON; logs go to stderr.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))

@@ -26,9 +26,9 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -48,6 +48,8 @@ from libs.common.transfer import RegionDescriptor, TransferEngine, TransferError
 from libs.common.transfer.region import buffer_view
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 # Keys per master request: keeps every message far below NATS's 1 MiB payload limit.
 BATCH_KEYS = 256
@@ -99,6 +101,14 @@ class PutResult:
     @property
     def ok(self) -> bool:
         return not self.error
+
+
+async def _all(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """asyncio.gather, but one call is awaited in place: gather would wrap it in a task, a
+    loop turn more on a single get or put's critical path."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return list(await asyncio.gather(*calls))
 
 
 def checksum(data: Any) -> str:
@@ -179,7 +189,7 @@ class PoolClient:
                                [(offsets[i], todo[i][0][1], reply.sizes[i]) for i in group], store)
                 for store, group in groups.items()
             ]  # fmt: skip
-            outcomes = await asyncio.gather(*reads)
+            outcomes = await _all(reads)
             for group, ok in zip(groups.values(), outcomes, strict=True):
                 for i in group:
                     todo[i].pop(0)
@@ -279,7 +289,7 @@ class PoolClient:
                     entry[1].append(i)
         writes = [self._transfer("write", memory, reply.segments[store], ops, store)
                   for store, (ops, _) in by_store.items()]  # fmt: skip
-        for (_, written), ok in zip(by_store.values(), await asyncio.gather(*writes), strict=True):
+        for (_, written), ok in zip(by_store.values(), await _all(writes), strict=True):
             if not ok:
                 errors.update({i: "failed" for i in written})
         done = [k for i, k in enumerate(keys) if i not in errors]
@@ -287,7 +297,7 @@ class PoolClient:
         ends = [self._ask("put_end", PoolPutFinish(reply.put_id, done), PoolKeys)] if done else []
         if failed:
             ends.append(self._ask("put_revoke", PoolPutFinish(reply.put_id, failed), PoolCount))
-        finished = await asyncio.gather(*ends)
+        finished = await _all(ends)
         visible = set(finished[0].keys) if done else set()
         return [PutResult(k, errors.get(i, "" if k in visible else "failed"))
                 for i, k in enumerate(keys)]  # fmt: skip

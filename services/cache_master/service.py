@@ -87,10 +87,13 @@ class CacheMasterService(BaseService):
             "remove": (PoolKeys, self._remove),
             "stats": (InfoRequest, self._stats),
         }
+        # Inline: every handler is quick and only publishes, never waits on a reply, so
+        # it can run from the read loop (one task hop fewer each way; libs/common/bus.py).
         return [
-            Endpoint(name, self.subject("pool", "master", name), kind, handler, QUEUE_GROUP)
+            Endpoint(name, self.subject("pool", "master", name), kind, handler, QUEUE_GROUP,
+                     inline=True)
             for name, (kind, handler) in handlers.items()
-        ]
+        ]  # fmt: skip
 
     async def on_start(self) -> None:
         try:

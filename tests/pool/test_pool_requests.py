@@ -4,6 +4,7 @@ import asyncio
 import os
 
 import nats
+import orjson
 import pytest
 
 from libs.common.bus import RemoteError
@@ -101,3 +102,26 @@ async def test_heartbeat_from_an_unknown_store_asks_it_to_mount(pool):
     reply = await pool.bus.request("tandem.pool.master.heartbeat", PoolStoreRef("ghost", 1),
                                    PoolHeartbeatReply)  # fmt: skip
     assert reply.known is False
+
+
+async def test_inline_master_endpoints_still_show_in_micro_info_and_stats(pool, nats_url):
+    # The master serves from the read loop (Endpoint inline=True): `nats micro info` and
+    # `nats micro stats` must still list every endpoint and count its requests.
+    pool.procs.store("store-a", size="4MiB")
+    await pool.wait_stores(1)
+    for _ in range(5):
+        assert await pool.client.batch_exists(["0" * 32]) == 0
+    nc = await nats.connect(nats_url)
+    try:
+        info = orjson.loads(
+            (await nc.request("$SRV.INFO.tandem-cache_master", b"", timeout=5)).data
+        )
+        names = {e["name"] for e in info["endpoints"]}
+        assert {"put_start", "put_end", "get", "exists", "remove", "stats"} <= names
+        stats = orjson.loads(
+            (await nc.request("$SRV.STATS.tandem-cache_master", b"", timeout=5)).data
+        )
+        counts = {e["name"]: e["num_requests"] for e in stats["endpoints"]}
+        assert counts["exists"] >= 5
+    finally:
+        await nc.close()
