@@ -12,6 +12,11 @@ Runs, in one process and one run (fp32, the same thread count for both):
 and prints each figure, the ratio ours/transformers and the fraction of the bound.
 Single-stream bound = copy bandwidth / fp32 weight bytes read per token;
 32-stream bound = matmul rate / (2 FLOP x weights) per generated token.
+The 32-stream workload also prefills its prompts, so the run prints its
+end-to-end bound too: every prompt and generated token through the layers
+and every sampled row through the LM head, 2 FLOP per weight, at the matmul
+rate. A goal above that bound cannot be met by any engine on this machine;
+`goals` says, per goal of issue 3, whether it was met and whether it can be.
 """
 
 from __future__ import annotations
@@ -90,6 +95,40 @@ def run_reference(torch, model, prompts, new_tokens) -> dict:
     produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return {"output_tokens": produced, "seconds": round(end - start, 3),
             "tok_s": round(produced / (end - start), 2)}  # fmt: skip
+
+
+def end_to_end_bound(cfg, matmul_rate: float, streams: int, prompt: int, new: int) -> float:
+    """Output tokens/s if every FLOP of the workload ran at the matmul rate.
+
+    The first generated token comes from the prefill's last position, so the
+    layers run prompt + new - 1 times per stream and the head new times.
+    """
+    head = cfg.vocab_size * cfg.hidden_size
+    layers = cfg.num_params - head
+    flops = 2 * streams * (layers * (prompt + new - 1) + head * new)
+    return streams * new / (flops / matmul_rate)
+
+
+def goals(report: dict, streams: str, prefill: str) -> dict:
+    """Issue 3's speed goals: the figure, the target, met, and reachable at all."""
+    one, many = report["single_stream"], report[streams]
+    e2e = many["end_to_end_bound_tok_s"]
+    compute = report["bounds"]["compute_bound_tok_s"]
+
+    def goal(value, target, reachable_bound=None):
+        entry = {"value": value, "target": round(target, 3), "met": value >= target}
+        if reachable_bound is not None:
+            entry["reachable"] = target <= reachable_bound
+        return entry
+
+    three_x = 3 * many["transformers"]["tok_s"]
+    return {
+        "single_1.2x_transformers": goal(one["ratio"], 1.2),
+        "single_70pct_bandwidth_bound": goal(one["fraction_of_bandwidth_bound"], 0.7),
+        f"{streams}_3x_transformers_tok_s": goal(many["ours"]["tok_s"], three_x, e2e),
+        f"{streams}_50pct_compute_bound_tok_s": goal(many["ours"]["tok_s"], 0.5 * compute, e2e),
+        f"{prefill}_no_slower": goal(report[prefill]["speedup"], 1.0),
+    }
 
 
 def prefill_ours(core, ids, params_cls) -> float:
@@ -182,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             bound = report["bounds"]["compute_bound_tok_s"]
             entry["fraction_of_compute_bound"] = round(ours["tok_s"] / bound, 3)
             entry["decode_fraction_of_compute_bound"] = round(ours["decode_tok_s"] / bound, 3)
+            e2e = end_to_end_bound(cfg, matmul, n, args.prompt_tokens, args.new_tokens)
+            entry["end_to_end_bound_tok_s"] = round(e2e, 1)
+            entry["fraction_of_end_to_end_bound"] = round(ours["tok_s"] / e2e, 3)
+            entry["three_x_transformers_over_end_to_end_bound"] = round(
+                3 * theirs["tok_s"] / e2e, 3
+            )
         report[name] = entry
         print(f"{name}: {orjson.dumps(entry).decode()}", file=sys.stderr)
 
@@ -196,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "ours_s": round(ours_s, 3), "transformers_s": round(theirs_s, 3),
         "speedup": round(theirs_s / ours_s, 2),
     }  # fmt: skip
+    report["goals"] = goals(report, f"streams_{args.streams}", f"prefill_{args.prefill_tokens}")
     report["machine"]["loadavg_end"] = os.getloadavg()
     if args.json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
