@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -51,8 +52,10 @@ def unavailable() -> str | None:
         return f"cannot create a network namespace: {e}"
     with contextlib.suppress(Exception):
         _ip("netns", "del", name)
-    if subprocess.run(["iptables", "--version"], capture_output=True).returncode:
-        return "iptables is not available (needed to cut the link)"
+    # Missing (not installed) and broken (no kernel support) both skip, visibly.
+    iptables = shutil.which("iptables")
+    if iptables is None or subprocess.run([iptables, "--version"], capture_output=True).returncode:
+        return "iptables is not installed or not working (it cuts the link; Debian: iptables)"
     return None
 
 
