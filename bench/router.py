@@ -20,6 +20,8 @@ watches the generate subject and the request's stream subject (the router takes 
 - `worker_ttft`: GenerateRequest on the bus -> first token on the bus (the worker's part);
 - `hold`: a TokenChunk on the bus -> its SSE event here (the first token's, and per token).
 `paired_added_ms_per_request_p50` = front (router - direct) + hold of the first token.
+`router_cpu_ms_per_request`: the router process's CPU time over its batches (/proc), per
+request (its whole life: request, routing and every token's SSE event).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from libs.common.messages import (
     SamplingSpec,
     ServiceInfo,
     TokenChunk,
+    TokenChunkBatch,
 )
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
@@ -69,24 +72,36 @@ class Trace:
 
 
 class GenerateWatch:
-    """When each GenerateRequest appeared on the worker's generate subject, by request id."""
+    """When each GenerateRequest appeared on the worker's generate subject, by request id;
+    and, for the router's requests, when each of their token chunks appeared on the bus
+    (one by one on `tandem.stream.<router>.<rid>`, or in a TokenChunkBatch)."""
 
     def __init__(self):
         self.seen: dict[str, float] = {}
+        self.traces: dict[str, Trace] = {}  # the router's requests in flight
 
     async def on_msg(self, msg) -> None:
         self.seen[orjson.loads(msg.data)["request_id"]] = time.perf_counter()
 
+    async def on_chunk(self, msg) -> None:
+        now, chunk = time.perf_counter(), TokenChunk.decode(msg.data)
+        self._seen_chunk(chunk, now)
 
-async def via_router(http: aiohttp.ClientSession, bus: Bus, url: str, ids: list[int], n: int):
+    async def on_batch(self, msg) -> None:
+        now = time.perf_counter()
+        for chunk in TokenChunkBatch.decode(msg.data).chunks:
+            self._seen_chunk(chunk, now)
+
+    def _seen_chunk(self, chunk: TokenChunk, now: float) -> None:
+        t = self.traces.get(chunk.request_id)
+        if t is not None and chunk.token_ids:
+            t.on_bus.append(now)
+
+
+async def via_router(http: aiohttp.ClientSession, watch: GenerateWatch, url: str,
+                     ids: list[int], n: int):  # fmt: skip
     t = Trace(uuid.uuid4().hex)
-
-    async def on_chunk(msg) -> None:
-        if TokenChunk.decode(msg.data).token_ids:
-            t.on_bus.append(time.perf_counter())
-
-    sub = await bus.nc.subscribe(f"tandem.stream.{t.rid}", cb=on_chunk)
-    await bus.nc.flush()
+    watch.traces[t.rid] = t
     body = {"model": "default", "prompt": ids, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
@@ -105,7 +120,7 @@ async def via_router(http: aiohttp.ClientSession, bus: Bus, url: str, ids: list[
                 elif b'"text":""' not in line:
                     t.times.append(time.perf_counter())
     finally:
-        await sub.unsubscribe()
+        watch.traces.pop(t.rid, None)
     return t
 
 
@@ -202,6 +217,10 @@ async def run(args: argparse.Namespace) -> dict:
             await bus.connect()
             watch = GenerateWatch()
             await bus.nc.subscribe("tandem.decode.bench-d1.generate", cb=watch.on_msg)
+            await bus.nc.subscribe("tandem.stream.bench-router.*", cb=watch.on_chunk)
+            await bus.nc.subscribe("tandem.chunks.bench-router", cb=watch.on_batch)
+            await bus.nc.flush()
+            router_pid = cluster.procs["router"].pid
             info = await bus.request("tandem.router.bench-router.info", InfoRequest(), ServiceInfo)
             url = f"http://127.0.0.1:{info.details['port']}"
             out: dict = {"max_tokens": args.max_tokens, "prompt_tokens": 41, "levels": {}}
@@ -212,18 +231,24 @@ async def run(args: argparse.Namespace) -> dict:
                 await _wait_health(http, url)
                 n, prompts = args.max_tokens, itertools.count()
                 paths = {
-                    "router": lambda ids: via_router(http, bus, url, ids, n),
+                    "router": lambda ids: via_router(http, watch, url, ids, n),
                     "direct": lambda ids: direct(bus, "bench-d1", ids, n),
                 }
                 for path in paths.values():  # warm-up: first-call costs on both paths
                     await Samples().batch(1, path, prompts, watch)
                 for c in args.concurrency:
                     samples = {name: Samples() for name in paths}
+                    cpu = 0.0  # the router process's CPU seconds in its own batches
                     # Batch by batch in turn, so a burst of load elsewhere hits both alike.
                     for _ in range(args.repeats * args.rounds):
                         for name, path in paths.items():
+                            before = _cpu_seconds(router_pid)
                             await samples[name].batch(c, path, prompts, watch)
+                            if name == "router":
+                                cpu += _cpu_seconds(router_pid) - before
                     merged = {name: s.summary() for name, s in samples.items()}
+                    done = merged["router"]["requests"]
+                    merged["router"]["router_cpu_ms_per_request"] = cpu * 1e3 / max(done, 1)
                     r, d = merged["router"], merged["direct"]
                     merged["added_ms_per_request_p50"] = r["ttft_p50_ms"] - d["ttft_p50_ms"]
                     merged["added_ms_per_token_p50"] = r["itl_p50_ms"] - d["itl_p50_ms"]
@@ -240,6 +265,13 @@ async def run(args: argparse.Namespace) -> dict:
             await bus.close()
             cluster.stop()
             server.stop()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc): the router's own work, whatever
+    the waits around it (its share of a step's burst of 64 chunks is this, spread out)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _wait_health(http: aiohttp.ClientSession, url: str) -> None:

@@ -298,6 +298,10 @@ class GenerateRequest(Message):
     stream_subject: str
     prefill_worker: str = ""
     timeout: float = 600.0
+    # Where the decode worker sends this request's chunks batched with the other requests'
+    # of the same router (TokenChunkBatch), or empty: one TokenChunk per publish on
+    # `stream_subject`. Token 0 from a prefill worker always goes to `stream_subject`.
+    batch_subject: str = ""
 
 
 @dataclass
@@ -406,6 +410,30 @@ class TokenChunk(Message):
     usage: Usage | None = None
     error: str | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class TokenChunkBatch(Message):
+    """Decode worker -> router on `batch_subject`: the chunks one engine step produced for
+    every request of that router, in one message. Each chunk is exactly the TokenChunk that
+    would otherwise go on its request's `stream_subject` (`request_id` says which).
+
+    One publish, one delivery and one decode per step instead of one per request: at 64
+    streams that is most of the router's work per token. Built from encoded chunks by
+    `encode_chunk_batch` (a batch is split to stay under the bus's payload limit).
+    """
+
+    TYPE: ClassVar[str] = "token_chunk_batch"
+    worker: str
+    chunks: list[TokenChunk]
+
+
+def encode_chunk_batch(worker: str, encoded_chunks: list[bytes]) -> bytes:
+    """The bytes of a TokenChunkBatch holding already-encoded TokenChunks (no re-encode:
+    the sender measures each chunk's size to split batches under the payload limit)."""
+    chunks = [orjson.Fragment(c) for c in encoded_chunks]
+    body = {"v": SCHEMA_VERSION, "type": TokenChunkBatch.TYPE, "worker": worker, "chunks": chunks}
+    return orjson.dumps(body)
 
 
 @dataclass

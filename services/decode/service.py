@@ -32,7 +32,7 @@ from libs.common.transfer import RegionDescriptor
 from libs.common.worker import WorkerService, logprobs_wire, sampling_params
 from services.decode.backlog import PromptBacklog
 from services.decode.config import DecodeConfig
-from services.decode.stream import TokenStream
+from services.decode.stream import ChunkBatcher, TokenStream
 
 log = get_logger(__name__)
 
@@ -49,6 +49,7 @@ class DecodeService(WorkerService):
         self._prefill_seen: dict[str, float] = {}  # worker -> its last load report
         self.backlog = PromptBacklog()  # admission by expected prefill wait
         self._region_freed = asyncio.Condition()  # a handoff region was unregistered
+        self.batcher = ChunkBatcher(self.bus, config.service_id)  # one message per step
 
     async def on_start(self) -> None:
         await super().on_start()
@@ -119,7 +120,8 @@ class DecodeService(WorkerService):
     async def _guard(self, req: GenerateRequest, run) -> None:
         """Run a request to its end; any failure ends the stream with an error."""
         stream = TokenStream(self.bus, req.stream_subject, req.request_id,
-                             self.config.service_id, next_index=0)  # fmt: skip
+                             self.config.service_id, next_index=0, batcher=self.batcher,
+                             batch_subject=req.batch_subject)  # fmt: skip
         counted = False
 
         def prompt_done() -> None:  # its prompt no longer waits: stop counting it as load

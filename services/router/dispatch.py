@@ -1,10 +1,11 @@
 """One generation on the workers: send GenerateRequest, read the TokenChunk stream in order.
 
     generate(rid, ids, sampling, route)                       (an async generator)
-      subscribe tandem.stream.<rid>           before sending, so no chunk is missed
+      open <rid> in the router's StreamTable (its two subscriptions exist before any
+      request goes out, so no chunk is missed; services/router/streams.py)
       GenerateRequest -> tandem.decode.<d>.generate  -> GenerateAccepted (or an error)
-      yield TokenChunks in `index` order (they come from two connections: reordered here)
-      until the chunk with finish_reason
+      yield TokenChunks in `index` order (they come from two connections, one-by-one and
+      in batches: reordered here) until the chunk with finish_reason
 
 Failure handling, in one place:
 - the decode worker has no room (429): wait with backoff and route again, up to
@@ -27,9 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
-
-from nats.aio.msg import Msg
 
 from libs.common.bus import Bus, BusError, RemoteError
 from libs.common.log import get_logger
@@ -37,12 +37,12 @@ from libs.common.messages import (
     CancelRequest,
     GenerateAccepted,
     GenerateRequest,
-    MessageError,
     SamplingSpec,
     TokenChunk,
 )
 from services.router.errors import ApiError
 from services.router.policy import Route
+from services.router.streams import StreamTable
 from services.router.workers import WorkerTable
 
 log = get_logger(__name__)
@@ -67,6 +67,7 @@ class Dispatcher:
 
     `route(exclude)` picks a route avoiding the worker ids in `exclude`, or None.
     `on_accepted(seconds)` is told how long admission took (the queue-time metric).
+    `router_id` names this router's stream subjects (unique per router process).
     """
 
     def __init__(
@@ -78,12 +79,14 @@ class Dispatcher:
         queue_timeout: float,
         on_accepted: Callable[[float], None] = lambda _s: None,
         lost_after: float = 3.0,
+        router_id: str = "",
     ):
         self.bus, self.prefix, self.workers = bus, prefix, workers
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
         self.on_accepted = on_accepted
         self.lost_after = lost_after
         self.reconnected_at = 0.0  # time.monotonic() of the bus's last reconnect
+        self.streams = StreamTable(bus, prefix, router_id or uuid.uuid4().hex[:16])
         bus.on_reconnect(self._on_reconnect)
 
     async def _on_reconnect(self) -> None:
@@ -141,9 +144,11 @@ class Dispatcher:
     async def _attempt(
         self, rid: str, token_ids: list[int], sampling: SamplingSpec, route: Route, deadline: float
     ) -> AsyncIterator[TokenChunk]:
-        subject = f"{self.prefix}.stream.{rid}"
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
-        sub = await self.bus.nc.subscribe(subject, cb=queue.put)
+        try:
+            await self.streams.start()
+        except Exception as e:  # no connection: nothing was sent, another try may work
+            raise WorkerFailed(f"cannot subscribe to token streams: {e}", False) from None
+        rid, subject, queue = self.streams.open(rid)
         decode = self.workers.get(route.decode)
         prefill = self.workers.get(route.prefill) if route.prefill else None
         finished = False
@@ -160,6 +165,7 @@ class Dispatcher:
                 stream_subject=subject,
                 prefill_worker=route.prefill,
                 timeout=max(1.0, deadline - time.monotonic()),
+                batch_subject=self.streams.batch_subject,
             )
             sent = time.monotonic()
             try:
@@ -192,13 +198,13 @@ class Dispatcher:
                 prefill.pending_prefill_tokens -= pending
             if decode is not None:
                 decode.inflight.discard(rid)
-            await _quietly(sub.unsubscribe())
+            self.streams.close(rid)
             if not finished:
                 cancel = CancelRequest(request_id=rid, reason="router ended the request")
                 await _quietly(self.bus.publish(f"{self.prefix}.cancel", cancel))
 
     async def _chunks(
-        self, queue: asyncio.Queue[Msg], route: Route, deadline: float
+        self, queue: asyncio.Queue[TokenChunk], route: Route, deadline: float
     ) -> AsyncIterator[TokenChunk]:
         next_index, held = 0, {}
         moved = time.monotonic()  # when the stream last moved on
@@ -206,18 +212,16 @@ class Dispatcher:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ApiError(504, "the request took longer than the router's timeout")
-            try:  # asyncio.timeout, not wait_for: no task per chunk on the hot path
-                async with asyncio.timeout(min(_POLL_S, left)):
-                    msg = await queue.get()
-            except TimeoutError:
-                self._check_alive(route, next_index)
-                self._check_lost(held, next_index, moved)
-                continue
-            try:
-                chunk = TokenChunk.decode(msg.data)
-            except MessageError as e:
-                log.warning("unreadable token chunk dropped", error=str(e))
-                continue
+            if not queue.empty():  # a chunk is there: no timer to arm and cancel
+                chunk = queue.get_nowait()
+            else:
+                try:  # asyncio.timeout, not wait_for: no task per chunk on the hot path
+                    async with asyncio.timeout(min(_POLL_S, left)):
+                        chunk = await queue.get()
+                except TimeoutError:
+                    self._check_alive(route, next_index)
+                    self._check_lost(held, next_index, moved)
+                    continue
             if chunk.index < next_index:
                 if chunk.finish_reason in ("error", "abort"):
                     # A worker that failed before it knew what others streamed (the decode

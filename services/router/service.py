@@ -90,6 +90,7 @@ class RouterService(BaseService):
                 cfg.request_timeout,
                 cfg.queue_timeout,
                 on_accepted=queue_time.observe,
+                router_id=cfg.service_id,
             ),
             metrics=metrics,
             api_keys=_api_keys(cfg),
@@ -149,6 +150,8 @@ class RouterService(BaseService):
         feed, self._feed = self._feed, None
         if feed is not None:
             await feed.stop()
+        if self.state is not None:
+            await self.state.dispatcher.streams.stop()
         sub, self._load_sub = self._load_sub, None
         if sub is not None:
             try:
