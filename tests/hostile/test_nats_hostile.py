@@ -6,8 +6,9 @@ serves a valid request.
 Subjects (docs/protocol.md): the micro endpoints of each service (`info`; decode
 `generate`; prefill `prefill`; the master's `pool.master.*`) and the subscriptions
 (`cancel` on the workers, `workers.*.*.load` on the router and decode, the store's
-`pool.store.<id>.update`, the router's `kv.events.>` through JetStream). The per-request
-`stream.<rid>` inboxes exist only while a request runs and are not attacked here.
+`pool.store.<id>.update`, the router's `kv.events.>` through JetStream, and the router's
+two token-stream subscriptions `stream.<router-id>.*` and `chunks.<router-id>`, which stay
+subscribed for all its requests: chunks for a request it does not have are dropped).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from libs.common.messages import (
     RequestStatus,
     SamplingSpec,
     ServiceInfo,
+    TokenChunk,
+    TokenChunkBatch,
 )
 from libs.common.pool_messages import (
     PoolKeys,
@@ -93,6 +96,13 @@ PUBLISHED = {
     ),
     "tandem.kv.events.evil": KvEvent(
         source="evil", seq=1, kind="stored", tier="device", keys=[KEY]
+    ),
+    "tandem.stream.router-h.hostile-none": TokenChunk(
+        request_id="hostile-none", index=0, token_ids=[1], worker="evil"
+    ),
+    "tandem.chunks.router-h": TokenChunkBatch(
+        worker="evil",
+        chunks=[TokenChunk(request_id="hostile-none", index=0, token_ids=[1], worker="evil")],
     ),
 }
 _ = LoadReport  # documented above: the load subjects get malformed input only
