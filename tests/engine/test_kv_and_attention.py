@@ -50,13 +50,11 @@ def _dense(q, k, v, q_start):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(q.shape[0], HQ * D)
 
 
-def test_torch_backend_matches_dense_attention_on_a_mixed_batch():
-    """Decode rows, a chunk after a cached prefix and a fresh prompt in one step."""
-    torch.manual_seed(0)
+def _check_against_dense(seqs, torch_seed: int) -> None:
+    """seqs: (cached tokens already in the pages, new tokens this step, page table)."""
+    torch.manual_seed(torch_seed)
     kv = _cache()
     attn = backend_class("torch")(kv, HQ)
-    # (cached tokens already in the pages, new tokens this step, page table)
-    seqs = [(9, 1, [5, 2, 30]), (13, 1, [4, 6, 8, 11]), (6, 7, [1, 3, 9, 12]), (0, 10, [7, 14, 15])]
     full_k = [torch.randn(c + n, HK, D) for c, n, _ in seqs]
     full_v = [torch.randn(c + n, HK, D) for c, n, _ in seqs]
     for (c, _, pages), k, v in zip(seqs, full_k, full_v, strict=True):
@@ -74,6 +72,19 @@ def test_torch_backend_matches_dense_attention_on_a_mixed_batch():
         expect = _dense(q[row : row + n], k, v, c)
         torch.testing.assert_close(out[row : row + n], expect, rtol=1e-5, atol=1e-5)
         row += n
+
+
+def test_torch_backend_matches_dense_attention_on_a_mixed_batch():
+    """Decode rows, a chunk after a cached prefix and a fresh prompt in one step."""
+    seqs = [(9, 1, [5, 2, 30]), (13, 1, [4, 6, 8, 11]), (6, 7, [1, 3, 9, 12]), (0, 10, [7, 14, 15])]
+    _check_against_dense(seqs, 0)
+
+
+def test_adjacent_whole_prompts_of_one_length_attend_as_one_batch_and_stay_apart():
+    """Fresh prompts of 6, 6, 6, then 3, a decode row, then 6 again: grouped only when adjacent."""
+    seqs = [(0, 6, [0, 1]), (0, 6, [2, 3]), (0, 6, [4, 5]), (0, 3, [6]), (5, 1, [7, 8]),
+            (0, 6, [9, 10])]  # fmt: skip
+    _check_against_dense(seqs, 4)
 
 
 def test_unknown_backend_is_refused_by_name():

@@ -16,6 +16,8 @@ class EngineConfig:
     - `max_num_batched_tokens`: the per-step token budget (prefill chunk size);
     - `max_num_seqs`: cap on running requests;
     - `num_threads`: torch intra-op threads (None: leave torch's choice);
+    - `decode_mirror`: the torch backend keeps a dense copy of the decoding sequences'
+      K/V (at most the KV pool's size again) so decode attention gathers no pages;
     - `worker_id` / `tier`: how KV events name this cache.
     """
 
@@ -29,6 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
     num_threads: int | None = None
+    decode_mirror: bool = True
     tier: str = "L1"
 
     def __post_init__(self) -> None:

@@ -84,7 +84,10 @@ class EngineCore:
             device=config.device,
             allocate=kv_allocator,
         )
-        attention = backend_class(config.attention_backend)(self.kv_cache, c.num_heads)
+        options = (
+            {"decode_mirror": config.decode_mirror} if config.attention_backend == "torch" else {}
+        )
+        attention = backend_class(config.attention_backend)(self.kv_cache, c.num_heads, **options)
         self.runner = ModelRunner(model, attention)
         self._events: list[CacheEvent] = []
         cache = hasher = None

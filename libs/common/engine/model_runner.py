@@ -29,17 +29,18 @@ class ModelRunner:
         """Hidden states of the sampling rows, [n_sampling, hidden]."""
         ids: list[int] = []
         positions: list[int] = []
-        q_lens, ctx_lens, tables, last_rows = [], [], [], []
+        q_lens, ctx_lens, tables, keys, last_rows = [], [], [], [], []
         for item in items:
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + item.num_tokens))
             q_lens.append(item.num_tokens)
             ctx_lens.append(item.start + item.num_tokens)
             tables.append(item.seq.page_table)
+            keys.append(item.seq.uid)
             if item.sample:
                 last_rows.append(len(ids) - 1)
         dev = self.device
-        plan = self.attention.plan(AttentionBatch(q_lens, ctx_lens, tables))
+        plan = self.attention.plan(AttentionBatch(q_lens, ctx_lens, tables, keys))
         hidden = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -16,6 +16,7 @@ PREEMPTED is WAITING after a preemption (counted in num_preemptions).
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections.abc import Sequence as SequenceT
 
@@ -37,6 +38,9 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+_UIDS = itertools.count()
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -72,6 +76,7 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt_token_ids must not be empty")
         self.request_id = request_id
+        self.uid = next(_UIDS)  # unique in this process, never reused (request ids may be)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params or SamplingParams()

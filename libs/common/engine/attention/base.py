@@ -25,10 +25,15 @@ class AttentionBatch:
     q_lens: list[int]
     ctx_lens: list[int]
     page_tables: list[list[int]]
+    # A key per sequence, unique to it for the engine's life (Sequence.uid), so a backend
+    # may keep per-sequence state across steps; None: every step stands alone.
+    seq_keys: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.q_lens) == len(self.ctx_lens) == len(self.page_tables):
             raise ValueError("q_lens, ctx_lens and page_tables must have one entry per sequence")
+        if self.seq_keys is not None and len(self.seq_keys) != len(self.q_lens):
+            raise ValueError("seq_keys must have one entry per sequence")
 
     @property
     def num_tokens(self) -> int:

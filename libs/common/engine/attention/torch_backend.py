@@ -6,8 +6,12 @@ longest context. The call sees each KV head's group of query heads as a
 "query length" of group size (q [B, kv_heads, group, d] against K/V
 [B, kv_heads, T, d]) with one additive float mask built per step: SDPA's
 enable_gqa path and a bool mask measured ~20% slower per layer at batch 32
-on the CPU. Prefill chunks run one sequence at a time, and a chunk that
-starts its sequence attends to its own fresh K/V without touching the cache.
+on the CPU. When the step names its sequences (`AttentionBatch.seq_keys`)
+the decode rows read a dense mirror of their K/V instead of gathering pages
+(attention/decode_mirror.py; off with `decode_mirror=False`). Prefill chunks
+run one sequence at a time, except adjacent chunks that are whole prompts of one
+length: those attend to their own fresh K/V in one batched call, without
+touching the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from libs.common.engine.attention.base import AttentionBackend, AttentionBatch, slot_mapping
+from libs.common.engine.attention.decode_mirror import DecodeMirror, MirrorPlan
+from libs.common.engine.kv_cache import KVCache
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,6 +32,7 @@ class _Decode:
     pages: torch.Tensor  # [B * max_pages] page ids, padded with page 0
     mask: torch.Tensor  # [B, 1, 1, max_pages * page_size], 0 where attended, -inf past the end
     batch: int
+    mirror: MirrorPlan | None = None  # set: read the mirror, pages/mask unused
 
 
 @dataclasses.dataclass(slots=True)
@@ -35,6 +42,7 @@ class _Prefill:
     ctx: int
     pages: torch.Tensor | None  # None: the chunk is the whole context so far
     mask: torch.Tensor | None  # [q, ctx] bool; None with pages=None (plain causal)
+    count: int = 1  # pages=None only: this many adjacent whole prompts of ctx tokens each
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,6 +58,10 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, kv_cache: KVCache, num_heads: int, decode_mirror: bool = True) -> None:
+        super().__init__(kv_cache, num_heads)
+        self.mirror = DecodeMirror(kv_cache) if decode_mirror else None
+
     def plan(self, batch: AttentionBatch) -> TorchPlan:
         dev = self.kv_cache.buffer.device
         ps = self.kv_cache.page_size
@@ -61,13 +73,19 @@ class TorchAttention(AttentionBackend):
         decode = None
         if decode_idx:
             decode = self._plan_decode(batch, decode_idx, starts, dev)
+        elif self.mirror is not None:
+            self.mirror.forget()
         prefills = []
         for i, q in enumerate(batch.q_lens):
             if q == 1:
                 continue
             ctx = batch.ctx_lens[i]
             if ctx == q:
-                prefills.append(_Prefill(starts[i], starts[i + 1], ctx, None, None))
+                last = prefills[-1] if prefills else None
+                if last and last.pages is None and last.ctx == ctx and last.end == starts[i]:
+                    last.end, last.count = starts[i + 1], last.count + 1  # one SDPA call
+                else:
+                    prefills.append(_Prefill(starts[i], starts[i + 1], ctx, None, None))
                 continue
             n_pages = -(-ctx // ps)
             pages = torch.tensor(batch.page_tables[i][:n_pages], dtype=torch.long, device=dev)
@@ -81,6 +99,15 @@ class TorchAttention(AttentionBackend):
     def _plan_decode(self, batch, decode_idx, starts, dev) -> _Decode:
         ps = self.kv_cache.page_size
         ctx = [batch.ctx_lens[i] for i in decode_idx]
+        rows = None
+        if len(decode_idx) != len(batch.q_lens):
+            rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=dev)
+        if self.mirror is not None and batch.seq_keys is not None:
+            keys = [batch.seq_keys[i] for i in decode_idx]
+            tables = [batch.page_tables[i] for i in decode_idx]
+            mirror = self.mirror.plan(keys, ctx, tables)
+            if mirror is not None:
+                return _Decode(rows, mirror.slots, mirror.mask, len(ctx), mirror)
         max_pages = -(-max(ctx) // ps)
         flat: list[int] = []
         for i, c in zip(decode_idx, ctx, strict=True):
@@ -91,9 +118,6 @@ class TorchAttention(AttentionBackend):
         past = torch.arange(max_pages * ps, device=dev).unsqueeze(0) >= lens.unsqueeze(1)
         mask = torch.zeros(past.shape, dtype=self.kv_cache.buffer.dtype, device=dev)
         mask.masked_fill_(past, float("-inf"))
-        rows = None
-        if len(decode_idx) != len(batch.q_lens):
-            rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=dev)
         pages = torch.tensor(flat, dtype=torch.long, device=dev)
         return _Decode(rows, pages, mask.view(len(ctx), 1, 1, -1), len(ctx))
 
@@ -102,45 +126,69 @@ class TorchAttention(AttentionBackend):
         hk, d = self.num_kv_heads, self.head_dim
         kc.view(-1, hk, d).index_copy_(0, plan.slots, k)
         vc.view(-1, hk, d).index_copy_(0, plan.slots, v)
-        if plan.decode is not None and not plan.prefills:
-            return self._decode(q, kc, vc, plan.decode)
+        dec = plan.decode
+        if dec is not None and dec.mirror is not None:
+            if dec.rows is None:
+                self.mirror.update(layer, dec.mirror, k, v)
+            else:
+                self.mirror.update(layer, dec.mirror, k[dec.rows], v[dec.rows])
+            if layer == self.kv_cache.num_layers - 1:
+                self.mirror.finish()
+        if dec is not None and not plan.prefills:
+            return self._decode(layer, q, kc, vc, dec)
         out = q.new_empty(plan.num_tokens, self.num_heads * d)
-        if plan.decode is not None:
-            rows = plan.decode.rows
-            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kc, vc, plan.decode))
+        if dec is not None:
+            rows = dec.rows
+            out.index_copy_(0, rows, self._decode(layer, q.index_select(0, rows), kc, vc, dec))
         for p in plan.prefills:
             out[p.start : p.end] = self._prefill(q, k, v, kc, vc, p)
         return out
 
-    def _decode(self, q, kc, vc, dec: _Decode) -> torch.Tensor:
+    def _decode(self, layer, q, kc, vc, dec: _Decode) -> torch.Tensor:
         b, hk, d = dec.batch, self.num_kv_heads, self.head_dim
-        keys = kc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2)
-        values = vc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2)
         # Query head h reads KV head h // group, so q's heads split as [hk, group].
         groups = q.reshape(b, hk, self.num_heads // hk, d)
+        if dec.mirror is not None:
+            return self._decode_mirror(layer, groups, dec.mirror)
+        keys = kc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2)
+        values = vc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             groups, keys, values, attn_mask=dec.mask, scale=self.scale
         )
         return o.reshape(b, self.num_heads * d)
 
+    def _decode_mirror(self, layer, groups, plan: MirrorPlan) -> torch.Tensor:
+        keys, values = self.mirror.keys(layer, plan), self.mirror.values(layer, plan)
+        if not plan.identity:  # rows to their slots; unused slots attend zeros, then dropped
+            slotted = groups.new_zeros((plan.width, *groups.shape[1:]))
+            groups = slotted.index_copy_(0, plan.slots, groups)
+        o = F.scaled_dot_product_attention(
+            groups, keys, values, attn_mask=plan.mask, scale=self.scale
+        )
+        if not plan.identity:
+            o = o.index_select(0, plan.slots)
+        return o.reshape(plan.slots.shape[0], self.num_heads * self.head_dim)
+
     def _prefill(self, q, k, v, kc, vc, p: _Prefill) -> torch.Tensor:
         hk, d = self.num_kv_heads, self.head_dim
-        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
         if p.pages is None:
-            keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            values = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            n, t = p.count, p.ctx
+            qs = q[p.start : p.end].view(n, t, -1, d).transpose(1, 2)
+            keys = k[p.start : p.end].view(n, t, hk, d).transpose(1, 2)
+            values = v[p.start : p.end].view(n, t, hk, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 qs, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
             )
-        else:
-            keys = kc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1)
-            values = vc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qs,
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                attn_mask=p.mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            return o.transpose(1, 2).reshape(p.end - p.start, self.num_heads * d)
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        keys = kc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1)
+        values = vc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qs,
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=p.mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
         return o[0].transpose(0, 1).reshape(p.end - p.start, self.num_heads * d)
