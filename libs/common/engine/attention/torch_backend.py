@@ -29,10 +29,10 @@ from libs.common.engine.kv_cache import KVCache
 @dataclasses.dataclass(slots=True)
 class _Decode:
     rows: torch.Tensor | None  # None when every row of the step is a decode row
-    pages: torch.Tensor  # [B * max_pages] page ids, padded with page 0
+    pages: torch.Tensor  # [B * max_pages] page ids, padded with page 0 (unused with mirror)
     mask: torch.Tensor  # [B, 1, 1, max_pages * page_size], 0 where attended, -inf past the end
     batch: int
-    mirror: MirrorPlan | None = None  # set: read the mirror, pages/mask unused
+    mirror: MirrorPlan | None = None  # set: attention reads the mirror
 
 
 @dataclasses.dataclass(slots=True)
