@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import structlog
 import torch
 
 from libs.common.engine.kv_cache import KVCache
+
+log = structlog.get_logger(__name__)
 
 CAPACITY_STEP = 128  # tokens; capacity grows in these steps (a multiple of every page size used)
 
@@ -133,9 +136,13 @@ class DecodeMirror:
         capacity = -(-capacity // c.page_size) * c.page_size
         shape = (c.num_layers, 2, slots, c.num_kv_heads, capacity, c.head_dim)
         if torch.Size(shape).numel() > c.buffer.numel():
+            if self._tensor is not None:
+                log.info("decode_mirror.off", rows=rows, longest=longest, reason="pool size")
             return False
         self.drop()
         self._tensor = torch.zeros(shape, dtype=c.buffer.dtype, device=c.buffer.device)
+        nbytes = self._tensor.numel() * self._tensor.element_size()
+        log.info("decode_mirror.grown", slots=slots, capacity=capacity, mib=nbytes >> 20)
         return True
 
     def _make_plan(self, keys, ctx_lens, page_tables, keep, fill) -> MirrorPlan:
