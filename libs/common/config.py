@@ -253,6 +253,10 @@ class WorkerConfig(CommonConfig):
     no_pool: bool = field(
         default=False, metadata={"help": "do not read from or write to the KV pool (L3)"}
     )
+    no_decode_mirror: bool = field(
+        default=False,
+        metadata={"help": "no dense K/V copy of decoding sequences (up to --kv-cache-mb again)"},
+    )
     transfer_host: str = field(
         default="127.0.0.1",
         metadata={"help": "address the transfer engine listens on and gives to peers"},

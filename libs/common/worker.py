@@ -149,6 +149,7 @@ class WorkerService(BaseService):
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_prefix_cache=not self.config.no_prefix_cache,
+                decode_mirror=not self.config.no_decode_mirror,
                 num_threads=self.config.num_threads or None,
                 tier="device",
             ),
