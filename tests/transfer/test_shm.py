@@ -110,8 +110,11 @@ async def test_one_buffer_registered_1023_times_each_fenced_alone(shm_pair) -> N
     assert NSLOTS == 1023 and len({r.region_id for r in regions}) == NSLOTS
     with pytest.raises(ValueError, match="1023 regions"):
         b.register(pool)
+    await a.write(src, regions[500], [(0, 0, 16)])  # the writer now knows its slot
     b.unregister(regions[500])
     with pytest.raises(TransferError, match="unknown region"):
         await a.write(src, regions[500], [(0, 0, 16)])
     await a.write(src, regions[-1], [(0, 0, 16)])  # the last slot is found
     assert b.register(pool).region_id not in {r.region_id for r in regions}  # slot reused
+    with pytest.raises(TransferError, match="unknown region"):  # the slot's new tenant
+        await a.write(src, regions[500], [(0, 0, 16)])
