@@ -58,11 +58,16 @@ def validate_ops(ops: Iterable[Sequence[int]], local_length: int, remote_length:
     """
     out: list[Op] = []
     for index, raw in enumerate(ops):
-        if not isinstance(raw, Sequence) or isinstance(raw, str | bytes) or len(raw) != 3:
+        shaped = type(raw) is tuple or type(raw) is list  # the usual case, checked cheaply
+        if not shaped and (not isinstance(raw, Sequence) or isinstance(raw, str | bytes)):
             raise ValueError(f"ops[{index}]: expected (local_off, remote_off, length)")
-        local_off, remote_off, length = (_as_int(v) for v in raw)
-        if local_off is None or remote_off is None or length is None:
-            raise ValueError(f"ops[{index}]: offsets and length must be integers, got {raw!r}")
+        if len(raw) != 3:
+            raise ValueError(f"ops[{index}]: expected (local_off, remote_off, length)")
+        local_off, remote_off, length = raw
+        if not (type(local_off) is int and type(remote_off) is int and type(length) is int):
+            local_off, remote_off, length = (_as_int(v) for v in raw)
+            if local_off is None or remote_off is None or length is None:
+                raise ValueError(f"ops[{index}]: offsets and length must be integers, got {raw!r}")
         if length < 0 or local_off < 0 or remote_off < 0:
             raise ValueError(f"ops[{index}]: negative offset or length {tuple(raw)}")
         if max(local_off, remote_off, length) > U64_MAX:
