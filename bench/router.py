@@ -13,12 +13,15 @@ both paths generate exactly the same number of tokens; every request has a promp
 own (no prefix-cache hits on either path: `cached_tokens` in the output says so).
 
 The difference of p50s taken minutes apart swings by tens of ms on a busy machine, so the
-router's requests are also timed against the bus itself, in the same request: this client
-watches the generate subject and the request's stream subject (the router takes its
-`x-request-id`), and reports
+router's requests are also timed against the bus itself, in the same request: a watcher
+process (bench/bus_watch.py; CLOCK_MONOTONIC, shared with this client) stamps the
+generate subject and the token chunks (the router takes the request's `x-request-id`),
+and the run reports
 - `front`: POST -> GenerateRequest on the bus, against send -> the same for `direct`;
 - `worker_ttft`: GenerateRequest on the bus -> first token on the bus (the worker's part);
-- `hold`: a TokenChunk on the bus -> its SSE event here (the first token's, and per token).
+- `hold`: a TokenChunk on the bus -> its SSE event here (the first token's, and per token);
+  for `direct`, a TokenChunk on the bus -> the same chunk read here over NATS (what the
+  client itself adds to any hold: its reading of 64 streams in one event loop).
 `paired_added_ms_per_request_p50` = front (router - direct) + hold of the first token.
 `router_cpu_ms_per_request`: the router process's CPU time over its batches (/proc), per
 request (its whole life: request, routing and every token's SSE event).
@@ -31,6 +34,7 @@ import asyncio
 import itertools
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +54,6 @@ from libs.common.messages import (
     SamplingSpec,
     ServiceInfo,
     TokenChunk,
-    TokenChunkBatch,
 )
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
@@ -64,63 +67,63 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class Trace:
-    """One request's timestamps (perf_counter): start, tokens seen, and the bus's view."""
+    """One request's timestamps (time.monotonic: the bus watcher's clock too): start and
+    tokens seen here; `seen` (GenerateRequest) and `on_bus` (chunks with tokens) are the
+    watcher's, filled in after the batch."""
 
     def __init__(self, rid: str):
         self.rid, self.start, self.times, self.cached = rid, 0.0, [], 0
-        self.on_bus: list[float] = []  # TokenChunks with tokens, as seen on the bus
+        self.seen: float | None = None
+        self.on_bus: list[float] = []
 
 
-class GenerateWatch:
-    """When each GenerateRequest appeared on the worker's generate subject, by request id;
-    and, for the router's requests, when each of their token chunks appeared on the bus
-    (one by one on `tandem.stream.<router>.<rid>`, or in a TokenChunkBatch)."""
+class BusWatch:
+    """The bus watcher process (bench/bus_watch.py) and what it saw, taken batch by batch."""
 
-    def __init__(self):
-        self.seen: dict[str, float] = {}
-        self.traces: dict[str, Trace] = {}  # the router's requests in flight
+    def __init__(self, nats_url: str, env: dict[str, str]):
+        args = ["--nats-url", nats_url, "--worker", "bench-d1", "--router", "bench-router"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.bus_watch", *args],
+                                     stdout=subprocess.PIPE, env=env)  # fmt: skip
 
-    async def on_msg(self, msg) -> None:
-        self.seen[orjson.loads(msg.data)["request_id"]] = time.perf_counter()
+    def wait_ready(self) -> None:
+        if self.proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError("bench.bus_watch did not start")
 
-    async def on_chunk(self, msg) -> None:
-        now, chunk = time.perf_counter(), TokenChunk.decode(msg.data)
-        self._seen_chunk(chunk, now)
+    async def take(self, bus: Bus, traces: list[Trace]) -> None:
+        await bus.nc.flush()
+        await asyncio.sleep(0.05)  # the watcher's copy of the last chunks may still be on the way
+        msg = await bus.nc.request("tandem.bench.watch.take", b"", timeout=30)
+        seen = orjson.loads(msg.data)
+        for t in traces:
+            t.seen = seen["generate"].get(t.rid)
+            t.on_bus = seen["chunks"].get(t.rid, [])
 
-    async def on_batch(self, msg) -> None:
-        now = time.perf_counter()
-        for chunk in TokenChunkBatch.decode(msg.data).chunks:
-            self._seen_chunk(chunk, now)
-
-    def _seen_chunk(self, chunk: TokenChunk, now: float) -> None:
-        t = self.traces.get(chunk.request_id)
-        if t is not None and chunk.token_ids:
-            t.on_bus.append(now)
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
-async def via_router(http: aiohttp.ClientSession, watch: GenerateWatch, url: str,
-                     ids: list[int], n: int):  # fmt: skip
+async def via_router(http: aiohttp.ClientSession, url: str, ids: list[int], n: int):
     t = Trace(uuid.uuid4().hex)
-    watch.traces[t.rid] = t
     body = {"model": "default", "prompt": ids, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    try:
-        t.start = time.perf_counter()
-        async with http.post(
-            f"{url}/v1/completions", json=body, headers={"x-request-id": t.rid}
-        ) as resp:
-            resp.raise_for_status()
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                if b'"choices":[]' in line:  # the usage event
-                    usage = orjson.loads(line[6:])["usage"]
-                    t.cached = usage["prompt_tokens_details"]["cached_tokens"]
-                elif b'"text":""' not in line:
-                    t.times.append(time.perf_counter())
-    finally:
-        watch.traces.pop(t.rid, None)
+    t.start = time.monotonic()
+    async with http.post(
+        f"{url}/v1/completions", json=body, headers={"x-request-id": t.rid}
+    ) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            if b'"choices":[]' in line:  # the usage event
+                usage = orjson.loads(line[6:])["usage"]
+                t.cached = usage["prompt_tokens_details"]["cached_tokens"]
+            elif b'"text":""' not in line:
+                t.times.append(time.monotonic())
     return t
 
 
@@ -130,14 +133,14 @@ async def direct(bus: Bus, worker: str, ids: list[int], n: int):
     queue: asyncio.Queue = asyncio.Queue()
     sub = await bus.nc.subscribe(subject, cb=queue.put)
     sampling = SamplingSpec(max_tokens=n, temperature=0.0, ignore_eos=True)
-    t.start = time.perf_counter()
+    t.start = time.monotonic()
     try:
         request = GenerateRequest(t.rid, ids, sampling, subject)
         await bus.request(f"tandem.decode.{worker}.generate", request, GenerateAccepted, 30)
         while True:
             chunk = TokenChunk.decode((await asyncio.wait_for(queue.get(), 600)).data)
             if chunk.token_ids:
-                t.times.append(time.perf_counter())
+                t.times.append(time.monotonic())
             if chunk.finish_reason is not None:
                 t.cached = sum(chunk.usage.cached_tokens.values()) if chunk.usage else 0
                 return t
@@ -159,25 +162,22 @@ class Samples:
         self.worker: list[float] = []  # GenerateRequest on the bus -> first token on the bus
         self.cached = 0
 
-    async def batch(self, concurrency: int, run, prompts: itertools.count, watch) -> None:
+    async def batch(self, concurrency: int, run, prompts: itertools.count, watch, bus) -> None:
         """`concurrency` requests at once, each with a prompt of its own."""
-
-        async def one() -> None:
-            t = await run(prompt(next(prompts)))
+        traces = await asyncio.gather(*(run(prompt(next(prompts))) for _ in range(concurrency)))
+        await watch.take(bus, traces)
+        for t in traces:
             self.cached += t.cached
             if t.times:
                 self.ttft.append(t.times[0] - t.start)
                 self.gaps.extend(b - a for a, b in itertools.pairwise(t.times))
-            seen = watch.seen.pop(t.rid, None)
             first = (t.on_bus or t.times or [None])[0]  # the first token, as the bus saw it
-            if seen is not None and first is not None:
-                self.front.append(seen - t.start)
-                self.worker.append(first - seen)
+            if t.seen is not None and first is not None:
+                self.front.append(t.seen - t.start)
+                self.worker.append(first - t.seen)
             if t.on_bus and len(t.on_bus) == len(t.times):
                 self.hold_first.append(t.times[0] - t.on_bus[0])
                 self.hold.extend(a - b for a, b in zip(t.times, t.on_bus, strict=True))
-
-        await asyncio.gather(*(one() for _ in range(concurrency)))
 
     def summary(self) -> dict:
         ms = lambda v, q: _pct(v, q) * 1e3  # noqa: E731
@@ -211,15 +211,12 @@ async def run(args: argparse.Namespace) -> dict:
                        "--max-pending", "1024"],
         })  # fmt: skip
         bus = Bus(server.url, "bench-router", connect_timeout=10, request_timeout=30)
+        watch = BusWatch(server.url, env)
         try:
             cluster.start(("decode", "router"))
             await cluster.wait_ready(timeout=300)
             await bus.connect()
-            watch = GenerateWatch()
-            await bus.nc.subscribe("tandem.decode.bench-d1.generate", cb=watch.on_msg)
-            await bus.nc.subscribe("tandem.stream.bench-router.*", cb=watch.on_chunk)
-            await bus.nc.subscribe("tandem.chunks.bench-router", cb=watch.on_batch)
-            await bus.nc.flush()
+            await asyncio.to_thread(watch.wait_ready)
             router_pid = cluster.procs["router"].pid
             info = await bus.request("tandem.router.bench-router.info", InfoRequest(), ServiceInfo)
             url = f"http://127.0.0.1:{info.details['port']}"
@@ -231,11 +228,11 @@ async def run(args: argparse.Namespace) -> dict:
                 await _wait_health(http, url)
                 n, prompts = args.max_tokens, itertools.count()
                 paths = {
-                    "router": lambda ids: via_router(http, watch, url, ids, n),
+                    "router": lambda ids: via_router(http, url, ids, n),
                     "direct": lambda ids: direct(bus, "bench-d1", ids, n),
                 }
                 for path in paths.values():  # warm-up: first-call costs on both paths
-                    await Samples().batch(1, path, prompts, watch)
+                    await Samples().batch(1, path, prompts, watch, bus)
                 for c in args.concurrency:
                     samples = {name: Samples() for name in paths}
                     cpu = 0.0  # the router process's CPU seconds in its own batches
@@ -243,7 +240,7 @@ async def run(args: argparse.Namespace) -> dict:
                     for _ in range(args.repeats * args.rounds):
                         for name, path in paths.items():
                             before = _cpu_seconds(router_pid)
-                            await samples[name].batch(c, path, prompts, watch)
+                            await samples[name].batch(c, path, prompts, watch, bus)
                             if name == "router":
                                 cpu += _cpu_seconds(router_pid) - before
                     merged = {name: s.summary() for name, s in samples.items()}
@@ -263,6 +260,7 @@ async def run(args: argparse.Namespace) -> dict:
             return out
         finally:
             await bus.close()
+            watch.stop()
             cluster.stop()
             server.stop()
 

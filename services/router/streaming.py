@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 DONE = b"data: [DONE]\n\n"
 MAX_BUFFERED = 4 << 20  # bytes a client may leave unread before it counts as gone
@@ -99,6 +99,8 @@ class SseStream:
                 **self.headers,
             },
         )
+        if self.request.version >= HttpVersion11:
+            response.enable_chunked_encoding()  # what aiohttp would choose; now known here
         try:
             await response.prepare(self.request)
             while self.pending:  # aiohttp sends its held-back headers with the first write
