@@ -14,8 +14,8 @@ Watched: `<prefix>.decode.<worker>.generate` (GenerateRequest; by request id),
 `<prefix>.stream.>` (TokenChunk one by one: the router's `stream.<router>.<rid>` and the
 direct client's `stream.<rid>`) and `<prefix>.chunks.<router>` (TokenChunkBatch).
 `<prefix>.bench.watch.take` (any body) replies with what was seen since the last take,
-`{"generate": {rid: t}, "chunks": {rid: [t of each chunk with tokens]}}`, and forgets it.
-Prints `ready` on stdout once every subscription is on the server.
+`{"generate": {rid: t}, "chunks": {rid: [t of each chunk with tokens]}}`, and forgets it;
+it is subscribed last, so a reply means every other subscription is on the server.
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ async def watch(args: argparse.Namespace) -> None:
         await nc.subscribe(f"{p}.chunks.{args.router}", cb=seen.on_batch)
         await nc.subscribe(f"{p}.bench.watch.take", cb=seen.on_take)
         await nc.flush()
-        print("ready", flush=True)
         await stop.wait()
     finally:
         await bus.close()

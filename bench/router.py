@@ -42,6 +42,7 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+import nats
 import orjson
 
 from libs.common import event_loop
@@ -82,12 +83,21 @@ class BusWatch:
 
     def __init__(self, nats_url: str, env: dict[str, str]):
         args = ["--nats-url", nats_url, "--worker", "bench-d1", "--router", "bench-router"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.bus_watch", *args],
-                                     stdout=subprocess.PIPE, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.bus_watch", *args], env=env, stdout=sys.stderr
+        )  # its log lines must not reach this run's stdout (the JSON)
 
-    def wait_ready(self) -> None:
-        if self.proc.stdout.readline().strip() != b"ready":
-            raise RuntimeError("bench.bus_watch did not start")
+    async def wait_ready(self, bus: Bus) -> None:
+        """Until the watcher answers a take (it subscribes to everything before that)."""
+        for _ in range(300):
+            try:
+                await bus.nc.request("tandem.bench.watch.take", b"", timeout=1)
+                return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                if self.proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+        raise RuntimeError("bench.bus_watch did not start")
 
     async def take(self, bus: Bus, traces: list[Trace]) -> None:
         await bus.nc.flush()
@@ -216,7 +226,7 @@ async def run(args: argparse.Namespace) -> dict:
             cluster.start(("decode", "router"))
             await cluster.wait_ready(timeout=300)
             await bus.connect()
-            await asyncio.to_thread(watch.wait_ready)
+            await watch.wait_ready(bus)
             router_pid = cluster.procs["router"].pid
             info = await bus.request("tandem.router.bench-router.info", InfoRequest(), ServiceInfo)
             url = f"http://127.0.0.1:{info.details['port']}"
