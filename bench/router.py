@@ -3,7 +3,9 @@
     python -m bench.router --json          # starts nats-server, one decode worker, a router
 
 Two clients take turns on the same worker, so both see the same model and load:
-- `router`: POST /v1/completions, stream, through the router (tokenize, route, SSE);
+- `router`: POST /v1/completions, stream, through the router (tokenize, route, SSE), read
+  by a lean HTTP client that stamps each event when its bytes arrive (bench/http_stream.py;
+  `--client aiohttp` reads with aiohttp instead, its own queueing included);
 - `direct`: GenerateRequest straight to the decode worker over NATS, TokenChunks read from
   the stream subject (what the router itself does, minus HTTP, tokenization and routing).
 Per concurrency level (1 and 64 by default) it reports p50/p99 of time to first token and
@@ -45,6 +47,7 @@ import aiohttp
 import nats
 import orjson
 
+from bench.http_stream import LeanClient
 from libs.common import event_loop
 from libs.common.bus import Bus
 from libs.common.log import setup_logging
@@ -116,24 +119,44 @@ class BusWatch:
             self.proc.kill()
 
 
-async def via_router(http: aiohttp.ClientSession, url: str, ids: list[int], n: int):
-    t = Trace(uuid.uuid4().hex)
-    body = {"model": "default", "prompt": ids, "max_tokens": n, "temperature": 0,
+def _router_body(ids: list[int], n: int) -> dict:
+    return {"model": "default", "prompt": ids, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+def _event(t: Trace, data: bytes, when: float) -> None:
+    """One SSE event's JSON (`data` without `data: `), seen at `when`."""
+    if not data.startswith(b"{"):
+        return
+    if b'"choices":[]' in data:  # the usage event
+        t.cached = orjson.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    elif b'"text":""' not in data:
+        t.times.append(when)
+
+
+async def via_router(client: LeanClient, ids: list[int], n: int):
+    """Through the router, read by the lean client (bench/http_stream.py, the default)."""
+    t = Trace(uuid.uuid4().hex)
+    body = _router_body(ids, n)
+    t.start, events = await client.stream("/v1/completions", body, {"x-request-id": t.rid})
+    for data, when in events:
+        _event(t, data, when)
+    return t
+
+
+async def via_router_aiohttp(http: aiohttp.ClientSession, url: str, ids: list[int], n: int):
+    """The same with aiohttp's client (`--client aiohttp`): its own queueing included."""
+    t = Trace(uuid.uuid4().hex)
+    body = _router_body(ids, n)
     t.start = time.monotonic()
     async with http.post(
         f"{url}/v1/completions", json=body, headers={"x-request-id": t.rid}
     ) as resp:
         resp.raise_for_status()
         async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            if b'"choices":[]' in line:  # the usage event
-                usage = orjson.loads(line[6:])["usage"]
-                t.cached = usage["prompt_tokens_details"]["cached_tokens"]
-            elif b'"text":""' not in line:
-                t.times.append(time.monotonic())
+            if line.startswith(b"data: "):
+                _event(t, line[6:].rstrip(), time.monotonic())
     return t
 
 
@@ -230,15 +253,21 @@ async def run(args: argparse.Namespace) -> dict:
             router_pid = cluster.procs["router"].pid
             info = await bus.request("tandem.router.bench-router.info", InfoRequest(), ServiceInfo)
             url = f"http://127.0.0.1:{info.details['port']}"
-            out: dict = {"max_tokens": args.max_tokens, "prompt_tokens": 41, "levels": {}}
+            out: dict = {"max_tokens": args.max_tokens, "prompt_tokens": 41, "levels": {},
+                         "client": args.client}  # fmt: skip
             conn = aiohttp.TCPConnector(limit=0)
             # No client timeout: on a loaded 2-core box 64 streams take minutes.
             no_limit = aiohttp.ClientTimeout(total=None, sock_read=None)
             async with aiohttp.ClientSession(connector=conn, timeout=no_limit) as http:
                 await _wait_health(http, url)
                 n, prompts = args.max_tokens, itertools.count()
+                lean = LeanClient("127.0.0.1", info.details["port"])
+                if args.client == "aiohttp":
+                    router_path = lambda ids: via_router_aiohttp(http, url, ids, n)  # noqa: E731
+                else:
+                    router_path = lambda ids: via_router(lean, ids, n)  # noqa: E731
                 paths = {
-                    "router": lambda ids: via_router(http, url, ids, n),
+                    "router": router_path,
                     "direct": lambda ids: direct(bus, "bench-d1", ids, n),
                 }
                 for path in paths.values():  # warm-up: first-call costs on both paths
@@ -266,6 +295,7 @@ async def run(args: argparse.Namespace) -> dict:
                     out["levels"][str(c)] = merged  # fmt: skip
                     # Each level as it completes, on stderr: a long run keeps what it has.
                     print(orjson.dumps({str(c): merged}).decode(), file=sys.stderr, flush=True)
+            lean.close()
             out["loadavg"] = os.getloadavg()
             return out
         finally:
@@ -303,6 +333,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="multiplies --rounds")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
+    p.add_argument(
+        "--client",
+        choices=("lean", "aiohttp"),
+        default="lean",
+        help="HTTP client of the router path (bench/http_stream.py, or aiohttp's)",
+    )
     args = p.parse_args()
     setup_logging("warning", "console")  # logs to stderr: stdout is the result
     result = event_loop.run(run(args))

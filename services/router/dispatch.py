@@ -26,6 +26,8 @@ Failure handling, in one place:
 - the sink raises (the client went away): run stops and raises that exception;
 - the caller is cancelled, the sink raised, or the time is up (504): `CancelRequest` on
   `tandem.cancel` so every worker frees the request's pages.
+The waits are checked by one sweeper task for all streams (every 0.25 s while any
+waits), not by a timer per stream.
 """
 
 from __future__ import annotations
@@ -76,8 +78,11 @@ class _Stream:
     `done` resolves when the final chunk went to the sink, or fails with the reason the
     stream cannot go on (a worker's error chunk, or whatever the sink raised)."""
 
-    def __init__(self, sink: Sink, prefill: Worker | None, pending: int):
+    def __init__(
+        self, sink: Sink, route: Route, deadline: float, prefill: Worker | None, pending: int
+    ):
         self.sink, self.order = sink, ChunkOrder()
+        self.route, self.deadline = route, deadline
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.delivered = 0  # chunks handed to the sink
         self.prefill, self.pending = prefill, pending  # prompt tokens this route still owes
@@ -97,6 +102,16 @@ class _Stream:
                     self.done.set_result(None)
         except Exception as e:  # the stream ends here; the waiting run() raises it
             self.done.set_exception(e)
+
+    def fail(self, error: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+    @property
+    def ended(self) -> bool:
+        """The final chunk reached the sink: nothing is left to cancel on the workers."""
+        done = self.done
+        return done.done() and not done.cancelled() and done.exception() is None
 
     def settle(self) -> None:
         """The prefill is over (or will never happen): its tokens leave the worker's load."""
@@ -130,6 +145,8 @@ class Dispatcher:
         self.lost_after = lost_after
         self.reconnected_at = 0.0  # time.monotonic() of the bus's last reconnect
         self.streams = StreamTable(bus, prefix, router_id or uuid.uuid4().hex[:16])
+        self._waiting: set[_Stream] = set()  # accepted streams, checked by the sweeper
+        self._sweeper: asyncio.Task | None = None
         bus.on_reconnect(self._on_reconnect)
 
     async def _on_reconnect(self) -> None:
@@ -224,7 +241,7 @@ class Dispatcher:
         prefill = self.workers.get(route.prefill) if route.prefill else None
         if prefill is not None:
             prefill.pending_prefill_tokens += len(token_ids)
-        stream = _Stream(sink, prefill, len(token_ids))
+        stream = _Stream(sink, route, deadline, prefill, len(token_ids))
         rid, subject = self.streams.open(rid, stream.on_chunk)
         if decode is not None:
             decode.inflight.add(rid)
@@ -255,28 +272,43 @@ class Dispatcher:
             except BusError as e:
                 raise WorkerFailed(str(e), False) from None
             self.on_accepted(time.monotonic() - sent)
-            await self._wait(stream, route, deadline)
+            self._waiting.add(stream)
+            if self._sweeper is None or self._sweeper.done():
+                self._sweeper = asyncio.create_task(self._sweep(), name="stream-sweeper")
+            await stream.done
         finally:
+            self._waiting.discard(stream)
             stream.settle()
             if decode is not None:
                 decode.inflight.discard(rid)
             self.streams.close(rid)
-            if not stream.done.done() or stream.done.exception() is not None:
+            if not stream.ended:
                 cancel = CancelRequest(request_id=rid, reason="router ended the request")
                 await _quietly(self.bus.publish(f"{self.prefix}.cancel", cancel))
 
-    async def _wait(self, stream: _Stream, route: Route, deadline: float) -> None:
-        """Until the stream ends; every `_POLL_S` the route's workers must still report
-        and the order must still move (timers only while waiting, none per chunk)."""
-        while not stream.done.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ApiError(504, "the request took longer than the router's timeout")
-            await asyncio.wait((stream.done,), timeout=min(_POLL_S, left))
-            if not stream.done.done():
-                self._check_alive(route, stream)
-                self._check_lost(stream)
-        stream.done.result()
+    async def _sweep(self) -> None:
+        """Every `_POLL_S`, while streams wait: each one's deadline, that its route's
+        workers still report, that its order still moves. One timer for all streams, none
+        per stream or per chunk; a stream that fails here ends with the reason."""
+        while self._waiting:
+            await asyncio.sleep(_POLL_S)
+            now = time.monotonic()
+            for stream in list(self._waiting):
+                try:
+                    if now >= stream.deadline:
+                        raise ApiError(504, "the request took longer than the router's timeout")
+                    self._check_alive(stream.route, stream)
+                    self._check_lost(stream)
+                except Exception as e:
+                    stream.fail(e)
+
+    async def stop(self) -> None:
+        """Stop the sweeper and the stream subscriptions (safe to call twice)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.streams.stop()
 
     def _check_lost(self, stream: _Stream) -> None:
         """Both workers are live, yet the stream cannot move on: chunks were lost."""
