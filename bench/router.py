@@ -274,17 +274,21 @@ async def run(args: argparse.Namespace) -> dict:
                     await Samples().batch(1, path, prompts, watch, bus)
                 for c in args.concurrency:
                     samples = {name: Samples() for name in paths}
-                    cpu = 0.0  # the router process's CPU seconds in its own batches
+                    cpu = [0.0, 0.0]  # the router's user and system CPU s in its own batches
                     # Batch by batch in turn, so a burst of load elsewhere hits both alike.
                     for _ in range(args.repeats * args.rounds):
                         for name, path in paths.items():
                             before = _cpu_seconds(router_pid)
                             await samples[name].batch(c, path, prompts, watch, bus)
                             if name == "router":
-                                cpu += _cpu_seconds(router_pid) - before
+                                after = _cpu_seconds(router_pid)
+                                spent = zip(cpu, after, before, strict=True)
+                                cpu = [c + a - b for c, a, b in spent]
                     merged = {name: s.summary() for name, s in samples.items()}
                     done = merged["router"]["requests"]
-                    merged["router"]["router_cpu_ms_per_request"] = cpu * 1e3 / max(done, 1)
+                    per = [c * 1e3 / max(done, 1) for c in cpu]
+                    merged["router"]["router_cpu_ms_per_request"] = sum(per)
+                    merged["router"]["router_cpu_user_sys_ms_per_request"] = per
                     r, d = merged["router"], merged["direct"]
                     merged["added_ms_per_request_p50"] = r["ttft_p50_ms"] - d["ttft_p50_ms"]
                     merged["added_ms_per_token_p50"] = r["itl_p50_ms"] - d["itl_p50_ms"]
@@ -305,11 +309,14 @@ async def run(args: argparse.Namespace) -> dict:
             server.stop()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc): the router's own work, whatever
-    the waits around it (its share of a step's burst of 64 chunks is this, spread out)."""
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU time of a process (Linux /proc): the router's own work, whatever
+    the waits around it (its share of a step's burst of 64 chunks is this, spread out).
+    System time is mostly its sends: on loopback the kernel's TCP path to the reader runs
+    in the sender's syscall."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 async def _wait_health(http: aiohttp.ClientSession, url: str) -> None:
