@@ -3,7 +3,9 @@
     python -m bench.router --json          # starts nats-server, one decode worker, a router
 
 Two clients take turns on the same worker, so both see the same model and load:
-- `router`: POST /v1/completions, stream, through the router (tokenize, route, SSE);
+- `router`: POST /v1/completions, stream, through the router (tokenize, route, SSE), read
+  by a lean HTTP client that stamps each event when its bytes arrive (bench/http_stream.py;
+  `--client aiohttp` reads with aiohttp instead, its own queueing included);
 - `direct`: GenerateRequest straight to the decode worker over NATS, TokenChunks read from
   the stream subject (what the router itself does, minus HTTP, tokenization and routing).
 Per concurrency level (1 and 64 by default) it reports p50/p99 of time to first token and
@@ -13,12 +15,15 @@ both paths generate exactly the same number of tokens; every request has a promp
 own (no prefix-cache hits on either path: `cached_tokens` in the output says so).
 
 The difference of p50s taken minutes apart swings by tens of ms on a busy machine, so the
-router's requests are also timed against the bus itself, in the same request: this client
-watches the generate subject and the request's stream subject (the router takes its
-`x-request-id`), and reports
+router's requests are also timed against the bus itself, in the same request: a watcher
+process (bench/bus_watch.py; CLOCK_MONOTONIC, shared with this client) stamps the
+generate subject and the token chunks (the router takes the request's `x-request-id`),
+and the run reports
 - `front`: POST -> GenerateRequest on the bus, against send -> the same for `direct`;
 - `worker_ttft`: GenerateRequest on the bus -> first token on the bus (the worker's part);
-- `hold`: a TokenChunk on the bus -> its SSE event here (the first token's, and per token).
+- `hold`: a TokenChunk on the bus -> its SSE event here (the first token's, and per token);
+  for `direct`, a TokenChunk on the bus -> the same chunk read here over NATS (what the
+  client itself adds to any hold: its reading of 64 streams in one event loop).
 `paired_added_ms_per_request_p50` = front (router - direct) + hold of the first token.
 `router_cpu_ms_per_request`: the router process's CPU time over its batches (/proc), per
 request (its whole life: request, routing and every token's SSE event).
@@ -31,6 +36,7 @@ import asyncio
 import itertools
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,8 +44,10 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+import nats
 import orjson
 
+from bench.http_stream import LeanClient
 from libs.common import event_loop
 from libs.common.bus import Bus
 from libs.common.log import setup_logging
@@ -50,7 +58,6 @@ from libs.common.messages import (
     SamplingSpec,
     ServiceInfo,
     TokenChunk,
-    TokenChunkBatch,
 )
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
@@ -64,63 +71,92 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class Trace:
-    """One request's timestamps (perf_counter): start, tokens seen, and the bus's view."""
+    """One request's timestamps (time.monotonic: the bus watcher's clock too): start and
+    tokens seen here; `seen` (GenerateRequest) and `on_bus` (chunks with tokens) are the
+    watcher's, filled in after the batch."""
 
     def __init__(self, rid: str):
         self.rid, self.start, self.times, self.cached = rid, 0.0, [], 0
-        self.on_bus: list[float] = []  # TokenChunks with tokens, as seen on the bus
+        self.seen: float | None = None
+        self.on_bus: list[float] = []
 
 
-class GenerateWatch:
-    """When each GenerateRequest appeared on the worker's generate subject, by request id;
-    and, for the router's requests, when each of their token chunks appeared on the bus
-    (one by one on `tandem.stream.<router>.<rid>`, or in a TokenChunkBatch)."""
+class BusWatch:
+    """The bus watcher process (bench/bus_watch.py) and what it saw, taken batch by batch."""
 
-    def __init__(self):
-        self.seen: dict[str, float] = {}
-        self.traces: dict[str, Trace] = {}  # the router's requests in flight
+    def __init__(self, nats_url: str, env: dict[str, str]):
+        args = ["--nats-url", nats_url, "--worker", "bench-d1", "--router", "bench-router"]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.bus_watch", *args], env=env, stdout=sys.stderr
+        )  # its log lines must not reach this run's stdout (the JSON)
 
-    async def on_msg(self, msg) -> None:
-        self.seen[orjson.loads(msg.data)["request_id"]] = time.perf_counter()
+    async def wait_ready(self, bus: Bus) -> None:
+        """Until the watcher answers a take (it subscribes to everything before that)."""
+        for _ in range(300):
+            try:
+                await bus.nc.request("tandem.bench.watch.take", b"", timeout=1)
+                return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                if self.proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+        raise RuntimeError("bench.bus_watch did not start")
 
-    async def on_chunk(self, msg) -> None:
-        now, chunk = time.perf_counter(), TokenChunk.decode(msg.data)
-        self._seen_chunk(chunk, now)
+    async def take(self, bus: Bus, traces: list[Trace]) -> None:
+        await bus.nc.flush()
+        await asyncio.sleep(0.05)  # the watcher's copy of the last chunks may still be on the way
+        msg = await bus.nc.request("tandem.bench.watch.take", b"", timeout=30)
+        seen = orjson.loads(msg.data)
+        for t in traces:
+            t.seen = seen["generate"].get(t.rid)
+            t.on_bus = seen["chunks"].get(t.rid, [])
 
-    async def on_batch(self, msg) -> None:
-        now = time.perf_counter()
-        for chunk in TokenChunkBatch.decode(msg.data).chunks:
-            self._seen_chunk(chunk, now)
-
-    def _seen_chunk(self, chunk: TokenChunk, now: float) -> None:
-        t = self.traces.get(chunk.request_id)
-        if t is not None and chunk.token_ids:
-            t.on_bus.append(now)
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
-async def via_router(http: aiohttp.ClientSession, watch: GenerateWatch, url: str,
-                     ids: list[int], n: int):  # fmt: skip
-    t = Trace(uuid.uuid4().hex)
-    watch.traces[t.rid] = t
-    body = {"model": "default", "prompt": ids, "max_tokens": n, "temperature": 0,
+def _router_body(ids: list[int], n: int) -> dict:
+    return {"model": "default", "prompt": ids, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    try:
-        t.start = time.perf_counter()
-        async with http.post(
-            f"{url}/v1/completions", json=body, headers={"x-request-id": t.rid}
-        ) as resp:
-            resp.raise_for_status()
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                if b'"choices":[]' in line:  # the usage event
-                    usage = orjson.loads(line[6:])["usage"]
-                    t.cached = usage["prompt_tokens_details"]["cached_tokens"]
-                elif b'"text":""' not in line:
-                    t.times.append(time.perf_counter())
-    finally:
-        watch.traces.pop(t.rid, None)
+
+
+def _event(t: Trace, data: bytes, when: float) -> None:
+    """One SSE event's JSON (`data` without `data: `), seen at `when`."""
+    if not data.startswith(b"{"):
+        return
+    if b'"choices":[]' in data:  # the usage event
+        t.cached = orjson.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    elif b'"text":""' not in data:
+        t.times.append(when)
+
+
+async def via_router(client: LeanClient, ids: list[int], n: int):
+    """Through the router, read by the lean client (bench/http_stream.py, the default)."""
+    t = Trace(uuid.uuid4().hex)
+    body = _router_body(ids, n)
+    t.start, events = await client.stream("/v1/completions", body, {"x-request-id": t.rid})
+    for data, when in events:
+        _event(t, data, when)
+    return t
+
+
+async def via_router_aiohttp(http: aiohttp.ClientSession, url: str, ids: list[int], n: int):
+    """The same with aiohttp's client (`--client aiohttp`): its own queueing included."""
+    t = Trace(uuid.uuid4().hex)
+    body = _router_body(ids, n)
+    t.start = time.monotonic()
+    async with http.post(
+        f"{url}/v1/completions", json=body, headers={"x-request-id": t.rid}
+    ) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                _event(t, line[6:].rstrip(), time.monotonic())
     return t
 
 
@@ -130,14 +166,14 @@ async def direct(bus: Bus, worker: str, ids: list[int], n: int):
     queue: asyncio.Queue = asyncio.Queue()
     sub = await bus.nc.subscribe(subject, cb=queue.put)
     sampling = SamplingSpec(max_tokens=n, temperature=0.0, ignore_eos=True)
-    t.start = time.perf_counter()
+    t.start = time.monotonic()
     try:
         request = GenerateRequest(t.rid, ids, sampling, subject)
         await bus.request(f"tandem.decode.{worker}.generate", request, GenerateAccepted, 30)
         while True:
             chunk = TokenChunk.decode((await asyncio.wait_for(queue.get(), 600)).data)
             if chunk.token_ids:
-                t.times.append(time.perf_counter())
+                t.times.append(time.monotonic())
             if chunk.finish_reason is not None:
                 t.cached = sum(chunk.usage.cached_tokens.values()) if chunk.usage else 0
                 return t
@@ -159,25 +195,22 @@ class Samples:
         self.worker: list[float] = []  # GenerateRequest on the bus -> first token on the bus
         self.cached = 0
 
-    async def batch(self, concurrency: int, run, prompts: itertools.count, watch) -> None:
+    async def batch(self, concurrency: int, run, prompts: itertools.count, watch, bus) -> None:
         """`concurrency` requests at once, each with a prompt of its own."""
-
-        async def one() -> None:
-            t = await run(prompt(next(prompts)))
+        traces = await asyncio.gather(*(run(prompt(next(prompts))) for _ in range(concurrency)))
+        await watch.take(bus, traces)
+        for t in traces:
             self.cached += t.cached
             if t.times:
                 self.ttft.append(t.times[0] - t.start)
                 self.gaps.extend(b - a for a, b in itertools.pairwise(t.times))
-            seen = watch.seen.pop(t.rid, None)
             first = (t.on_bus or t.times or [None])[0]  # the first token, as the bus saw it
-            if seen is not None and first is not None:
-                self.front.append(seen - t.start)
-                self.worker.append(first - seen)
+            if t.seen is not None and first is not None:
+                self.front.append(t.seen - t.start)
+                self.worker.append(first - t.seen)
             if t.on_bus and len(t.on_bus) == len(t.times):
                 self.hold_first.append(t.times[0] - t.on_bus[0])
                 self.hold.extend(a - b for a, b in zip(t.times, t.on_bus, strict=True))
-
-        await asyncio.gather(*(one() for _ in range(concurrency)))
 
     def summary(self) -> dict:
         ms = lambda v, q: _pct(v, q) * 1e3  # noqa: E731
@@ -211,44 +244,51 @@ async def run(args: argparse.Namespace) -> dict:
                        "--max-pending", "1024"],
         })  # fmt: skip
         bus = Bus(server.url, "bench-router", connect_timeout=10, request_timeout=30)
+        watch = BusWatch(server.url, env)
         try:
             cluster.start(("decode", "router"))
             await cluster.wait_ready(timeout=300)
             await bus.connect()
-            watch = GenerateWatch()
-            await bus.nc.subscribe("tandem.decode.bench-d1.generate", cb=watch.on_msg)
-            await bus.nc.subscribe("tandem.stream.bench-router.*", cb=watch.on_chunk)
-            await bus.nc.subscribe("tandem.chunks.bench-router", cb=watch.on_batch)
-            await bus.nc.flush()
+            await watch.wait_ready(bus)
             router_pid = cluster.procs["router"].pid
             info = await bus.request("tandem.router.bench-router.info", InfoRequest(), ServiceInfo)
             url = f"http://127.0.0.1:{info.details['port']}"
-            out: dict = {"max_tokens": args.max_tokens, "prompt_tokens": 41, "levels": {}}
+            out: dict = {"max_tokens": args.max_tokens, "prompt_tokens": 41, "levels": {},
+                         "client": args.client}  # fmt: skip
             conn = aiohttp.TCPConnector(limit=0)
             # No client timeout: on a loaded 2-core box 64 streams take minutes.
             no_limit = aiohttp.ClientTimeout(total=None, sock_read=None)
             async with aiohttp.ClientSession(connector=conn, timeout=no_limit) as http:
                 await _wait_health(http, url)
                 n, prompts = args.max_tokens, itertools.count()
+                lean = LeanClient("127.0.0.1", info.details["port"])
+                if args.client == "aiohttp":
+                    router_path = lambda ids: via_router_aiohttp(http, url, ids, n)  # noqa: E731
+                else:
+                    router_path = lambda ids: via_router(lean, ids, n)  # noqa: E731
                 paths = {
-                    "router": lambda ids: via_router(http, watch, url, ids, n),
+                    "router": router_path,
                     "direct": lambda ids: direct(bus, "bench-d1", ids, n),
                 }
                 for path in paths.values():  # warm-up: first-call costs on both paths
-                    await Samples().batch(1, path, prompts, watch)
+                    await Samples().batch(1, path, prompts, watch, bus)
                 for c in args.concurrency:
                     samples = {name: Samples() for name in paths}
-                    cpu = 0.0  # the router process's CPU seconds in its own batches
+                    cpu = [0.0, 0.0]  # the router's user and system CPU s in its own batches
                     # Batch by batch in turn, so a burst of load elsewhere hits both alike.
                     for _ in range(args.repeats * args.rounds):
                         for name, path in paths.items():
                             before = _cpu_seconds(router_pid)
-                            await samples[name].batch(c, path, prompts, watch)
+                            await samples[name].batch(c, path, prompts, watch, bus)
                             if name == "router":
-                                cpu += _cpu_seconds(router_pid) - before
+                                after = _cpu_seconds(router_pid)
+                                spent = zip(cpu, after, before, strict=True)
+                                cpu = [c + a - b for c, a, b in spent]
                     merged = {name: s.summary() for name, s in samples.items()}
                     done = merged["router"]["requests"]
-                    merged["router"]["router_cpu_ms_per_request"] = cpu * 1e3 / max(done, 1)
+                    per = [c * 1e3 / max(done, 1) for c in cpu]
+                    merged["router"]["router_cpu_ms_per_request"] = sum(per)
+                    merged["router"]["router_cpu_user_sys_ms_per_request"] = per
                     r, d = merged["router"], merged["direct"]
                     merged["added_ms_per_request_p50"] = r["ttft_p50_ms"] - d["ttft_p50_ms"]
                     merged["added_ms_per_token_p50"] = r["itl_p50_ms"] - d["itl_p50_ms"]
@@ -259,19 +299,24 @@ async def run(args: argparse.Namespace) -> dict:
                     out["levels"][str(c)] = merged  # fmt: skip
                     # Each level as it completes, on stderr: a long run keeps what it has.
                     print(orjson.dumps({str(c): merged}).decode(), file=sys.stderr, flush=True)
+            lean.close()
             out["loadavg"] = os.getloadavg()
             return out
         finally:
             await bus.close()
+            watch.stop()
             cluster.stop()
             server.stop()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc): the router's own work, whatever
-    the waits around it (its share of a step's burst of 64 chunks is this, spread out)."""
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU time of a process (Linux /proc): the router's own work, whatever
+    the waits around it (its share of a step's burst of 64 chunks is this, spread out).
+    System time is mostly its sends: on loopback the kernel's TCP path to the reader runs
+    in the sender's syscall."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 async def _wait_health(http: aiohttp.ClientSession, url: str) -> None:
@@ -295,6 +340,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="multiplies --rounds")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
+    p.add_argument(
+        "--client",
+        choices=("lean", "aiohttp"),
+        default="lean",
+        help="HTTP client of the router path (bench/http_stream.py, or aiohttp's)",
+    )
     args = p.parse_args()
     setup_logging("warning", "console")  # logs to stderr: stdout is the result
     result = event_loop.run(run(args))

@@ -1,32 +1,39 @@
-"""One generation on the workers: send GenerateRequest, read the TokenChunk stream in order.
+"""One generation on the workers: send GenerateRequest, hand its TokenChunks on in order.
 
-    generate(rid, ids, sampling, route)                       (an async generator)
+    run(rid, ids, sampling, route, timeout, sink)              (a coroutine)
       open <rid> in the router's StreamTable (its two subscriptions exist before any
       request goes out, so no chunk is missed; services/router/streams.py)
       GenerateRequest -> tandem.decode.<d>.generate  -> GenerateAccepted (or an error)
-      yield TokenChunks in `index` order (they come from two connections, one-by-one and
-      in batches: reordered here) until the chunk with finish_reason
+      sink(chunk) for each TokenChunk in `index` order, called in the bus's callback
+      (no queue, no task switch per chunk), until the chunk with finish_reason; then
+      run returns
+    generate(...)                                              (an async generator)
+      the same chunks pulled one by one (run in a task, through a queue): for tests and
+      callers that want to iterate
 
 Failure handling, in one place:
 - the decode worker has no room (429): wait with backoff and route again, up to
   --queue-timeout, then 429 to the client;
 - the decode worker refuses (error reply, no responder, no reply in time), a worker on
-  the route stops reporting, or the stream ends in an error, *before any token was
-  yielded*: retried once on a route that avoids the failed workers (`<rid>-r1`); if
+  the route stops reporting, or the stream ends in an error, *before any chunk reached
+  the sink*: retried once on a route that avoids the failed workers (`<rid>-r1`); if
   that fails too, 503 with Retry-After (nothing was produced: safe to retry);
-- the same after tokens were yielded: `WorkerFailed`, the caller ends the response;
+- the same after chunks reached the sink: 502 `worker_failed`;
 - chunks lost in transit while both workers are live (a restarted nats-server drops what
   it held, and what is published before the router has subscribed again): a hole in the
   chunk order for `lost_after` seconds, or a started stream silent for `lost_after` since
-  the router's last reconnect, is a `WorkerFailed` too, never an endless wait;
-- the caller stops iterating (client gone, stop, error), or the time is up:
-  `CancelRequest` on `tandem.cancel` so every worker frees the request's pages.
-Callers must close the generator (`contextlib.aclosing`) so the cancel is sent at once.
+  the router's last reconnect, is a worker failure too, never an endless wait;
+- the sink raises (the client went away): run stops and raises that exception;
+- the caller is cancelled, the sink raised, or the time is up (504): `CancelRequest` on
+  `tandem.cancel` so every worker frees the request's pages.
+The waits are checked by one sweeper task for all streams (every 0.25 s while any
+waits), not by a timer per stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -40,14 +47,17 @@ from libs.common.messages import (
     SamplingSpec,
     TokenChunk,
 )
+from services.router.chunk_order import FAILED, ChunkOrder
 from services.router.errors import ApiError
 from services.router.policy import Route
 from services.router.streams import StreamTable
-from services.router.workers import WorkerTable
+from services.router.workers import Worker, WorkerTable
 
 log = get_logger(__name__)
 
 _POLL_S = 0.25  # how often a waiting stream checks that its workers still report
+
+Sink = Callable[[TokenChunk], None]
 
 
 class WorkerBusy(Exception):
@@ -55,11 +65,59 @@ class WorkerBusy(Exception):
 
 
 class WorkerFailed(Exception):
-    """A worker failed or vanished; `streamed` says whether tokens had gone out."""
+    """A worker failed or vanished; `streamed` says whether chunks had reached the sink."""
 
     def __init__(self, message: str, streamed: bool):
         super().__init__(message)
         self.streamed = streamed
+
+
+class _Stream:
+    """One attempt's chunks, from the StreamTable's callback to the caller's sink.
+
+    `done` resolves when the final chunk went to the sink, or fails with the reason the
+    stream cannot go on (a worker's error chunk, or whatever the sink raised)."""
+
+    def __init__(
+        self, sink: Sink, route: Route, deadline: float, prefill: Worker | None, pending: int
+    ):
+        self.sink, self.order = sink, ChunkOrder()
+        self.route, self.deadline = route, deadline
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.delivered = 0  # chunks handed to the sink
+        self.prefill, self.pending = prefill, pending  # prompt tokens this route still owes
+
+    def on_chunk(self, chunk: TokenChunk) -> None:
+        if self.done.done():
+            return
+        try:
+            for c in self.order.push(chunk):
+                self.settle()
+                if c.finish_reason in FAILED:
+                    reason = c.error or f"the worker ended the request ({c.finish_reason})"
+                    raise WorkerFailed(reason, c.index > 0 or self.delivered > 0)
+                self.sink(c)
+                self.delivered += 1
+                if c.finish_reason is not None:
+                    self.done.set_result(None)
+        except Exception as e:  # the stream ends here; the waiting run() raises it
+            self.done.set_exception(e)
+
+    def fail(self, error: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+    @property
+    def ended(self) -> bool:
+        """The final chunk reached the sink: nothing is left to cancel on the workers."""
+        done = self.done
+        return done.done() and not done.cancelled() and done.exception() is None
+
+    def settle(self) -> None:
+        """The prefill is over (or will never happen): its tokens leave the worker's load."""
+        if self.prefill is not None and self.pending:
+            self.prefill.pending_prefill_tokens -= self.pending
+            self.pending = 0
 
 
 class Dispatcher:
@@ -87,19 +145,22 @@ class Dispatcher:
         self.lost_after = lost_after
         self.reconnected_at = 0.0  # time.monotonic() of the bus's last reconnect
         self.streams = StreamTable(bus, prefix, router_id or uuid.uuid4().hex[:16])
+        self._waiting: set[_Stream] = set()  # accepted streams, checked by the sweeper
+        self._sweeper: asyncio.Task | None = None
         bus.on_reconnect(self._on_reconnect)
 
     async def _on_reconnect(self) -> None:
         self.reconnected_at = time.monotonic()
 
-    async def generate(
+    async def run(
         self,
         request_id: str,
         token_ids: list[int],
         sampling: SamplingSpec,
         route: Callable[[set[str]], Route | None],
         timeout: float,
-    ) -> AsyncIterator[TokenChunk]:
+        sink: Sink,
+    ) -> None:
         start = time.monotonic()
         deadline = start + timeout
         exclude: set[str] = set()
@@ -110,11 +171,8 @@ class Dispatcher:
                 raise ApiError(503, "no decode worker is live", headers={"Retry-After": "1"})
             tries += 1
             rid = request_id if tries == 1 else f"{request_id}-r{tries - 1}"
-            streamed = False
             try:
-                async for chunk in self._attempt(rid, token_ids, sampling, chosen, deadline):
-                    streamed = True
-                    yield chunk
+                await self._attempt(rid, token_ids, sampling, chosen, deadline, sink)
                 return
             except WorkerBusy:
                 # Full KV pools are back-pressure: wait for room, up to --queue-timeout.
@@ -127,7 +185,7 @@ class Dispatcher:
                 pause = min(pause * 2, 1.0)
                 continue
             except WorkerFailed as e:
-                if e.streamed or streamed:
+                if e.streamed:
                     msg = f"worker failed mid-request: {e}"
                     raise ApiError(502, msg, code="worker_failed") from None
                 if attempt == 1:
@@ -141,22 +199,52 @@ class Dispatcher:
                 exclude |= {chosen.decode, chosen.prefill} - {""}
                 attempt += 1
 
-    async def _attempt(
-        self, rid: str, token_ids: list[int], sampling: SamplingSpec, route: Route, deadline: float
+    async def generate(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        sampling: SamplingSpec,
+        route: Callable[[set[str]], Route | None],
+        timeout: float,
     ) -> AsyncIterator[TokenChunk]:
+        """`run`'s chunks as an async generator; close it (`contextlib.aclosing`) to cancel."""
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+        task = asyncio.create_task(
+            self.run(request_id, token_ids, sampling, route, timeout, queue.put_nowait)
+        )
+        task.add_done_callback(lambda _t: queue.put_nowait(end))
+        try:
+            while (item := await queue.get()) is not end:
+                yield item
+            task.result()  # raises what ended the run
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _attempt(
+        self,
+        rid: str,
+        token_ids: list[int],
+        sampling: SamplingSpec,
+        route: Route,
+        deadline: float,
+        sink: Sink,
+    ) -> None:
         try:
             await self.streams.start()
         except Exception as e:  # no connection: nothing was sent, another try may work
             raise WorkerFailed(f"cannot subscribe to token streams: {e}", False) from None
-        rid, subject, queue = self.streams.open(rid)
         decode = self.workers.get(route.decode)
         prefill = self.workers.get(route.prefill) if route.prefill else None
-        finished = False
+        if prefill is not None:
+            prefill.pending_prefill_tokens += len(token_ids)
+        stream = _Stream(sink, route, deadline, prefill, len(token_ids))
+        rid, subject = self.streams.open(rid, stream.on_chunk)
         if decode is not None:
             decode.inflight.add(rid)
-        pending = len(token_ids)
-        if prefill is not None:
-            prefill.pending_prefill_tokens += pending
         try:
             request = GenerateRequest(
                 request_id=rid,
@@ -184,77 +272,59 @@ class Dispatcher:
             except BusError as e:
                 raise WorkerFailed(str(e), False) from None
             self.on_accepted(time.monotonic() - sent)
-            async for chunk in self._chunks(queue, route, deadline):
-                if prefill is not None and pending:
-                    prefill.pending_prefill_tokens -= pending
-                    pending = 0
-                if chunk.finish_reason in ("error", "abort"):  # abort: a worker shut down
-                    reason = chunk.error or f"the worker ended the request ({chunk.finish_reason})"
-                    raise WorkerFailed(reason, chunk.index > 0)
-                finished = chunk.finish_reason is not None
-                yield chunk
+            self._waiting.add(stream)
+            if self._sweeper is None or self._sweeper.done():
+                self._sweeper = asyncio.create_task(self._sweep(), name="stream-sweeper")
+            await stream.done
         finally:
-            if prefill is not None and pending:
-                prefill.pending_prefill_tokens -= pending
+            self._waiting.discard(stream)
+            stream.settle()
             if decode is not None:
                 decode.inflight.discard(rid)
             self.streams.close(rid)
-            if not finished:
+            if not stream.ended:
                 cancel = CancelRequest(request_id=rid, reason="router ended the request")
                 await _quietly(self.bus.publish(f"{self.prefix}.cancel", cancel))
 
-    async def _chunks(
-        self, queue: asyncio.Queue[TokenChunk], route: Route, deadline: float
-    ) -> AsyncIterator[TokenChunk]:
-        next_index, held = 0, {}
-        moved = time.monotonic()  # when the stream last moved on
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ApiError(504, "the request took longer than the router's timeout")
-            if not queue.empty():  # a chunk is there: no timer to arm and cancel
-                chunk = queue.get_nowait()
-            else:
-                try:  # asyncio.timeout, not wait_for: no task per chunk on the hot path
-                    async with asyncio.timeout(min(_POLL_S, left)):
-                        chunk = await queue.get()
-                except TimeoutError:
-                    self._check_alive(route, next_index)
-                    self._check_lost(held, next_index, moved)
-                    continue
-            if chunk.index < next_index:
-                if chunk.finish_reason in ("error", "abort"):
-                    # A worker that failed before it knew what others streamed (the decode
-                    # worker whose handoff failed after the prefill worker sent token 0)
-                    # numbers its error from its own view: it still ends the stream.
-                    yield chunk
-                    return
-                continue  # a duplicate
-            held[chunk.index] = chunk
-            while next_index in held:
-                chunk = held.pop(next_index)
-                next_index += len(chunk.token_ids)
-                moved = time.monotonic()
-                yield chunk
-                if chunk.finish_reason is not None:
-                    return
-                if not chunk.token_ids:
-                    break  # an empty non-final chunk cannot advance the order
-            self._check_lost(held, next_index, moved)
+    async def _sweep(self) -> None:
+        """Every `_POLL_S`, while streams wait: each one's deadline, that its route's
+        workers still report, that its order still moves. One timer for all streams, none
+        per stream or per chunk; a stream that fails here ends with the reason."""
+        while self._waiting:
+            await asyncio.sleep(_POLL_S)
+            now = time.monotonic()
+            for stream in list(self._waiting):
+                try:
+                    if now >= stream.deadline:
+                        raise ApiError(504, "the request took longer than the router's timeout")
+                    self._check_alive(stream.route, stream)
+                    self._check_lost(stream)
+                except Exception as e:
+                    stream.fail(e)
 
-    def _check_lost(self, held: dict, next_index: int, moved: float) -> None:
+    async def stop(self) -> None:
+        """Stop the sweeper and the stream subscriptions (safe to call twice)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.streams.stop()
+
+    def _check_lost(self, stream: _Stream) -> None:
         """Both workers are live, yet the stream cannot move on: chunks were lost."""
-        now = time.monotonic()
-        if held and now - moved > self.lost_after:
-            raise WorkerFailed(f"token chunk {next_index} lost in transit", next_index > 0)
+        order, streamed = stream.order, stream.delivered > 0
+        now, next_index, moved = time.monotonic(), order.next_index, order.moved
+        if order.held and now - moved > self.lost_after:
+            raise WorkerFailed(f"token chunk {next_index} lost in transit", streamed)
         since = max(moved, self.reconnected_at)
         if next_index and moved < self.reconnected_at and now - since > self.lost_after:
             raise WorkerFailed("the stream went silent across a NATS reconnect", True)
 
-    def _check_alive(self, route: Route, next_index: int) -> None:
+    def _check_alive(self, route: Route, stream: _Stream) -> None:
+        streamed = stream.delivered > 0
         if not self.workers.is_live(route.decode):
-            raise WorkerFailed(f"decode worker {route.decode} stopped reporting", next_index > 0)
-        if route.prefill and next_index == 0 and not self.workers.is_live(route.prefill):
+            raise WorkerFailed(f"decode worker {route.decode} stopped reporting", streamed)
+        if route.prefill and not streamed and not self.workers.is_live(route.prefill):
             raise WorkerFailed(f"prefill worker {route.prefill} stopped reporting", False)
 
 

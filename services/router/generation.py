@@ -2,20 +2,23 @@
 
 `prepare()` tokenizes (chat template for chat), checks the context length and turns the
 API's sampling fields into the wire's `SamplingSpec`, refusing what the engine would
-refuse with a 400. `run_choice()` runs one choice through the dispatcher and yields
-`Delta`s, observing the latency metrics on the way.
+refuse with a 400. `run_choice()` runs one choice through the dispatcher and hands each
+`Delta` to a callback, observing the latency metrics on the way (`ChoiceDeltas`, called
+inside the bus's callback for the chunk, services/router/dispatch.py: it never awaits);
+`run_all()` runs the choices of one request.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from libs.common.engine.sampling_params import SamplingParams
 from libs.common.engine.tokenizer import TextTokenizer
-from libs.common.messages import SamplingSpec
+from libs.common.messages import SamplingSpec, TokenChunk
 from services.router.dispatch import Dispatcher
 from services.router.errors import bad_request
 from services.router.metrics import RouterMetrics
@@ -44,6 +47,10 @@ class Delta:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)
+
+
+Choices = list[Callable[[Callable[[Delta], None]], Coroutine[Any, Any, None]]]
+"""One runner per choice of a request: `runner(on_delta)` is the coroutine that generates it."""
 
 
 def prepare(api: ApiRequest, tokenizer: TextTokenizer, max_model_len: int) -> list[Prompt]:
@@ -97,6 +104,41 @@ def _sampling(api: ApiRequest, prompt_len: int, max_model_len: int) -> SamplingS
     return SamplingSpec(**wire)
 
 
+class ChoiceDeltas:
+    """TokenChunks of one choice -> Deltas for `on_delta`, with the TTFT and ITL metrics."""
+
+    def __init__(
+        self, metrics: RouterMetrics, index: int, prompt_index: int, arrived: float,
+        on_delta: Callable[[Delta], None],
+    ):  # fmt: skip
+        self.index, self.prompt_index, self.arrived = index, prompt_index, arrived
+        self.on_delta = on_delta
+        self.ttft = metrics.ttft.labels(metrics.model)
+        self.itl = metrics.itl.labels(metrics.model)
+        self.last: float | None = None
+        self.produced = 0
+
+    def on_chunk(self, chunk: TokenChunk) -> None:
+        n = len(chunk.token_ids)
+        if n:
+            now = time.monotonic()
+            if self.last is None:
+                self.ttft.observe(now - self.arrived)
+            else:
+                gap = (now - self.last) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
+            self.last = now
+        self.produced += n
+        delta = Delta(self.index, self.prompt_index, chunk.text, chunk.token_ids, chunk.logprobs)
+        if chunk.finish_reason is not None:
+            delta.finish_reason = chunk.finish_reason
+            usage = chunk.usage
+            delta.completion_tokens = usage.completion_tokens if usage else self.produced
+            delta.cached = dict(usage.cached_tokens) if usage else {}
+        self.on_delta(delta)
+
+
 async def run_choice(
     dispatcher: Dispatcher,
     selector: RouteSelector,
@@ -107,30 +149,27 @@ async def run_choice(
     prompt: Prompt,
     arrived: float,
     timeout: float,
-) -> AsyncIterator[Delta]:
-    """One choice: route, dispatch, and turn TokenChunks into Deltas."""
+    on_delta: Callable[[Delta], None],
+) -> None:
+    """One choice: route, dispatch, and hand its Deltas to `on_delta` until it finishes.
+    Raises ApiError when it fails, or what `on_delta` raised (the stream stops there)."""
     route = selector.plan(prompt.token_ids)
-    ttft = metrics.ttft.labels(metrics.model)
-    itl = metrics.itl.labels(metrics.model)
-    last: float | None = None
-    produced = 0
-    gen = dispatcher.generate(request_id, prompt.token_ids, prompt.sampling, route, timeout)
-    async with contextlib.aclosing(gen) as chunks:
-        async for chunk in chunks:
-            now = time.monotonic()
-            n = len(chunk.token_ids)
-            if n:
-                if last is None:
-                    ttft.observe(now - arrived)
-                else:
-                    for _ in range(n):
-                        itl.observe((now - last) / n)
-                last = now
-            produced += n
-            delta = Delta(index, prompt_index, chunk.text, chunk.token_ids, chunk.logprobs)
-            if chunk.finish_reason is not None:
-                delta.finish_reason = chunk.finish_reason
-                usage = chunk.usage
-                delta.completion_tokens = usage.completion_tokens if usage else produced
-                delta.cached = dict(usage.cached_tokens) if usage else {}
-            yield delta
+    deltas = ChoiceDeltas(metrics, index, prompt_index, arrived, on_delta)
+    await dispatcher.run(
+        request_id, prompt.token_ids, prompt.sampling, route, timeout, deltas.on_chunk
+    )
+
+
+async def run_all(choices: Choices, on_delta: Callable[[Delta], None]) -> None:
+    """Every choice to its end; the first failure cancels the others and is raised."""
+    if len(choices) == 1:  # the usual request: no task of its own
+        await choices[0](on_delta)
+        return
+    tasks = [asyncio.ensure_future(run(on_delta)) for run in choices]
+    try:
+        for next_done in asyncio.as_completed(tasks):
+            await next_done
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -2,13 +2,14 @@
 
 Each choice (prompt x n) is one request on the workers, with id `<rid>` (or `<rid>-<i>`
 when there are several); their outputs are merged into one response, or one SSE stream.
-Leaving the stream for any reason (the client went away, an error) closes the choices'
-generators, which send `CancelRequest` for whatever is still running.
+A stream's events are formatted and written inside the bus's callback for their chunk
+(`on_delta` below, `SseStream`): the handler itself only waits for the choices to end.
+Leaving for any reason (the client went away, an error in one choice) cancels the
+choices still running, and each sends `CancelRequest` to the workers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -19,9 +20,9 @@ from aiohttp import web
 from libs.common.log import get_logger
 from services.router import openai_format as fmt
 from services.router.errors import ApiError, bad_request, no_workers
-from services.router.generation import Delta, Prompt, prepare, run_choice
+from services.router.generation import Choices, Delta, Prompt, prepare, run_all, run_choice
 from services.router.state import STATE, RouterState
-from services.router.streaming import DONE, merge, open_sse, sse
+from services.router.streaming import DONE, SseStream, sse
 from services.router.validation import ApiRequest, parse_request
 
 log = get_logger(__name__)
@@ -65,11 +66,11 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     state.metrics.running.labels(state.metrics.model).inc()
     arrived = request["arrived"]
     try:
-        sources = _choices(state, rid, api, prompts, arrived)
+        choices = _choices(state, rid, api, prompts, arrived)
         prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
         if api.stream:
-            return await _stream(request, state, prefix + rid, api, prompts, sources)
-        return await _collect(state, prefix + rid, api, prompts, sources)
+            return await _stream(request, state, prefix + rid, api, prompts, choices)
+        return await _collect(state, prefix + rid, api, prompts, choices)
     finally:
         state.pending -= 1
         state.metrics.running.labels(state.metrics.model).dec()
@@ -77,7 +78,9 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
 
 
 def _choices(state: RouterState, rid: str, api: ApiRequest, prompts: list[Prompt], arrived):
-    sources, total = [], len(prompts) * api.n
+    """One runner per choice: `runner(on_delta)` is the coroutine that generates it."""
+    choices: Choices = []
+    total = len(prompts) * api.n
     for p, prompt in enumerate(prompts):
         for j in range(api.n):
             index = p * api.n + j
@@ -87,20 +90,15 @@ def _choices(state: RouterState, rid: str, api: ApiRequest, prompts: list[Prompt
                 sampling = dataclasses.replace(sampling, seed=(seed + j) % 2**63)
             choice = Prompt(prompt.token_ids, prompt.text, sampling)
             sub_id = rid if total == 1 else f"{rid}-{index}"
-            sources.append(
-                run_choice(
-                    state.dispatcher,
-                    state.selector,
-                    state.metrics,
-                    sub_id,
-                    index,
-                    p,
-                    choice,
-                    arrived,
-                    state.config.generate_timeout,
-                )
-            )
-    return sources
+
+            def runner(on_delta, sub_id=sub_id, index=index, p=p, choice=choice):
+                return run_choice(
+                    state.dispatcher, state.selector, state.metrics, sub_id, index, p, choice,
+                    arrived, state.config.generate_timeout, on_delta,
+                )  # fmt: skip
+
+            choices.append(runner)
+    return choices
 
 
 class _Tally:
@@ -136,10 +134,9 @@ class _Tally:
         return out
 
 
-async def _collect(state, rid, api, prompts, sources) -> web.Response:
+async def _collect(state, rid, api, prompts, choices: Choices) -> web.Response:
     tally = _Tally(state, api, prompts)
-    async for delta in merge(sources):
-        tally.add(delta)
+    await run_all(choices, tally.add)
     model, created = api.model, int(time.time())
     if api.endpoint == "chat":
         choices = [
@@ -158,34 +155,33 @@ async def _collect(state, rid, api, prompts, sources) -> web.Response:
     return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
 
 
-async def _stream(request, state, rid, api, prompts, sources) -> web.StreamResponse:
+async def _stream(request, state, rid, api, prompts, choices: Choices) -> web.StreamResponse:
     tally = _Tally(state, api, prompts)
     created, chat = int(time.time()), api.endpoint == "chat"
     chunk = fmt.chat_chunk if chat else fmt.completion_chunk
-    async with contextlib.aclosing(merge(sources)) as merged:
+    out = SseStream(request, {"x-request-id": request["request_id"]})
+    started: set[int] = set()
+
+    def on_delta(d: Delta) -> None:  # in the bus's callback: formats and writes, never awaits
+        tally.add(d)
+        events = _events(d, api, prompts, tally, started)
+        # One write per delta (a send is a syscall that wakes the client).
+        out.send(b"".join(sse(chunk(rid, created, api.model, [e], None)) for e in events))
+
+    tail = [DONE]  # the last events go out with the end of the body: one send
+    try:
+        await run_all(choices, on_delta)
+        if api.include_usage:
+            tail.insert(0, sse(chunk(rid, created, api.model, [], tally.totals)))
+    except ApiError as e:
         # Until the first output the HTTP status is still free: an error there (no room,
         # no worker) is a plain 429/503 response, not an event inside a 200 stream.
-        d = await anext(merged, None)
-        response = await open_sse(request, {"x-request-id": request["request_id"]})
-        started: set[int] = set()
-        tail = [DONE]  # the last events go out with the end of the body: one send
-        try:
-            while d is not None:
-                tally.add(d)
-                events = _events(d, api, prompts, tally, started)
-                # One send per delta (a send is a syscall that wakes the client).
-                await response.write(
-                    b"".join(sse(chunk(rid, created, api.model, [e], None)) for e in events)
-                )
-                d = await anext(merged, None)
-            if api.include_usage:
-                tail.insert(0, sse(chunk(rid, created, api.model, [], tally.totals)))
-        except ApiError as e:
-            log.warning("stream ended by an error", status=e.status, error=e.message)
-            state.metrics.failure.labels(state.metrics.model, str(e.status)).inc()
-            tail.insert(0, sse(e.body()))
-    await response.write_eof(b"".join(tail))
-    return response
+        if not out.started:
+            raise
+        log.warning("stream ended by an error", status=e.status, error=e.message)
+        state.metrics.failure.labels(state.metrics.model, str(e.status)).inc()
+        tail.insert(0, sse(e.body()))
+    return await out.finish(b"".join(tail))
 
 
 def _events(d: Delta, api: ApiRequest, prompts, tally: _Tally, started: set[int]) -> list:

@@ -151,7 +151,7 @@ class RouterService(BaseService):
         if feed is not None:
             await feed.stop()
         if self.state is not None:
-            await self.state.dispatcher.streams.stop()
+            await self.state.dispatcher.stop()
         sub, self._load_sub = self._load_sub, None
         if sub is not None:
             try:

@@ -1,4 +1,4 @@
-"""The token streams of one router: two subscriptions for all its requests, a dict of queues.
+"""The token streams of one router: two subscriptions for all its requests, a dict of sinks.
 
     <prefix>.stream.<router-id>.<rid>   TokenChunk (a prefill worker's token 0; any worker
                                         that does not batch)
@@ -8,14 +8,18 @@
 Both are subscribed once, at the first request, instead of a SUB and an UNSUB per request
 (each a protocol line to the server and a subscription task in nats-py, whose wake-up per
 chunk was a good part of the per-token cost at 64 streams). Chunks are decoded here, in the
-subscription's callback, and put on the request's queue; a chunk for a request that is no
-longer open (it ended, or a late chunk after a cancel) is dropped.
+subscription's callback, and handed to the request's sink right there (a plain call: the
+router formats and writes the client's SSE event inside it, services/router/dispatch.py);
+a chunk for a request that is no longer open (it ended, or a late chunk after a cancel)
+is dropped. A sink must not raise: what it cannot handle ends its own request, never the
+callback that serves every other stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
@@ -25,15 +29,17 @@ from libs.common.messages import MessageError, TokenChunk, TokenChunkBatch
 
 log = get_logger(__name__)
 
+Sink = Callable[[TokenChunk], None]
+
 
 class StreamTable:
-    """`open(rid)` -> (subject, queue of TokenChunk); `close(rid)` when the request ends."""
+    """`open(rid, sink)` -> (wire id, subject); `close(wire id)` when the request ends."""
 
     def __init__(self, bus: Bus, prefix: str, router_id: str):
         self.bus = bus
         self.stream_prefix = f"{prefix}.stream.{router_id}."
         self.batch_subject = f"{prefix}.chunks.{router_id}"
-        self._queues: dict[str, asyncio.Queue[TokenChunk]] = {}
+        self._sinks: dict[str, Sink] = {}
         self._subs: list = []
         self._starting: asyncio.Lock = asyncio.Lock()
         self._dupes = itertools.count(1)
@@ -54,22 +60,21 @@ class StreamTable:
             await nc.flush()
             self._subs = subs
 
-    def open(self, rid: str) -> tuple[str, str, asyncio.Queue[TokenChunk]]:
-        """A queue for `rid`; returns (wire id, stream subject, queue). The wire id is `rid`
-        unless a request with that id is already open here (a client may reuse its
+    def open(self, rid: str, sink: Sink) -> tuple[str, str]:
+        """`sink` gets `rid`'s chunks; returns (wire id, stream subject). The wire id is
+        `rid` unless a request with that id is already open here (a client may reuse its
         x-request-id): then `rid-d<n>`, so the two never read each other's tokens."""
         wire = rid
-        while wire in self._queues:
+        while wire in self._sinks:
             wire = f"{rid}-d{next(self._dupes)}"
-        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        self._queues[wire] = queue
-        return wire, self.stream_prefix + wire, queue
+        self._sinks[wire] = sink
+        return wire, self.stream_prefix + wire
 
     def close(self, wire: str) -> None:
-        self._queues.pop(wire, None)
+        self._sinks.pop(wire, None)
 
     def __len__(self) -> int:
-        return len(self._queues)
+        return len(self._sinks)
 
     async def stop(self) -> None:
         subs, self._subs = self._subs, []
@@ -80,13 +85,15 @@ class StreamTable:
                 log.debug("stream subscription not removed", error=str(e))
 
     async def _on_chunk(self, msg: Msg) -> None:
-        queue = self._queues.get(msg.subject[len(self.stream_prefix) :])
-        if queue is None:
+        sink = self._sinks.get(msg.subject[len(self.stream_prefix) :])
+        if sink is None:
             return  # the request ended: a late chunk
         try:
-            queue.put_nowait(TokenChunk.decode(msg.data))
+            chunk = TokenChunk.decode(msg.data)
         except MessageError as e:
             log.warning("unreadable token chunk dropped", error=str(e))
+            return
+        sink(chunk)
 
     async def _on_batch(self, msg: Msg) -> None:
         try:
@@ -94,8 +101,8 @@ class StreamTable:
         except MessageError as e:
             log.warning("unreadable token chunk batch dropped", error=str(e))
             return
-        queues = self._queues
+        sinks = self._sinks
         for chunk in batch.chunks:
-            queue = queues.get(chunk.request_id)
-            if queue is not None:
-                queue.put_nowait(chunk)
+            sink = sinks.get(chunk.request_id)
+            if sink is not None:
+                sink(chunk)

@@ -53,10 +53,12 @@ async def test_one_step_of_many_streams_is_one_message_fanned_out_in_order(nats_
     try:
         table = StreamTable(router, "tandem", "rt1")
         await table.start()
-        opened = {rid: table.open(rid) for rid in ("r1", "r2", "r3")}
+        queues: dict[str, asyncio.Queue] = {r: asyncio.Queue() for r in ("r1", "r2", "r3")}
+        opened = {rid: table.open(rid, q.put_nowait) for rid, q in queues.items()}
         assert opened["r1"][1] == "tandem.stream.rt1.r1"
-        dup_id, _, dup_queue = table.open("r1")  # a reused x-request-id gets its own stream
-        assert dup_id != "r1"
+        dup_queue: asyncio.Queue = asyncio.Queue()
+        dup_id, _ = table.open("r1", dup_queue.put_nowait)  # a reused x-request-id
+        assert dup_id != "r1"  # gets its own stream
         seen: list[bytes] = []
 
         async def count(msg) -> None:
@@ -76,7 +78,7 @@ async def test_one_step_of_many_streams_is_one_message_fanned_out_in_order(nats_
         await worker.publish(opened["r3"][1], chunk("r3", 9, [99]))
         await worker.nc.flush()
         got: dict[str, list[TokenChunk]] = {r: [] for r in opened}
-        for rid, (_, _, queue) in opened.items():
+        for rid, queue in queues.items():
             want = 2 if rid == "r1" else 3
             for _ in range(want):
                 got[rid].append(await asyncio.wait_for(queue.get(), 5))

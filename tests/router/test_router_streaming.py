@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from services.router.streaming import DONE, merge, parse_sse, sse
+from services.router.generation import run_all
+from services.router.streaming import DONE, parse_sse, sse
 
 
 def test_sse_event_is_one_data_line_even_with_newlines_in_text():
@@ -17,38 +18,47 @@ def test_done_terminates_the_stream_as_openai_does():
     assert DONE == b"data: [DONE]\n\n"
 
 
-async def _gen(items, delay=0.0, fail=None, closed=None):
-    try:
-        for item in items:
-            await asyncio.sleep(delay)
-            yield item
-        if fail:
-            raise fail
-    finally:
-        if closed is not None:
-            closed.append(items[0])
+async def _choice(items, delay=0.0, fail=None, closed=None):
+    """A choice runner as handlers build them: `runner(on_delta)`."""
+
+    async def runner(on_delta):
+        try:
+            for item in items:
+                await asyncio.sleep(delay)
+                on_delta(item)
+            if fail:
+                raise fail
+        finally:
+            if closed is not None:
+                closed.append(items[0])
+
+    return runner
 
 
-async def test_merge_yields_every_item_of_every_source():
-    out = [x async for x in merge([_gen([1, 2, 3], 0.001), _gen([10, 20], 0.002)])]
+async def test_run_all_hands_on_every_delta_of_every_choice():
+    out = []
+    await run_all([await _choice([1, 2, 3], 0.001), await _choice([10, 20], 0.002)], out.append)
     assert sorted(out) == [1, 2, 3, 10, 20]
 
 
-async def test_merge_raises_the_first_error_and_closes_every_source():
+async def test_run_all_raises_the_first_error_and_ends_every_choice():
     closed = []
-    sources = [_gen([1], fail=ValueError("boom"), closed=closed),
-               _gen(list(range(100, 200)), 0.01, closed=closed)]  # fmt: skip
+    choices = [await _choice([1], fail=ValueError("boom"), closed=closed),
+               await _choice(list(range(100, 200)), 0.01, closed=closed)]  # fmt: skip
     with pytest.raises(ValueError, match="boom"):
-        async for _ in merge(sources):
-            pass
+        await run_all(choices, lambda _d: None)
     assert sorted(closed) == [1, 100]
 
 
-async def test_leaving_merge_early_closes_the_sources():
+async def test_an_error_in_on_delta_stops_the_choices():
     closed = []
-    merged = merge([_gen(list(range(10)), 0.001, closed=closed),
-                    _gen(list(range(50, 60)), 0.001, closed=closed)])  # fmt: skip
-    async for _ in merged:
-        break
-    await merged.aclose()
-    assert sorted(closed) == [0, 50]
+
+    def on_delta(d):
+        if d == 2:
+            raise ConnectionResetError("client gone")
+
+    choices = [await _choice([1, 2, 3], 0.001, closed=closed),
+               await _choice(list(range(50, 60)), 0.01, closed=closed)]  # fmt: skip
+    with pytest.raises(ConnectionResetError):
+        await run_all(choices, on_delta)
+    assert sorted(closed) == [1, 50]
