@@ -52,10 +52,16 @@ class KvSender:
         local_pages = [page_table[i] for i in todo]
         remote_pages = [self.remote_pages[i - self.skip] for i in todo]
         ops = page_copy_ops(self.local, local_pages, self.remote, remote_pages)
+        # A page sent again (swapped for its cached twin) must land after its first write:
+        # two writes in flight at once may land in any order, so this one waits for them.
+        earlier = list(self._writes) if any(i in self.sent for i in todo) else []
         self.sent.update(zip(todo, local_pages, strict=True))
-        self._writes.append(
-            asyncio.ensure_future(self.transfer.write(self.local_region, self.remote_region, ops))
-        )
+        self._writes.append(asyncio.ensure_future(self._write(earlier, ops)))
+
+    async def _write(self, earlier: list[asyncio.Task], ops) -> None:
+        for write in earlier:
+            await write
+        await self.transfer.write(self.local_region, self.remote_region, ops)
 
     async def finish(self, page_table: list[int]) -> None:
         """Send the rest from the final page table and wait for every write to land."""
@@ -63,7 +69,6 @@ class KvSender:
             raise ValueError(f"final page table has {len(page_table)} of {self.num_pages} pages")
         self.send(page_table)
         try:
-            # in order: a page re-sent after a swap must land after its first write
             for write in self._writes:
                 await write
         finally:
