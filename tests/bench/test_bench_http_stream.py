@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from bench.http_stream import LeanClient
+from tests.http_server import serve_http
 
 
 async def handler(request: web.Request) -> web.StreamResponse:
@@ -25,16 +26,8 @@ async def handler(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture
 async def port():
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield site._server.sockets[0].getsockname()[1]
-    finally:
-        await runner.cleanup()
+    async with serve_http("/v1/completions", handler) as port:
+        yield port
 
 
 async def test_every_event_arrives_in_order_stamped_after_it_was_sent(port):

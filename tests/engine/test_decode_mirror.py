@@ -107,9 +107,10 @@ def test_mirror_matches_dense_attention_while_rows_join_leave_and_grow():
     for _ in range(2):
         sim.step([1, 2, 4, 5, 6])
     assert sim.attn.mirror.num_slots == 5
-    assert sim.attn.mirror._slot_of[4] == 2
+    assert sim.attn.mirror.slot_of(4) == 2
     sim.step([4])  # one row left in a wide mirror: it moves to slot 0
-    assert sim.attn.mirror._slot_of == {4: 0}
+    assert sim.attn.mirror.slot_of(4) == 0
+    assert sim.attn.mirror.slot_of(1) is None  # rows that left hold no slot
     sim.step([4])
 
 

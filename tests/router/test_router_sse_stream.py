@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 
 from services.router.streaming import DONE, ClientGone, SseStream, parse_sse, sse
+from tests.http_server import serve_http
 
 EVENTS = [{"i": i, "text": "a\nb" * i} for i in range(20)]
 
@@ -26,17 +27,8 @@ async def handler(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture
 async def url():
-    app = web.Application()
-    app.router.add_post("/s", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
+    async with serve_http("/s", handler) as port:
         yield f"http://127.0.0.1:{port}/s", port
-    finally:
-        await runner.cleanup()
 
 
 async def test_events_arrive_whole_and_in_order_over_chunked_http11(url):
@@ -58,7 +50,6 @@ async def test_events_arrive_whole_over_http10_without_chunking(url):
 
 
 async def test_send_after_the_client_left_raises_client_gone():
-    app = web.Application()
     gone: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def leaving(request: web.Request) -> web.StreamResponse:
@@ -73,15 +64,7 @@ async def test_send_after_the_client_left_raises_client_gone():
             gone.set_result(e)
         raise ConnectionResetError
 
-    app.router.add_post("/s", leaving)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
+    async with serve_http("/s", leaving) as port:
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
             assert isinstance(await asyncio.wait_for(gone, 5), ClientGone)
-    finally:
-        await runner.cleanup()

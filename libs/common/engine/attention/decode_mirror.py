@@ -65,8 +65,8 @@ class DecodeMirror:
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self._tensor: torch.Tensor | None = None  # [L, 2, S, Hk, capacity, D]
-        self._slot_of: dict[int, int] = {}
-        self._state: dict[int, tuple[int, int]] = {}  # key -> (context, first page) last step
+        # key -> (slot, context, first page) as of the last step
+        self._slots: dict[int, tuple[int, int, int]] = {}
         self._complete = True
 
     @property
@@ -82,8 +82,7 @@ class DecodeMirror:
 
     def forget(self) -> None:
         """Trust no slot any more (a step without decode rows breaks every run)."""
-        self._slot_of.clear()
-        self._state.clear()
+        self._slots.clear()
 
     def drop(self) -> None:
         """Forget every slot and free the memory."""
@@ -105,9 +104,9 @@ class DecodeMirror:
         keep, fill = [], []
         slot_of: dict[int, int] = {}
         for row, (key, ctx, table) in enumerate(zip(keys, ctx_lens, page_tables, strict=True)):
-            slot = self._slot_of.get(key)
-            if slot is not None and self._state.get(key) == (ctx - 1, table[0]):
-                slot_of[key] = slot
+            last = self._slots.get(key)
+            if last is not None and last[1:] == (ctx - 1, table[0]):
+                slot_of[key] = last[0]
                 keep.append(row)
             else:
                 fill.append(row)
@@ -119,12 +118,17 @@ class DecodeMirror:
             # Mostly empty slots in the attended width: refill every row into slots 0.. instead.
             keep, fill = [], list(range(len(keys)))
             slot_of = {key: row for row, key in enumerate(keys)}
-        self._slot_of = slot_of
-        self._state = {
-            key: (ctx, table[0])
+        self._slots = {
+            key: (slot_of[key], ctx, table[0])
             for key, ctx, table in zip(keys, ctx_lens, page_tables, strict=True)
         }
-        return self._make_plan(keys, ctx_lens, page_tables, keep, fill)
+        slots = [slot_of[key] for key in keys]
+        return self._make_plan(slots, ctx_lens, page_tables, keep, fill)
+
+    def slot_of(self, key: int) -> int | None:
+        """The slot `key` holds after the last plan, or None."""
+        last = self._slots.get(key)
+        return None if last is None else last[0]
 
     def _fits(self, rows: int, longest: int) -> bool:
         """Grow the mirror if needed; False when it would outgrow the paged cache."""
@@ -145,10 +149,9 @@ class DecodeMirror:
         log.info("decode_mirror.grown", slots=slots, capacity=capacity, mib=nbytes >> 20)
         return True
 
-    def _make_plan(self, keys, ctx_lens, page_tables, keep, fill) -> MirrorPlan:
+    def _make_plan(self, slots, ctx_lens, page_tables, keep, fill) -> MirrorPlan:
         dev = self.kv_cache.buffer.device
         hk, cap, ps = self.kv_cache.num_kv_heads, self.capacity, self.kv_cache.page_size
-        slots = [self._slot_of[k] for k in keys]
         width = max(slots) + 1
         length = max(ctx_lens)
         mask = torch.zeros(width, length, dtype=self.kv_cache.buffer.dtype, device=dev)

@@ -29,7 +29,7 @@ from libs.common.engine.kv_cache import KVCache
 @dataclasses.dataclass(slots=True)
 class _Decode:
     rows: torch.Tensor | None  # None when every row of the step is a decode row
-    pages: torch.Tensor  # [B * max_pages] page ids, padded with page 0 (unused with mirror)
+    pages: torch.Tensor | None  # [B * max_pages] page ids, padded with page 0; None: mirror
     mask: torch.Tensor  # [B, 1, 1, max_pages * page_size], 0 where attended, -inf past the end
     batch: int
     mirror: MirrorPlan | None = None  # set: attention reads the mirror
@@ -107,7 +107,7 @@ class TorchAttention(AttentionBackend):
             tables = [batch.page_tables[i] for i in decode_idx]
             mirror = self.mirror.plan(keys, ctx, tables)
             if mirror is not None:
-                return _Decode(rows, mirror.slots, mirror.mask, len(ctx), mirror)
+                return _Decode(rows, None, mirror.mask, len(ctx), mirror)
         max_pages = -(-max(ctx) // ps)
         flat: list[int] = []
         for i, c in zip(decode_idx, ctx, strict=True):
