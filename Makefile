@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.tandem-run
 STAMP := $(VENV)/.tandem-test
 
-.PHONY: run test lint format bench bench-tiers venv clean compose-test
+.PHONY: run test lint format bench bench-tiers bench-peers venv clean compose-test
 
 venv: $(STAMP)
 
@@ -36,6 +36,15 @@ test: $(STAMP)
 # other server): make bench ARGS="--base-url http://127.0.0.1:8000/v1 --workload multi-turn"
 bench: $(STAMP)
 	$(PY) -m bench.serve $(ARGS)
+
+# The optional peers of bench.transfer and bench.pool (Mooncake's transfer engine and
+# store, requirements/bench.txt) and the Debian libraries its wheel loads; without them
+# those benchmarks run and say `"mooncake": "not installed (...)"` in their JSON.
+bench-peers: $(STAMP)
+	@$(PY) -c 'import ctypes; ctypes.CDLL("libibverbs.so.1"); ctypes.CDLL("libnuma.so.1")' 2>/dev/null \
+		|| { apt-get update -qq && apt-get install -y -qq libibverbs1 libnuma1; }
+	$(PY) -m pip install --quiet --no-deps -r requirements/bench.txt
+	$(PY) -c 'import mooncake.store, mooncake.engine; print("mooncake peers: ready")'
 
 # The cache-tier experiment: starts each configuration itself (minutes; see docs/benchmarks.md).
 bench-tiers: $(STAMP)
