@@ -170,3 +170,26 @@ async def test_stop_wakes_a_send_thread_blocked_on_a_peer_that_never_reads() -> 
             await a.stop()
             with pytest.raises(TransferError, match=endpoint):
                 await write
+
+
+async def test_a_small_write_whose_ack_never_comes_times_out_and_drops_the_connection() -> None:
+    # The small-batch path (one part, busy-polled ACK, awaited inline) must still end in
+    # a TransferError at batch_timeout_s, and close the connection so that a late ACK
+    # can never be taken for a later batch's: the next write opens a new one.
+    with socket.create_server(("127.0.0.1", 0)) as sink:
+        endpoint = f"127.0.0.1:{sink.getsockname()[1]}"
+        remote = RegionDescriptor("tcp", endpoint, 1, 1 << 20, "00" * 16)
+        a = TcpTransferEngine(connections_per_peer=1, batch_timeout_s=0.3)
+        await a.start()
+        try:
+            src = a.register(bytearray(4096))
+            with pytest.raises(TransferError, match="timed out"):
+                await a.write(src, remote, [(0, 0, 4096)])
+            (first,) = a._peers[endpoint]
+            assert not first.alive
+            with pytest.raises(TransferError, match="timed out"):
+                await a.write(src, remote, [(0, 0, 4096)])
+            (second,) = a._peers[endpoint]
+            assert second is not first
+        finally:
+            await a.stop()

@@ -90,6 +90,9 @@ def slice_ops(ops: Sequence[Op], slice_bytes: int) -> list[Slice]:
     """Cut ops into slices of at most `slice_bytes`, in op order."""
     if slice_bytes <= 0:
         raise ValueError(f"slice_bytes: must be positive, got {slice_bytes}")
+    if len(ops) == 1 and 0 < ops[0].length <= slice_bytes:  # the usual small batch
+        op = ops[0]
+        return [Slice(0, op.local_off, op.remote_off, op.length)]
     slices: list[Slice] = []
     for index, op in enumerate(ops):
         done = 0
