@@ -158,9 +158,8 @@ class TcpTransferEngine(TransferEngine):
         )
 
     async def _connections(self, endpoint: str) -> list[Connection]:
-        conns = self._peers.get(endpoint)
-        if conns and all(c.alive for c in conns):
-            return conns
+        """Open the missing connections to `endpoint` (the slow path: `_transfer` takes
+        a peer whose connections are all alive straight from `_peers`)."""
         lock = self._peer_locks.setdefault(endpoint, asyncio.Lock())
         async with lock:
             conns = [c for c in self._peers.get(endpoint, []) if c.alive]
