@@ -193,3 +193,22 @@ async def test_a_small_write_whose_ack_never_comes_times_out_and_drops_the_conne
             assert second is not first
         finally:
             await a.stop()
+
+
+async def test_a_small_batch_of_more_buffers_than_one_sendmsg_takes_lands_whole(
+    tcp_pair,
+) -> None:
+    # 1,500 ops of 16 bytes: 3,000 buffers, over IOV_MAX, yet under busy_poll_bytes, so
+    # the inline send goes out in several sendmsg calls before its ACK is polled.
+    a, b = tcp_pair
+    n, size = 1500, 16
+    payload = os.urandom(n * size)
+    src, dst, back = bytearray(payload), bytearray(2 * n * size), bytearray(n * size)
+    d_src, d_dst, d_back = a.register(src), b.register(dst), a.register(back)
+    ops = [(i * size, 2 * i * size, size) for i in range(n)]
+    await a.write(d_src, d_dst, ops)
+    assert all(dst[2 * i * size : (2 * i + 1) * size] == payload[i * size : (i + 1) * size]
+               for i in range(n))  # fmt: skip
+    assert all(dst[(2 * i + 1) * size : (2 * i + 2) * size] == bytes(size) for i in range(n))
+    await a.read(d_back, d_dst, ops)
+    assert back == payload

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -29,6 +30,13 @@ def _check_uint(name: str, value: Any, limit: int) -> None:
         raise ValueError(f"{name}: expected an integer, got {type(value).__name__}")
     if value < 0 or value > limit:
         raise ValueError(f"{name}: {value} is outside [0, {limit}]")
+
+
+@lru_cache(maxsize=4096)
+def _token_bytes(token: str) -> bytes:
+    # Every tcp batch part carries the token; decoding its hex costs more than the
+    # small batch's own header (a bounded cache, keyed by the token text).
+    return bytes.fromhex(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +81,7 @@ class RegionDescriptor:
 
     @property
     def token_bytes(self) -> bytes:
-        return bytes.fromhex(self.token)
+        return _token_bytes(self.token)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"v": SCHEMA_VERSION}

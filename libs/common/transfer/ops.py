@@ -70,20 +70,28 @@ def validate_ops(ops: Iterable[Sequence[int]], local_length: int, remote_length:
                 raise ValueError(f"ops[{index}]: offsets and length must be integers, got {raw!r}")
         if length < 0 or local_off < 0 or remote_off < 0:
             raise ValueError(f"ops[{index}]: negative offset or length {tuple(raw)}")
-        if max(local_off, remote_off, length) > U64_MAX:
-            raise ValueError(f"ops[{index}]: value does not fit 64 bits {tuple(raw)}")
-        if not check_range(local_off, length, local_length):
-            raise ValueError(
-                f"ops[{index}]: local range {local_off}+{length} exceeds the local region "
-                f"({local_length} bytes)"
-            )
-        if not check_range(remote_off, length, remote_length):
-            raise ValueError(
-                f"ops[{index}]: remote range {remote_off}+{length} exceeds the remote region "
-                f"({remote_length} bytes)"
-            )
+        # Python ints do not overflow, and both region lengths fit 64 bits, so in-range
+        # ops fit the wire's u64 fields too.
+        if local_off + length > local_length or remote_off + length > remote_length:
+            op = Op(local_off, remote_off, length)
+            raise ValueError(_range_error(index, op, local_length, remote_length))
         out.append(Op(local_off, remote_off, length))
     return out
+
+
+def _range_error(index: int, op: Op, local_length: int, remote_length: int) -> str:
+    local_off, remote_off, length = op
+    if max(op) > U64_MAX:
+        return f"ops[{index}]: value does not fit 64 bits {tuple(op)}"
+    if not check_range(local_off, length, local_length):
+        return (
+            f"ops[{index}]: local range {local_off}+{length} exceeds the local region "
+            f"({local_length} bytes)"
+        )
+    return (
+        f"ops[{index}]: remote range {remote_off}+{length} exceeds the remote region "
+        f"({remote_length} bytes)"
+    )
 
 
 def slice_ops(ops: Sequence[Op], slice_bytes: int) -> list[Slice]:

@@ -50,7 +50,7 @@ class TcpTransferEngine(TransferEngine):
     over every connection, even a single op (see ops.slice_size).
     busy_poll_us: how long that caller, and a server thread waiting for the next
     request, spin on non-blocking recvs before sleeping (0: never spin); see
-    Connection._poll and tcp_server.recv_polled.
+    Connection.poll and tcp_server.recv_polled.
     thread_send_bytes: a batch part at least this long is sent from a worker thread
     (blocking sendmsg, no GIL held during the copy), so two connections' sends use
     two cores; 0: every part is sent from the event loop. See tcp_send.
@@ -192,12 +192,12 @@ class TcpTransferEngine(TransferEngine):
     ) -> None:
         if len(ops) > U32_MAX:
             raise ValueError(f"ops: at most {U32_MAX} ops per batch")
-        total = sum(op.length for op in ops)
+        total = ops[0].length if len(ops) == 1 else sum(op.length for op in ops)
         if not total:
             return
         peer = remote.endpoint
         conns = self._peers.get(peer)
-        if not conns or not all(c.alive for c in conns):
+        if not conns or not all([c.alive for c in conns]):
             try:
                 conns = await self._connections(peer)
             except (OSError, TimeoutError) as exc:
@@ -209,11 +209,17 @@ class TcpTransferEngine(TransferEngine):
             # A small batch: one part on the least busy connection, no gather, no
             # extra task, its ACK busy-polled (one round trip, no wake-ups). Awaited
             # inline: on a slow core each coroutine layer costs microseconds here.
-            conn = conns[0] if len(conns) == 1 else min(conns, key=Connection.backlog)
+            conn = conns[0]
+            if conn.backlog() and len(conns) > 1:
+                conn = min(conns, key=Connection.backlog)
             lane = slice_ops(ops, self._slice_bytes)
-            poll_s = self._poll_s if total <= self._poll_bytes else 0.0
             try:
-                await conn.run(code, batch_id, lane, region.view, remote, deadline, poll_s)
+                future, rest = conn.submit(code, batch_id, lane, region.view, remote)
+                if rest is None and total <= self._poll_bytes and self._poll_s:
+                    conn.poll(future, self._poll_s)
+                if rest is not None or not future.done():
+                    await conn.finish(future, rest, deadline)
+                future.result()
             except Exception as exc:
                 self._raise_failure(kind, peer, ops, [exc], [(conn, lane)])
             return

@@ -68,6 +68,21 @@ class PartSender:
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
 
+    def try_send(self, buffers: list[Any], nbytes: int) -> list[memoryview] | None:
+        """Send a part of `nbytes` inline, without a coroutine, when nobody else is
+        sending and it is not one for a worker thread. None: it all went out; else the
+        views still to go, which the caller passes to `send` before anything else runs."""
+        if self._senders or (self._executor is not None and nbytes >= self._thread_bytes):
+            return [memoryview(b) for b in buffers]
+        try:
+            sent = self._sock.sendmsg(buffers[:IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent == nbytes:
+            return None
+        views = [memoryview(b) for b in buffers]
+        return self._send_some(views[advance(views, 0, sent) :]) or None
+
     async def send(self, buffers: list[Any], deadline: float) -> None:
         views = [memoryview(b) for b in buffers]
         self._senders += 1

@@ -236,7 +236,7 @@ class TcpTransferServer:
                 send_all(sock, [pack_response(KIND_DATA, op_index, batch_id, length), source])
             if flags & FLAG_LAST:
                 if failed_batch != batch_id:
-                    send_all(sock, [pack_response(KIND_ACK, op_index, batch_id, 0)])
+                    sock.sendall(pack_response(KIND_ACK, op_index, batch_id, 0))
                 failed_batch = None
 
     def _drain(self, sock: socket.socket, length: int, peer: str) -> bool:
