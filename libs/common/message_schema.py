@@ -67,30 +67,56 @@ class Message:
             raise MessageError(f"expected message type {cls.TYPE!r}, got {kind!r}")
         return _build(cls, obj, cls.TYPE)
 
+    @classmethod
+    def shortcut(cls: type[M], obj: dict) -> M | None:
+        """A message decoded once per token may build its usual form here, without the
+        per-field checks (None: take the checked path). It must accept only what the
+        checked path accepts, and build the same object (tests/common/test_messages.py)."""
+        return None
+
 
 Check = typing.Callable[[Any, str], Any]  # (value, path) -> checked value, or MessageError
 
 
 @functools.cache
-def _schema(cls: type) -> tuple[tuple[str, Check, bool], ...]:
-    """(name, check, required) per field; resolving hints is slow, so once per class."""
+def _schema(cls: type) -> tuple[tuple[str, Check, bool, frozenset[type]], ...]:
+    """(name, check, required, passing types) per field; resolving hints is slow, so
+    once per class."""
     hints = typing.get_type_hints(cls)
     return tuple(
         (
             f.name,
             _checker(hints[f.name]),
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            _passing(hints[f.name]),
         )
         for f in dataclasses.fields(cls)
         if f.init
     )
 
 
+def _passing(hint: Any) -> frozenset[type]:
+    """Value types that pass a field's check unchanged: a str, int, bool or float field
+    (exactly that type: a bool is not an int here), and None where the field is optional."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union or isinstance(hint, types.UnionType):
+        plain = [a for a in args if a is not type(None)]
+        if len(plain) == 1 and plain[0] in _PLAIN and type(None) in args:
+            return frozenset((plain[0], type(None)))
+        return frozenset()
+    return frozenset((hint,)) if hint in _PLAIN else frozenset()
+
+
 def _build(cls: type, obj: dict, path: str) -> Any:
+    built = cls.shortcut(obj) if issubclass(cls, Message) else None
+    if built is not None:
+        return built
     values = {}
-    for name, check, required in _schema(cls):
+    for name, check, required, passing in _schema(cls):
         if name in obj:
-            values[name] = check(obj[name], f"{path}.{name}")
+            value = obj[name]
+            # Most fields of a message are plain: no check call, no error path built.
+            values[name] = value if type(value) in passing else check(value, f"{path}.{name}")
         elif required:
             raise MessageError(f"{path}.{name}: required field missing")
     try:

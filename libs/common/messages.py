@@ -207,6 +207,9 @@ class Usage(Message):
     cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
+_NO_LOGPROBS: list = []
+
+
 @dataclass
 class TokenChunk(Message):
     """Worker -> router on `stream_subject`: tokens `index .. index + len(token_ids) - 1`.
@@ -229,6 +232,23 @@ class TokenChunk(Message):
     usage: Usage | None = None
     error: str | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def shortcut(cls, obj: dict) -> TokenChunk | None:
+        # The usual chunk (no usage, no logprobs): the router decodes one per token per
+        # stream, and the per-field checks were most of a 64-stream step's decode.
+        get = obj.get
+        rid, index, ids, worker = get("request_id"), get("index"), get("token_ids"), get("worker")
+        text, finish, error = get("text", ""), get("finish_reason"), get("error")
+        logprobs = get("logprobs", _NO_LOGPROBS)
+        if (
+            type(rid) is str and type(index) is int and type(worker) is str
+            and type(text) is str and type(ids) is list and all(type(t) is int for t in ids)
+            and (finish is None or type(finish) is str) and (error is None or type(error) is str)
+            and get("usage") is None and type(logprobs) is list and not logprobs
+        ):  # fmt: skip
+            return cls(rid, index, ids, worker, text, finish, None, error)
+        return None
 
 
 @dataclass

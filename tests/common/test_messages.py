@@ -3,7 +3,14 @@
 import orjson
 import pytest
 
-from libs.common.messages import SCHEMA_VERSION, ErrorReply, MessageError, ServiceInfo
+from libs.common.messages import (
+    SCHEMA_VERSION,
+    ErrorReply,
+    MessageError,
+    ServiceInfo,
+    TokenChunk,
+    TokenChunkBatch,
+)
 
 
 def _info() -> ServiceInfo:
@@ -49,3 +56,44 @@ def test_garbage_bytes_raise_message_error_not_crash():
 def test_wrong_message_type_is_refused():
     with pytest.raises(MessageError, match="expected message type"):
         ServiceInfo.decode(ErrorReply(code=1, message="m").encode())
+
+
+def _chunk_variants() -> list[dict]:
+    usual = {"request_id": "r1", "index": 3, "token_ids": [5, 6], "worker": "d0", "text": "hi"}
+    changes = [
+        {}, {"text": None}, {"finish_reason": "stop"}, {"finish_reason": 3}, {"error": "x"},
+        {"error": 5}, {"index": "3"}, {"index": True}, {"index": 3.0}, {"token_ids": [5, True]},
+        {"token_ids": [5.0]}, {"token_ids": "56"}, {"worker": 5}, {"request_id": None},
+        {"logprobs": []}, {"logprobs": {}}, {"logprobs": ""}, {"logprobs": 0},
+        {"logprobs": [{"token": 5, "logprob": -0.5, "top": []}]}, {"usage": None},
+        {"usage": "x"}, {"usage": {"prompt_tokens": 4, "completion_tokens": 2}},
+        {"v": SCHEMA_VERSION, "type": "token_chunk", "extra": 1},
+    ]  # fmt: skip
+    variants = [usual | change for change in changes]
+    for name in ("request_id", "index", "token_ids", "worker", "text"):
+        variants.append({k: v for k, v in usual.items() if k != name})
+    return variants
+
+
+def test_the_token_chunk_shortcut_accepts_and_builds_what_the_checked_path_does(monkeypatch):
+    # The router decodes a TokenChunk per token per stream through TokenChunk.shortcut;
+    # it must never accept what the per-field checks refuse, nor build anything else.
+    def decode(obj: dict):
+        try:
+            return TokenChunk.from_dict(obj), TokenChunkBatch.from_dict(
+                {"worker": "d0", "chunks": [obj]}
+            )
+        except MessageError as e:
+            return type(e)
+
+    variants = _chunk_variants()
+    assert TokenChunk.shortcut(variants[0]) is not None  # the usual chunk takes it
+    fast = [decode(v) for v in variants]
+    monkeypatch.setattr(TokenChunk, "shortcut", classmethod(lambda cls, obj: None))
+    checked = [decode(v) for v in variants]
+    assert fast == checked
+    # Both outcomes occur, and the shortcut's result is a fresh, independent chunk.
+    assert MessageError in checked and any(c is not MessageError for c in checked)
+    a, b = (TokenChunk.from_dict(variants[0]) for _ in range(2))
+    a.logprobs.append({"token": 1})
+    assert b.logprobs == []
