@@ -27,6 +27,11 @@ and the run reports
 `paired_added_ms_per_request_p50` = front (router - direct) + hold of the first token.
 `router_cpu_ms_per_request`: the router process's CPU time over its batches (/proc), per
 request (its whole life: request, routing and every token's SSE event).
+`floor` (bench/router_floor.py; `--no-floor` skips it), measured after the cluster
+stopped: aiohttp alone, with the router's SSE writer and this lean client, at the same
+levels: `front` (POST -> handler) and `hold` (a step -> its event here). `verdicts` puts
+each level's paired figures next to the goals (issue 7: < 3 ms a request, < 0.5 ms a
+token at p50) and says where a goal is under that floor.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import aiohttp
 import nats
 import orjson
 
+from bench import router_floor
 from bench.http_stream import LeanClient
 from libs.common import event_loop
 from libs.common.bus import Bus
@@ -309,6 +315,30 @@ async def run(args: argparse.Namespace) -> dict:
             server.stop()
 
 
+GOAL_MS = {"request": 3.0, "token": 0.5}  # issue 7: added latency at p50
+
+
+def verdicts(result: dict) -> list[str]:
+    """Each level's paired figures against the goals, and against the floor's: where
+    aiohttp alone (front for a request, hold for a token) is over the goal, no router on
+    this host gets under it."""
+    out = []
+    for c, m in result["levels"].items():
+        floor = result.get("floor", {}).get(c)
+        for unit, key, part in (("request", "paired_added_ms_per_request_p50", "front"),
+                                ("token", "paired_added_ms_per_token_p50", "hold")):  # fmt: skip
+            goal, got = GOAL_MS[unit], m[key]
+            line = f"{c} streams, per {unit}: {got:.2f} ms (goal < {goal}): "
+            line += "met" if got < goal else "not met"
+            if floor is not None:
+                bound = floor[f"{part}_p50_ms"]
+                line += f"; aiohttp floor ({part} p50) {bound:.2f} ms"
+                if bound >= goal:
+                    line += ": the goal is under the floor on this host"
+            out.append(line)
+    return out
+
+
 def _cpu_seconds(pid: int) -> tuple[float, float]:
     """(user, system) CPU time of a process (Linux /proc): the router's own work, whatever
     the waits around it (its share of a step's burst of 64 chunks is this, spread out).
@@ -346,9 +376,15 @@ def main() -> None:
         default="lean",
         help="HTTP client of the router path (bench/http_stream.py, or aiohttp's)",
     )
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the aiohttp-only floor (bench/router_floor.py)")  # fmt: skip
     args = p.parse_args()
     setup_logging("warning", "console")  # logs to stderr: stdout is the result
     result = event_loop.run(run(args))
+    if not args.no_floor:  # after the cluster stopped: nothing else runs
+        floor = router_floor.measure(args.concurrency, args.rounds, args.max_tokens)
+        result["floor"] = event_loop.run(floor)
+    result["verdicts"] = verdicts(result)
     if args.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
         return
@@ -371,6 +407,10 @@ def main() -> None:
             print("| " + " | ".join(str(x) for x in row) + " |")
     cached = {p: sum(m[p]["cached_tokens"] for m in result["levels"].values()) for p in
               ("router", "direct")}  # fmt: skip
+    for c, f in result.get("floor", {}).items():
+        print(f"floor, {c} streams (aiohttp alone, bench/router_floor.py): front p50 "
+              f"{f['front_p50_ms']:.2f} ms, hold p50 {f['hold_p50_ms']:.2f} ms")  # fmt: skip
+    print("\n".join(result["verdicts"]))
     print(f"cached prompt tokens (should be 0): {cached}", file=sys.stderr)
     print(f"load average: {result['loadavg']}", file=sys.stderr)
 
