@@ -118,3 +118,37 @@ async def test_one_buffer_registered_1023_times_each_fenced_alone(shm_pair) -> N
     assert b.register(pool).region_id not in {r.region_id for r in regions}  # slot reused
     with pytest.raises(TransferError, match="unknown region"):  # the slot's new tenant
         await a.write(src, regions[500], [(0, 0, 16)])
+
+
+async def test_a_peer_maps_a_full_segment_populated_and_never_allocates_a_sparse_one(
+    tmp_path,
+) -> None:
+    # A peer attaching a segment whose owner holds every page (a store prefaults its
+    # own) fills its page tables at once; one with holes must stay as sparse as the
+    # owner left it (populating would allocate the owner's untouched memory).
+    from libs.common.transfer import shm_segment
+
+    assert shm_segment._attach_flags(True) & getattr(shm_segment.mmap, "MAP_POPULATE", 0)
+    assert not shm_segment._attach_flags(False) & getattr(shm_segment.mmap, "MAP_POPULATE", 1)
+    a, b = ShmTransferEngine(shm_dir=str(tmp_path)), ShmTransferEngine(shm_dir=str(tmp_path))
+    async with a, b:
+        full, sparse = b.allocate(4 << 20), b.allocate(64 << 20)
+        full[:] = bytes(4 << 20)  # every page of `full` is the owner's now
+        d_full, d_sparse = b.register(full), b.register(sparse)
+        src = a.allocate(1 << 20)
+        src[:] = os.urandom(1 << 20)
+        d_src = a.register(src)
+        files = {p.name: p for p in tmp_path.iterdir()}
+        used_before = {n: p.stat().st_blocks for n, p in files.items()}
+        await asyncio.gather(  # concurrent first batches map each segment once
+            a.write(d_src, d_full, [(0, 1 << 20, 1 << 20)]),
+            a.write(d_src, d_full, [(0, 2 << 20, 1 << 20)]),
+            a.write(d_src, d_sparse, [(0, 8 << 20, 4096)]),
+        )
+        assert full[1 << 20 : 2 << 20] == src and full[2 << 20 : 3 << 20] == src
+        assert sparse[8 << 20 : (8 << 20) + 4096] == src[:4096]
+        assert a.info()["segments"] == 1 and len(a._attached) == 2
+        sparse_name = d_sparse.endpoint.partition(":")[2]
+        # The sparse segment grew by the one page written, not by its 64 MiB.
+        grown = (files[sparse_name].stat().st_blocks - used_before[sparse_name]) * 512
+        assert 0 < grown <= 64 << 10

@@ -123,6 +123,22 @@ class ShmTransferEngine(TransferEngine):
             addr=region.extra["offset"],
         )
 
+    async def _attach(self, remote: RegionDescriptor) -> None:
+        """Map a peer's segment the first time it is addressed, in a thread: mapping a
+        store's segment fills its page tables (Segment.attach), tens of ms per GiB,
+        which must not hold the event loop. Failures are left to `_segment`."""
+        host, _, name = remote.endpoint.partition(":")
+        if host != self._host or name in self._owned or name in self._attached:
+            return
+        try:
+            segment = await asyncio.to_thread(Segment.attach, self._dir, name)
+        except (OSError, ValueError):
+            return
+        if name in self._attached or self._state is not EngineState.RUNNING:
+            segment.close()  # another batch mapped it meanwhile, or the engine stopped
+        else:
+            self._attached[name] = segment
+
     def _segment(self, remote: RegionDescriptor) -> Segment:
         host, _, name = remote.endpoint.partition(":")
         if host != self._host:
@@ -155,6 +171,7 @@ class ShmTransferEngine(TransferEngine):
     async def _transfer(
         self, kind: str, region: Region, remote: RegionDescriptor, ops: list[Op]
     ) -> None:
+        await self._attach(remote)
         try:
             remote_addr = self._check(remote)
         except AccessRefused as exc:

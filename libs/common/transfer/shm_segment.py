@@ -39,6 +39,16 @@ _SLOT = struct.Struct("<QQQQ16s")
 _NAME = re.compile(r"tandem-[0-9a-f]{32}")
 
 
+def _attach_flags(owner_holds_every_page: bool) -> int:
+    """A peer maps a segment whose owner already holds every page (a cache store
+    prefaults its own) with its page tables filled at once (MAP_POPULATE: ~70 µs a MiB
+    here), instead of a minor fault per 4 KiB page on its first copy into each range
+    (a put of 1 MiB into a fresh range: 592 vs 91 µs the second time). A segment with
+    holes is mapped lazily: populating would allocate the owner's untouched pages."""
+    populate = getattr(mmap, "MAP_POPULATE", 0) if owner_holds_every_page else 0
+    return mmap.MAP_SHARED | populate
+
+
 def _slot_at(index: int) -> int:
     return 64 + index * SLOT_BYTES
 
@@ -84,10 +94,13 @@ class Segment:
         path = os.path.join(directory, name)
         fd = os.open(path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size = stat.st_size
             if size < HEADER_BYTES:
                 raise ValueError(f"segment {name}: too small")
-            mm = mmap.mmap(fd, size)
+            # The header page range is mostly holes; the data is what the owner touched.
+            held = stat.st_blocks * 512 >= size - HEADER_BYTES
+            mm = mmap.mmap(fd, size, _attach_flags(held))
         finally:
             os.close(fd)
         magic, version, nslots, data_len = _HEADER.unpack_from(mm, 0)
