@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import enum
 import mmap
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import structlog
@@ -153,14 +153,18 @@ class TransferEngine(abc.ABC):
     ) -> None:
         """Copy local ranges into the remote region."""
         region, checked = self._prepare(local, remote, ops)
-        await self._transfer("write", region, remote, checked)
+        pending = self._begin("write", region, remote, checked)
+        if pending is not None:
+            await pending
 
     async def read(
         self, local: RegionDescriptor, remote: RegionDescriptor, ops: Sequence[Sequence[int]]
     ) -> None:
         """Copy remote ranges into the local region."""
         region, checked = self._prepare(local, remote, ops)
-        await self._transfer("read", region, remote, checked)
+        pending = self._begin("read", region, remote, checked)
+        if pending is not None:
+            await pending
 
     def _prepare(
         self, local: RegionDescriptor, remote: RegionDescriptor, ops: Sequence[Sequence[int]]
@@ -206,3 +210,10 @@ class TransferEngine(abc.ABC):
         self, kind: str, region: Region, remote: RegionDescriptor, ops: list[Op]
     ) -> None:
         """Move the validated ops; kind is "write" or "read"."""
+
+    def _begin(
+        self, kind: str, region: Region, remote: RegionDescriptor, ops: list[Op]
+    ) -> Awaitable[None] | None:
+        """Start moving the validated ops: None when they have landed already (a
+        transport's inline path, no coroutine), else what completes them."""
+        return self._transfer(kind, region, remote, ops)
