@@ -315,30 +315,6 @@ async def run(args: argparse.Namespace) -> dict:
             server.stop()
 
 
-GOAL_MS = {"request": 3.0, "token": 0.5}  # issue 7: added latency at p50
-
-
-def verdicts(result: dict) -> list[str]:
-    """Each level's paired figures against the goals, and against the floor's: where
-    aiohttp alone (front for a request, hold for a token) is over the goal, no router on
-    this host gets under it."""
-    out = []
-    for c, m in result["levels"].items():
-        floor = result.get("floor", {}).get(c)
-        for unit, key, part in (("request", "paired_added_ms_per_request_p50", "front"),
-                                ("token", "paired_added_ms_per_token_p50", "hold")):  # fmt: skip
-            goal, got = GOAL_MS[unit], m[key]
-            line = f"{c} streams, per {unit}: {got:.2f} ms (goal < {goal}): "
-            line += "met" if got < goal else "not met"
-            if floor is not None:
-                bound = floor[f"{part}_p50_ms"]
-                line += f"; aiohttp floor ({part} p50) {bound:.2f} ms"
-                if bound >= goal:
-                    line += ": the goal is under the floor on this host"
-            out.append(line)
-    return out
-
-
 def _cpu_seconds(pid: int) -> tuple[float, float]:
     """(user, system) CPU time of a process (Linux /proc): the router's own work, whatever
     the waits around it (its share of a step's burst of 64 chunks is this, spread out).
@@ -384,7 +360,7 @@ def main() -> None:
     if not args.no_floor:  # after the cluster stopped: nothing else runs
         floor = router_floor.measure(args.concurrency, args.rounds, args.max_tokens)
         result["floor"] = event_loop.run(floor)
-    result["verdicts"] = verdicts(result)
+    result["verdicts"] = router_floor.verdicts(result)
     if args.json:
         print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
         return

@@ -14,7 +14,8 @@ step's chunks), each stamped with the step's time; the bench's lean client
     hold   step time -> that event here            (the router's per-token `hold` too)
 
 No model runs meanwhile, so these are lower bounds of what any aiohttp-based router
-gets here. CLOCK_MONOTONIC is shared by the processes (Linux).
+gets here. CLOCK_MONOTONIC is shared by the processes (Linux). `verdicts` sets
+bench.router's paired figures against the goals and this floor.
 """
 
 from __future__ import annotations
@@ -141,3 +142,27 @@ async def measure(levels: list[int], rounds: int, max_tokens: int) -> dict[str, 
         await asyncio.to_thread(proc.join, 10)
         if proc.is_alive():
             proc.kill()
+
+
+GOAL_MS = {"request": 3.0, "token": 0.5}  # issue 7: added latency at p50
+
+
+def verdicts(result: dict) -> list[str]:
+    """Each level's paired figures against the goals, and against the floor's: where
+    aiohttp alone (front for a request, hold for a token) is over the goal, no router on
+    this host gets under it."""
+    out = []
+    for c, m in result["levels"].items():
+        floor = result.get("floor", {}).get(c)
+        for unit, key, part in (("request", "paired_added_ms_per_request_p50", "front"),
+                                ("token", "paired_added_ms_per_token_p50", "hold")):  # fmt: skip
+            goal, got = GOAL_MS[unit], m[key]
+            line = f"{c} streams, per {unit}: {got:.2f} ms (goal < {goal}): "
+            line += "met" if got < goal else "not met"
+            if floor is not None:
+                bound = floor[f"{part}_p50_ms"]
+                line += f"; aiohttp floor ({part} p50) {bound:.2f} ms"
+                if bound >= goal:
+                    line += ": the goal is under the floor on this host"
+            out.append(line)
+    return out

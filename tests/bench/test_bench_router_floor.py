@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from bench import router_floor
-from bench.router import verdicts
+from bench.router_floor import verdicts
 
 
 async def test_the_floor_times_every_request_and_every_event():
