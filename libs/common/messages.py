@@ -207,9 +207,6 @@ class Usage(Message):
     cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
-_NO_LOGPROBS: list = []
-
-
 @dataclass
 class TokenChunk(Message):
     """Worker -> router on `stream_subject`: tokens `index .. index + len(token_ids) - 1`.
@@ -240,7 +237,7 @@ class TokenChunk(Message):
         get = obj.get
         rid, index, ids, worker = get("request_id"), get("index"), get("token_ids"), get("worker")
         text, finish, error = get("text", ""), get("finish_reason"), get("error")
-        logprobs = get("logprobs", _NO_LOGPROBS)
+        logprobs = get("logprobs", [])
         if (
             type(rid) is str and type(index) is int and type(worker) is str
             and type(text) is str and type(ids) is list and all(type(t) is int for t in ids)

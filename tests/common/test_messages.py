@@ -64,7 +64,7 @@ def _chunk_variants() -> list[dict]:
         {}, {"text": None}, {"finish_reason": "stop"}, {"finish_reason": 3}, {"error": "x"},
         {"error": 5}, {"index": "3"}, {"index": True}, {"index": 3.0}, {"token_ids": [5, True]},
         {"token_ids": [5.0]}, {"token_ids": "56"}, {"worker": 5}, {"request_id": None},
-        {"logprobs": []}, {"logprobs": {}}, {"logprobs": ""}, {"logprobs": 0},
+        {"logprobs": []}, {"logprobs": None}, {"logprobs": {}}, {"logprobs": ""}, {"logprobs": 0},
         {"logprobs": [{"token": 5, "logprob": -0.5, "top": []}]}, {"usage": None},
         {"usage": "x"}, {"usage": {"prompt_tokens": 4, "completion_tokens": 2}},
         {"v": SCHEMA_VERSION, "type": "token_chunk", "extra": 1},
