@@ -149,22 +149,16 @@ class Connection:
             raise
 
     async def finish(
-        self,
-        future: asyncio.Future[None],
-        rest: list[memoryview] | None,
-        deadline: float,
-        poll_s: float = 0.0,
+        self, future: asyncio.Future[None], rest: list[memoryview] | None, deadline: float
     ) -> None:
         """Send a submitted part's `rest`, then wait for its ACK until `deadline` (loop
-        time; TimeoutError after it), busy-polling for up to `poll_s` first (`poll`)."""
+        time; TimeoutError after it)."""
         if rest is not None:
             try:
                 await self._sender.send(rest, deadline)
             except BaseException as exc:
                 self._drop(exc)
                 raise
-        if poll_s > 0 and not future.done():
-            self.poll(future, poll_s)
         if not future.done():
             async with asyncio.timeout_at(deadline):
                 await future
@@ -178,11 +172,10 @@ class Connection:
         view: memoryview,
         remote: Any,
         deadline: float,
-        poll_s: float = 0.0,
     ) -> None:
         """Send one batch part and wait for its ACK (`submit`, then `finish`)."""
         future, rest = self.submit(kind, batch_id, slices, view, remote)
-        await self.finish(future, rest, deadline, poll_s)
+        await self.finish(future, rest, deadline)
 
     def _drop(self, exc: BaseException) -> None:
         # A half-sent part leaves the stream out of sync: drop the connection.
