@@ -6,7 +6,7 @@ GIL, so the threads move bytes while the service's event loop keeps running, and
 there is no per-op event-loop round trip. Payloads go straight from the socket into
 the region (`recv_into` on a memoryview slice) and from the region into the socket
 (`sendmsg` of a memoryview slice): no intermediate copies. A thread waiting for
-the next request spins on non-blocking recvs for `poll_s` before it sleeps in the
+the next request spins on poll(0) for `poll_s` before it sleeps in the
 kernel (`recv_polled`): a peer's next small batch is then served without a wake-up.
 
 Every op is checked (region id, constant-time token compare, bounds) before any
@@ -16,6 +16,7 @@ byte of its payload is read into the region; see tcp_frame for the protocol.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -53,26 +54,20 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def recv_polled(sock: socket.socket, view: memoryview, poll_s: float) -> int:
-    """recv_exact, but first spin on non-blocking recvs for up to `poll_s`.
+def recv_polled(sock: socket.socket, view: memoryview, poll_s: float, ready: Any) -> int:
+    """recv_exact, but first spin for up to `poll_s` on `ready` (a select.poll of the
+    socket) until something arrives.
 
     A thread asleep in recv pays a scheduler wake-up when the next request lands
     (~20-30 µs here); a peer that sends its next batch right after an ACK is served
-    without it. Each recv releases the GIL, so the spin does not hold the service's
+    without it. poll(0) answers "nothing yet" ~3x cheaper than a non-blocking recv that
+    raises, and releases the GIL each time, so the spin does not hold the service's
     event loop for more than one syscall at a time.
     """
     if poll_s > 0:
         end = time.perf_counter() + poll_s
-        while True:
-            try:
-                n = sock.recv_into(view, view.nbytes, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                if time.perf_counter() < end:
-                    continue
-                break
-            if n == 0 or n == view.nbytes:
-                return n
-            return n + recv_exact(sock, view[n:])
+        while not ready(0) and time.perf_counter() < end:
+            pass
     return recv_exact(sock, view)
 
 
@@ -187,9 +182,11 @@ class TcpTransferServer:
 
     def _serve_frames(self, sock: socket.socket, peer: str) -> None:
         header = memoryview(bytearray(REQUEST.size))
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
         failed_batch: int | None = None  # batch refused on this connection, until LAST
         while True:
-            got = recv_polled(sock, header, self._poll_s)
+            got = recv_polled(sock, header, self._poll_s, poller.poll)
             if got != REQUEST.size:
                 if got:
                     self._log.warning("transfer peer disconnected mid-header", peer=peer)
