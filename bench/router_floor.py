@@ -88,7 +88,7 @@ def _serve(conn: Any, max_tokens: int) -> None:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         stepper = asyncio.get_running_loop().create_task(steps())
-        conn.send(site._server.sockets[0].getsockname()[1])
+        conn.send(runner.addresses[0][1])
         await asyncio.to_thread(conn.recv)  # until the parent says stop
         stepper.cancel()
         await runner.cleanup()

@@ -107,8 +107,14 @@ def _passing(hint: Any) -> frozenset[type]:
     return frozenset((hint,)) if hint in _PLAIN else frozenset()
 
 
+@functools.cache
+def _has_shortcut(cls: type) -> bool:
+    """Whether `cls` has a shortcut of its own (the others pay no call per decode)."""
+    return issubclass(cls, Message) and cls.shortcut.__func__ is not Message.shortcut.__func__
+
+
 def _build(cls: type, obj: dict, path: str) -> Any:
-    built = cls.shortcut(obj) if issubclass(cls, Message) else None
+    built = cls.shortcut(obj) if _has_shortcut(cls) else None
     if built is not None:
         return built
     values = {}

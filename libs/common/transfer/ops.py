@@ -94,6 +94,11 @@ def _range_error(index: int, op: Op, local_length: int, remote_length: int) -> s
     )
 
 
+def batch_bytes(ops: Sequence[Op]) -> int:
+    """The bytes a batch moves (one op, the usual small batch, without a generator)."""
+    return ops[0].length if len(ops) == 1 else sum(op.length for op in ops)
+
+
 def slice_ops(ops: Sequence[Op], slice_bytes: int) -> list[Slice]:
     """Cut ops into slices of at most `slice_bytes`, in op order."""
     if slice_bytes <= 0:

@@ -123,12 +123,11 @@ class ShmTransferEngine(TransferEngine):
             addr=region.extra["offset"],
         )
 
-    async def _attach(self, remote: RegionDescriptor) -> None:
+    async def _attach(self, host: str, name: str) -> None:
         """Map a peer's segment the first time it is addressed, in a thread: mapping a
         store's segment fills its page tables (Segment.attach), tens of ms per GiB,
         which must not hold the event loop. Failures are left to `_segment`."""
-        host, _, name = remote.endpoint.partition(":")
-        if host != self._host or name in self._owned or name in self._attached:
+        if host != self._host:
             return
         try:
             segment = await asyncio.to_thread(Segment.attach, self._dir, name)
@@ -171,7 +170,9 @@ class ShmTransferEngine(TransferEngine):
     async def _transfer(
         self, kind: str, region: Region, remote: RegionDescriptor, ops: list[Op]
     ) -> None:
-        await self._attach(remote)
+        host, _, name = remote.endpoint.partition(":")
+        if name not in self._attached and name not in self._owned:  # no coroutine once mapped
+            await self._attach(host, name)
         try:
             remote_addr = self._check(remote)
         except AccessRefused as exc:

@@ -20,7 +20,7 @@ from typing import NoReturn
 from .descriptor import U32_MAX, RegionDescriptor
 from .engine import TransferEngine
 from .errors import AccessRefused, TransferError
-from .ops import Op, slice_ops, slice_size, spread
+from .ops import Op, batch_bytes, slice_ops, slice_size, spread
 from .region import Region
 from .tcp_client import Connection
 from .tcp_frame import KIND_READ, KIND_WRITE, MAX_FRAME_BYTES
@@ -193,7 +193,7 @@ class TcpTransferEngine(TransferEngine):
     ) -> None:
         if len(ops) > U32_MAX:
             raise ValueError(f"ops: at most {U32_MAX} ops per batch")
-        total = ops[0].length if len(ops) == 1 else sum(op.length for op in ops)
+        total = batch_bytes(ops)
         if not total:
             return
         peer = remote.endpoint
@@ -233,7 +233,7 @@ class TcpTransferEngine(TransferEngine):
         (a large batch, a busy or missing connection) goes through `_transfer`."""
         conns = self._peers.get(remote.endpoint)
         if conns and len(ops) <= U32_MAX:
-            total = ops[0].length if len(ops) == 1 else sum(op.length for op in ops)
+            total = batch_bytes(ops)
             conn = conns[0]
             if 0 < total <= self._poll_bytes and conn.alive and not conn.backlog():
                 return self._one_part(kind, conn, region, remote, ops, True)
@@ -261,8 +261,9 @@ class TcpTransferEngine(TransferEngine):
             conn.poll(future, self._poll_s)
         if rest is not None or not future.done():
             return self._finish_part(kind, conn, future, rest, remote.endpoint, ops, lane)
-        if future.exception() is not None:
-            self._raise_failure(kind, remote.endpoint, ops, [future.exception()], [(conn, lane)])
+        failure = future.exception()
+        if failure is not None:
+            self._raise_failure(kind, remote.endpoint, ops, [failure], [(conn, lane)])
         return None
 
     async def _finish_part(
