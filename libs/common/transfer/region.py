@@ -3,6 +3,14 @@
 A region is a writable, C-contiguous span of host memory: a CPU torch tensor, a
 bytearray, an mmap, a numpy array or a memoryview of one of those. The table keeps
 a reference to the caller's buffer so the memory stays alive while registered.
+
+Unregistering is a fence: an op a peer started before it (the TCP server admitted
+its header and is still receiving the payload) is cut off, and `remove` returns only
+once no such op touches the region any more. A decode worker relies on this to stop a
+late prefill writer before it frees the pages (services/decode/service.py).
+
+    server thread: enter (users.add, then live?) ... payload ... leave (users.discard)
+    unregister:    live = False, then cut every user, wait until users is empty
 """
 
 from __future__ import annotations
@@ -11,8 +19,11 @@ import ctypes
 import hmac
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
 
 from .descriptor import TOKEN_BYTES, U64_MAX
 from .errors import AccessRefused
@@ -21,6 +32,8 @@ from .ops import check_range
 # Compared against when the region id is unknown, so that "unknown region" and
 # "wrong token" take the same time and a prober learns nothing from timing.
 _DUMMY_TOKEN = bytes(TOKEN_BYTES)
+# How long `remove` waits for cut-off ops to leave; a cut op leaves within one copy.
+_DRAIN_TIMEOUT_S = 5.0
 
 
 def buffer_view(buffer: Any) -> tuple[memoryview, int]:
@@ -65,6 +78,10 @@ class Region:
     addr: int
     owner: Any = field(repr=False)  # keeps the caller's buffer alive
     extra: dict[str, Any] = field(default_factory=dict)  # transport-specific (MR, slot)
+    live: bool = True  # False once unregistered: no op may start on it
+    # Ops from peers in progress on this region: each one's cut-off (a TCP server
+    # connection's shutdown), called by `RegionTable.remove`.
+    users: set[Callable[[], None]] = field(default_factory=set, repr=False)
 
     @property
     def length(self) -> int:
@@ -77,6 +94,7 @@ class RegionTable:
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
         self._lock = threading.Lock()
+        self._drained = threading.Condition()  # an op left an unregistered region
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -94,8 +112,43 @@ class RegionTable:
         return region
 
     def remove(self, region_id: int) -> Region | None:
+        """Forget a region; ops in progress on it are cut off and drained first."""
         with self._lock:
-            return self._regions.pop(region_id, None)
+            region = self._regions.pop(region_id, None)
+        if region is None:
+            return None
+        region.live = False  # before reading users: see `enter`
+        if region.users:
+            for cut in list(region.users):
+                cut()
+            with self._drained:
+                if not self._drained.wait_for(lambda: not region.users, _DRAIN_TIMEOUT_S):
+                    structlog.get_logger("tandem.transfer").error(
+                        "unregister: ops still running on the region",
+                        region_id=region_id, waited_s=_DRAIN_TIMEOUT_S,
+                    )  # fmt: skip
+        return region
+
+    def enter(
+        self, region_id: int, token: bytes, offset: int, length: int, cut: Callable[[], None]
+    ) -> Region:
+        """`check`, then count the op as running on the region until `leave`; `cut`
+        stops it (called from `remove`, any thread)."""
+        region = self.check(region_id, token, offset, length)
+        region.users.add(cut)
+        # Added before reading `live`, and `remove` clears `live` before reading
+        # `users` (each step atomic under the GIL): either this op sees the region
+        # gone, or `remove` sees the op and cuts it.
+        if not region.live:
+            self.leave(region, cut)
+            raise AccessRefused(f"unknown region {region_id}")
+        return region
+
+    def leave(self, region: Region, cut: Callable[[], None]) -> None:
+        region.users.discard(cut)
+        if not region.live:
+            with self._drained:
+                self._drained.notify_all()
 
     def get(self, region_id: int) -> Region | None:
         return self._regions.get(region_id)

@@ -20,10 +20,11 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .errors import AccessRefused
-from .region import RegionTable
+from .region import Region, RegionTable
 from .tcp_frame import (
     FLAG_LAST,
     KIND_ACK,
@@ -185,6 +186,13 @@ class TcpTransferServer:
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         failed_batch: int | None = None  # batch refused on this connection, until LAST
+
+        def cut() -> None:
+            """Unregister's fence: stop this connection's op on the region now (the
+            peer's batch fails; recv/send in this thread return at once)."""
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
         while True:
             got = recv_polled(sock, header, self._poll_s, poller.poll)
             if got != REQUEST.size:
@@ -206,7 +214,7 @@ class TcpTransferServer:
                 failed_batch = None  # a new batch starts clean
             if failed_batch is None:
                 try:
-                    region = self._regions.check(region_id, token, offset, length)
+                    region = self._regions.enter(region_id, token, offset, length, cut)
                 except AccessRefused as exc:
                     self._log.warning(
                         "transfer op refused", peer=peer, reason=exc.reason,
@@ -219,22 +227,36 @@ class TcpTransferServer:
             if failed_batch == batch_id:
                 if kind == KIND_WRITE and not self._drain(sock, length, peer):
                     return
-            elif kind == KIND_WRITE:
-                target = region.view[offset : offset + length]
-                got = recv_exact(sock, target)
-                if got != length:
-                    self._log.warning(
-                        "transfer peer disconnected mid-payload", peer=peer,
-                        region_id=region_id, expected=length, received=got,
-                    )  # fmt: skip
-                    return
-            else:
-                source = region.view[offset : offset + length]
-                send_all(sock, [pack_response(KIND_DATA, op_index, batch_id, length), source])
+            elif not self._apply(sock, peer, region, cut, kind, op_index, batch_id, offset,
+                                 length):  # fmt: skip
+                return
             if flags & FLAG_LAST:
                 if failed_batch != batch_id:
                     sock.sendall(pack_response(KIND_ACK, op_index, batch_id, 0))
                 failed_batch = None
+
+    def _apply(
+        self, sock: socket.socket, peer: str, region: Region, cut: Callable[[], None],
+        kind: int, op_index: int, batch_id: int, offset: int, length: int,
+    ) -> bool:  # fmt: skip
+        """Move one admitted op's bytes (region entered by `_serve_frames`); False when
+        the connection is done for (peer gone, or the region unregistered meanwhile)."""
+        try:
+            if kind == KIND_WRITE:
+                got = recv_exact(sock, region.view[offset : offset + length])
+                if got != length:
+                    self._log.warning(
+                        "transfer peer disconnected mid-payload", peer=peer,
+                        region_id=region.region_id, expected=length, received=got,
+                        unregistered=not region.live,
+                    )  # fmt: skip
+                    return False
+            else:
+                source = region.view[offset : offset + length]
+                send_all(sock, [pack_response(KIND_DATA, op_index, batch_id, length), source])
+        finally:
+            self._regions.leave(region, cut)
+        return True
 
     def _drain(self, sock: socket.socket, length: int, peer: str) -> bool:
         """Discard a refused WRITE's payload so the stream stays in sync."""

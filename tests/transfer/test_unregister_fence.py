@@ -1,0 +1,78 @@
+"""Unregistering is a fence: once `unregister` returns, no byte of an op a peer started
+earlier lands in the region (a decode worker frees a handoff's pages right after)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import structlog
+
+from libs.common.transfer.tcp_frame import KIND_ERR, KIND_WRITE, RESPONSE, pack_request
+
+
+def _connect(endpoint: str) -> socket.socket:
+    host, port = endpoint.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.settimeout(5)
+    return sock
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.005)):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+async def test_tcp_unregister_cuts_a_write_in_progress_and_nothing_lands_after(
+    tcp_pair,
+) -> None:
+    _, b = tcp_pair
+    dst = bytearray(8192)
+    d_dst = b.register(dst)
+    region = b._regions.get(d_dst.region_id)
+    sock = _connect(d_dst.endpoint)
+    header = pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 0, 4096, d_dst.token_bytes)
+    sock.sendall(header + b"\x22" * 100)  # admitted, then the peer stalls mid-payload
+    await _until(lambda: bool(region.users) and dst[99] == 0x22)
+    with structlog.testing.capture_logs() as logs:
+        b.unregister(d_dst)  # returns only once the op is cut off
+        assert not region.users and not region.live
+        with contextlib.suppress(OSError):  # the late rest of the payload
+            sock.sendall(b"\x33" * 3996)
+        await asyncio.sleep(0.05)
+    sock.close()
+    assert dst[:100] == b"\x22" * 100  # what landed before unregister
+    assert dst[100:] == bytes(8192 - 100)  # nothing after it
+    cut = [e for e in logs if e["event"] == "transfer peer disconnected mid-payload"]
+    assert cut and cut[0]["unregistered"] is True
+
+
+async def test_tcp_op_admitted_after_unregister_is_refused(tcp_pair) -> None:
+    _, b = tcp_pair
+    dst = bytearray(64)
+    d_dst = b.register(dst)
+    b.unregister(d_dst)
+    sock = _connect(d_dst.endpoint)
+    sock.sendall(pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 0, 16, d_dst.token_bytes)
+                 + b"\x44" * 16)  # fmt: skip
+    answer = await asyncio.to_thread(sock.recv, RESPONSE.size)
+    sock.close()
+    assert RESPONSE.unpack(answer)[2] == KIND_ERR
+    assert dst == bytes(64)
+
+
+async def test_tcp_unregister_of_an_idle_region_leaves_other_connections_serving(
+    tcp_pair,
+) -> None:
+    a, b = tcp_pair
+    one, two = bytearray(64), bytearray(64)
+    d_one, d_two = b.register(one), b.register(two)
+    d_src = a.register(bytearray(b"s" * 64))
+    await a.write(d_src, d_one, [(0, 0, 64)])
+    b.unregister(d_one)  # nothing in flight: no connection is cut
+    await a.write(d_src, d_two, [(0, 0, 64)])
+    assert one == b"s" * 64 and two == b"s" * 64
