@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 
+import pytest
 import structlog
 
+from libs.common.transfer import TransferError
+from libs.common.transfer.shm_segment import Segment
 from libs.common.transfer.tcp_frame import KIND_ERR, KIND_WRITE, RESPONSE, pack_request
 
 
@@ -76,3 +80,59 @@ async def test_tcp_unregister_of_an_idle_region_leaves_other_connections_serving
     b.unregister(d_one)  # nothing in flight: no connection is cut
     await a.write(d_src, d_two, [(0, 0, 64)])
     assert one == b"s" * 64 and two == b"s" * 64
+
+
+def test_shm_clear_waits_for_a_peer_pin_and_pins_after_it_are_refused(tmp_path) -> None:
+    owner = Segment.create(str(tmp_path), 1 << 16)
+    peer = Segment.attach(str(tmp_path), owner.name)
+    try:
+        slot = owner.put(7, 0, 4096, b"t" * 16)
+        pinned = peer.pin(7)
+        assert pinned is not None and pinned[0] == slot
+        assert peer.pin(7) is not None  # a second batch of the same peer
+        result: list[bool] = []
+        fence = threading.Thread(target=lambda: result.append(owner.clear(slot)))
+        fence.start()
+        fence.join(0.1)
+        assert fence.is_alive()  # the owner waits while a peer's batch has the slot
+        assert peer.pin(7) is None  # cleared: no new batch starts
+        peer.unpin(slot)
+        fence.join(0.1)
+        assert fence.is_alive()  # one batch still copying
+        peer.unpin(slot)
+        fence.join(5)
+        assert result == [True]
+        assert owner.clear(slot, timeout_s=0.0) is True  # nothing pinned: at once
+    finally:
+        peer.close()
+        owner.close()
+
+
+def test_shm_clear_gives_up_after_its_timeout_when_a_peer_never_finishes(tmp_path) -> None:
+    owner = Segment.create(str(tmp_path), 1 << 16)
+    peer = Segment.attach(str(tmp_path), owner.name)
+    try:
+        slot = owner.put(9, 0, 64, b"t" * 16)
+        assert peer.pin(9) is not None
+        assert owner.clear(slot, timeout_s=0.05) is False
+    finally:
+        peer.close()
+        owner.close()
+
+
+async def test_shm_unregister_waits_for_a_peer_batch_still_copying(shm_pair) -> None:
+    a, b = shm_pair
+    src, dst = a.allocate(4096), b.allocate(4096)
+    d_src, d_dst = a.register(src), b.register(dst)
+    await a.write(d_src, d_dst, [(0, 0, 16)])  # a has mapped b's segment
+    segment = a._segment(d_dst)
+    slot = segment.pin(d_dst.region_id)[0]  # what a batch holds while it copies
+    unregistered = threading.Event()
+    fence = threading.Thread(target=lambda: (b.unregister(d_dst), unregistered.set()))
+    fence.start()
+    assert not unregistered.wait(0.1)  # b waits for the batch
+    segment.unpin(slot)  # the batch's copy ended
+    assert unregistered.wait(5)
+    fence.join(5)
+    with pytest.raises(TransferError, match="refused"):
+        await a.write(d_src, d_dst, [(0, 0, 16)])

@@ -12,6 +12,7 @@ threads, so the event loop stays free and both cores copy.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import hmac
 import socket
@@ -110,7 +111,9 @@ class ShmTransferEngine(TransferEngine):
         raise ValueError("buffer: the shm transport registers only memory from allocate()")
 
     def _on_unregister(self, region: Region) -> None:
-        region.extra["segment"].clear(region.extra["slot"])
+        if not region.extra["segment"].clear(region.extra["slot"]):
+            self._log.error("unregister: a peer's copy into the region did not end in time",
+                            region_id=region.region_id)  # fmt: skip
 
     def _descriptor(self, region: Region) -> RegionDescriptor:
         segment: Segment = region.extra["segment"]
@@ -151,21 +154,27 @@ class ShmTransferEngine(TransferEngine):
             self._attached[name] = segment
         return segment
 
-    def _check(self, remote: RegionDescriptor) -> int:
-        """The owner's slot must match the descriptor; returns the region's address."""
+    def _pin(self, remote: RegionDescriptor) -> tuple[Segment, int, int]:
+        """The owner's slot must match the descriptor; pins it (Segment.pin: the
+        owner's unregister waits for the batch) and returns (segment, slot, address)."""
         segment = self._segment(remote)
-        found = segment.find(remote.region_id)
-        offset, length, token = found if found is not None else (0, 0, bytes(16))
+        found = segment.pin(remote.region_id)
+        index, offset, length, token = found if found is not None else (-1, 0, 0, bytes(16))
         token_ok = hmac.compare_digest(token, remote.token_bytes)
-        if found is None:
-            raise AccessRefused(f"unknown region {remote.region_id}")
-        if not token_ok:
-            raise AccessRefused(f"wrong token for region {remote.region_id}")
-        if offset != remote.addr or length != remote.length:
-            raise AccessRefused(f"descriptor does not match region {remote.region_id}")
-        if not check_range(offset, length, segment.data_len):
-            raise AccessRefused(f"region {remote.region_id} exceeds its segment")
-        return segment.data_addr + offset
+        try:
+            if found is None:
+                raise AccessRefused(f"unknown region {remote.region_id}")
+            if not token_ok:
+                raise AccessRefused(f"wrong token for region {remote.region_id}")
+            if offset != remote.addr or length != remote.length:
+                raise AccessRefused(f"descriptor does not match region {remote.region_id}")
+            if not check_range(offset, length, segment.data_len):
+                raise AccessRefused(f"region {remote.region_id} exceeds its segment")
+        except AccessRefused:
+            if found is not None:
+                segment.unpin(index)
+            raise
+        return segment, index, segment.data_addr + offset
 
     async def _transfer(
         self, kind: str, region: Region, remote: RegionDescriptor, ops: list[Op]
@@ -174,10 +183,27 @@ class ShmTransferEngine(TransferEngine):
         if name not in self._attached and name not in self._owned:  # no coroutine once mapped
             await self._attach(host, name)
         try:
-            remote_addr = self._check(remote)
+            segment, slot, remote_addr = self._pin(remote)
         except AccessRefused as exc:
             self._log.warning("transfer refused", peer=remote.endpoint, reason=exc.reason)
             raise TransferError(remote.endpoint, f"refused: {exc.reason}") from None
+        copies: list[concurrent.futures.Future[None]] = []
+        try:
+            copies = self._move(kind, region, remote_addr, ops)
+            if copies:
+                await asyncio.gather(*(asyncio.wrap_future(c) for c in copies))
+        finally:
+            # A cancelled batch's copies still run in their threads: the slot stays
+            # pinned until they end (one batch's copy time).
+            if copies:
+                concurrent.futures.wait(copies)
+            segment.unpin(slot)
+
+    def _move(
+        self, kind: str, region: Region, remote_addr: int, ops: list[Op]
+    ) -> list[concurrent.futures.Future[None]]:
+        """Copy a small batch inline (returns []), or start a large one on the copy
+        threads (returns their futures)."""
         # Bounds were validated against the descriptor, and the descriptor against
         # the owner's slot, so every address below lies inside the peer's region.
         slices = slice_ops(ops, self._slice_bytes)
@@ -191,7 +217,6 @@ class ShmTransferEngine(TransferEngine):
 
         if total < self._inline or self._pool is None:
             _copy(pairs(slices))
-            return
-        loop = asyncio.get_running_loop()
+            return []
         lanes = [lane for lane in spread(slices, self._threads) if lane]
-        await asyncio.gather(*(loop.run_in_executor(self._pool, _copy, pairs(ln)) for ln in lanes))
+        return [self._pool.submit(_copy, pairs(ln)) for ln in lanes]

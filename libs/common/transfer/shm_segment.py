@@ -10,7 +10,16 @@
 
 The owner writes a slot when it registers a region and clears it on unregister, so
 a peer holding a stale or forged descriptor is refused before it copies a byte (1023
-slots: a decode worker registers its KV pool once per handoff in flight). The
+slots: a decode worker registers its KV pool once per handoff in flight).
+
+Unregistering is a fence (as on tcp, see region.py): a peer *pins* a slot for each
+batch with a shared OFD byte-range lock on the slot's 64 bytes of the file, checks the
+slot under it, copies, and unpins. The owner clears the slot, then takes an exclusive
+lock on the same bytes through its own file description, which it gets only once
+every batch that pinned the slot before the clear has finished copying:
+
+    peer:  pin (shared lock) -> slot live? -> memmove ... -> unpin
+    owner: clear slot -> exclusive lock (waits for the pins) -> unlock -> free pages The
 file is created 0600 under an unguessable name: the OS user is the trust boundary,
 the slot check catches stale descriptors and mix-ups. Files live in /dev/shm (a
 tmpfs) rather than multiprocessing.shared_memory, whose resource tracker in
@@ -21,11 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import re
 import secrets
 import struct
+import time
 
 import numpy as np
 
@@ -37,6 +48,10 @@ NSLOTS = (HEADER_BYTES - 64) // SLOT_BYTES
 _HEADER = struct.Struct("<8sII Q")
 _SLOT = struct.Struct("<QQQQ16s")
 _NAME = re.compile(r"tandem-[0-9a-f]{32}")
+# struct flock for fcntl(F_OFD_SETLK): l_type, l_whence, l_start, l_len, l_pid (0)
+_FLOCK = struct.Struct("@hhqqi4x")
+# How long the owner's unregister waits for peers' batches on a cleared slot.
+FENCE_TIMEOUT_S = 5.0
 
 
 def _attach_flags(owner_holds_every_page: bool) -> int:
@@ -53,13 +68,31 @@ def _slot_at(index: int) -> int:
     return 64 + index * SLOT_BYTES
 
 
+def _lock(fd: int, kind: int, index: int) -> bool:
+    """Set an OFD lock (fcntl.F_RDLCK / F_WRLCK / F_UNLCK) on slot `index`, without
+    waiting; False when a conflicting lock is held. OFD locks belong to the open file
+    description, so two Segment objects of one process conflict like two processes."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, _slot_at(index),
+                                                       SLOT_BYTES, 0))  # fmt: skip
+    except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: held by another
+        return False
+    return True
+
+
 class Segment:
     """One mapped segment; `create` for the owner, `attach` for peers."""
 
-    def __init__(self, name: str, path: str, mm: mmap.mmap, data_len: int, owner: bool) -> None:
+    def __init__(
+        self, name: str, path: str, mm: mmap.mmap, data_len: int, owner: bool, fd: int
+    ) -> None:
         self.name = name
         self.path = path
         self._mm = mm
+        self._fd = fd  # this object's file description: its pins (shared slot locks)
+        # The owner fences through a second description: its own pins never satisfy it.
+        self._fence_fd = os.open(path, os.O_RDWR) if owner else -1
+        self._pins: dict[int, int] = {}  # slot -> batches of this object pinning it
         self.data_len = data_len
         self.owner = owner
         self.data = memoryview(mm)[HEADER_BYTES : HEADER_BYTES + data_len]
@@ -77,13 +110,12 @@ class Segment:
         try:
             os.ftruncate(fd, HEADER_BYTES + nbytes)
             mm = mmap.mmap(fd, HEADER_BYTES + nbytes)
+            mm[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, NSLOTS, nbytes)
+            return cls(name, path, mm, nbytes, owner=True, fd=fd)
         except BaseException:
+            os.close(fd)
             os.unlink(path)
             raise
-        finally:
-            os.close(fd)
-        mm[: _HEADER.size] = _HEADER.pack(MAGIC, VERSION, NSLOTS, nbytes)
-        return cls(name, path, mm, nbytes, owner=True)
 
     @classmethod
     def attach(cls, directory: str, name: str) -> Segment:
@@ -101,16 +133,17 @@ class Segment:
             # The header page range is mostly holes; the data is what the owner touched.
             held = stat.st_blocks * 512 >= size - HEADER_BYTES
             mm = mmap.mmap(fd, size, _attach_flags(held))
-        finally:
+            magic, version, nslots, data_len = _HEADER.unpack_from(mm, 0)
+            if magic != MAGIC or version != VERSION or nslots != NSLOTS:
+                mm.close()
+                raise ValueError(f"segment {name}: bad header")
+            if data_len > size - HEADER_BYTES:
+                mm.close()
+                raise ValueError(f"segment {name}: header claims more data than the file holds")
+            return cls(name, path, mm, data_len, owner=False, fd=fd)
+        except BaseException:
             os.close(fd)
-        magic, version, nslots, data_len = _HEADER.unpack_from(mm, 0)
-        if magic != MAGIC or version != VERSION or nslots != NSLOTS:
-            mm.close()
-            raise ValueError(f"segment {name}: bad header")
-        if data_len > size - HEADER_BYTES:
-            mm.close()
-            raise ValueError(f"segment {name}: header claims more data than the file holds")
-        return cls(name, path, mm, data_len, owner=False)
+            raise
 
     def new_view(self) -> memoryview:
         """A fresh view of the data area (callers may hold it past `close`)."""
@@ -129,30 +162,75 @@ class Segment:
         self._mm[at + 24 : at + 32] = struct.pack("<Q", 1)
         return index
 
-    def clear(self, index: int) -> None:
+    def clear(self, index: int, timeout_s: float = FENCE_TIMEOUT_S) -> bool:
+        """Unpublish slot `index`, then wait until no peer's batch that pinned it
+        before is still copying (the fence). False if that took over `timeout_s` (a
+        peer stopped mid-copy): the caller must not reuse the memory yet."""
         at = _slot_at(index)
         self._mm[at + 24 : at + 32] = bytes(8)
         self._mm[at : at + _SLOT.size] = bytes(_SLOT.size)
+        end = time.monotonic() + timeout_s
+        while not _lock(self._fence_fd, fcntl.F_WRLCK, index):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.0005)  # a batch in flight: one copy's time
+        _lock(self._fence_fd, fcntl.F_UNLCK, index)
+        return True
+
+    def pin(self, region_id: int) -> tuple[int, int, int, bytes] | None:
+        """(slot, offset, length, token) of a live region, pinned until `unpin(slot)`:
+        the owner's `clear` of that slot waits for it. None when the region is not
+        live (or is being unregistered right now)."""
+        found = self._find_slot(region_id)
+        if found is None:
+            return None
+        index = found
+        pins = self._pins.get(index, 0)
+        if not pins and not _lock(self._fd, fcntl.F_RDLCK, index):
+            return None  # the owner is fencing this slot: the region is going away
+        self._pins[index] = pins + 1
+        # Checked again under the pin: the slot may have been cleared (or reused)
+        # between the lookup and the lock.
+        rid, offset, length, live, token = _SLOT.unpack_from(self._mm, _slot_at(index))
+        if live != 1 or rid != region_id:
+            self.unpin(index)
+            return None
+        return index, offset, length, token
+
+    def unpin(self, index: int) -> None:
+        pins = self._pins.pop(index) - 1
+        if pins:
+            self._pins[index] = pins
+        else:
+            _lock(self._fd, fcntl.F_UNLCK, index)
 
     def find(self, region_id: int) -> tuple[int, int, bytes] | None:
-        """(offset, length, token) of a live region, or None.
+        """(offset, length, token) of a live region, or None (unpinned: a snapshot)."""
+        index = self._find_slot(region_id)
+        if index is None:
+            return None
+        _, offset, length, _, token = _SLOT.unpack_from(self._mm, _slot_at(index))
+        return offset, length, token
+
+    def _find_slot(self, region_id: int) -> int | None:
+        """The slot of a live region, or None.
 
         The slot a region was last found in is tried first (one 64-byte read instead of a
         scan of the table); its contents are checked either way, so a stale hint only
         costs the scan."""
         hint = self._last_slot.get(region_id)
         if hint is not None:
-            rid, offset, length, live, token = _SLOT.unpack_from(self._mm, _slot_at(hint))
+            rid, _, _, live, _ = _SLOT.unpack_from(self._mm, _slot_at(hint))
             if live == 1 and rid == region_id:
-                return offset, length, token
+                return hint
             del self._last_slot[region_id]
         for index in np.flatnonzero(self._slots[:, 0] == np.uint64(region_id)):
-            rid, offset, length, live, token = _SLOT.unpack_from(self._mm, _slot_at(int(index)))
+            rid, _, _, live, _ = _SLOT.unpack_from(self._mm, _slot_at(int(index)))
             if live == 1 and rid == region_id:
                 if len(self._last_slot) >= NSLOTS:
                     self._last_slot.clear()
                 self._last_slot[region_id] = int(index)
-                return offset, length, token
+                return int(index)
         return None
 
     def close(self) -> None:
@@ -163,6 +241,10 @@ class Segment:
         # Views handed out by allocate() may still be alive; the mapping then goes
         # away with the last of them.
         self._slots = None
+        for fd in (self._fd, self._fence_fd):
+            if fd >= 0:
+                os.close(fd)  # drops this object's locks with its file description
+        self._fd = self._fence_fd = -1
         with contextlib.suppress(BufferError):
             self.data.release()
             self._mm.close()
