@@ -78,3 +78,29 @@ async def test_bad_rkey_fails_the_batch_naming_the_op_then_link_recovers(rdma_pa
 async def test_rdma_needs_the_exchange_callable() -> None:
     with pytest.raises(ValueError, match="connect_peer"):
         RdmaTransferEngine()
+
+
+async def test_a_peer_that_stops_completing_fails_the_batch_within_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One send-queue slot and two slices: the second waits for room that never comes.
+    verbs = make_verbs()
+    monkeypatch.setattr(rdma, "load_pyverbs", lambda: verbs)
+    monkeypatch.setattr(rdma, "rdma_devices", lambda: ["fake0"])
+    engines: dict[str, RdmaTransferEngine] = {}
+
+    async def connect_peer(endpoint: str, request: dict) -> dict:
+        return await engines[endpoint].accept_peer(request)
+
+    a = RdmaTransferEngine(connect_peer=connect_peer, slice_bytes=64 << 10, max_send_wr=1,
+                           batch_timeout_s=0.3)  # fmt: skip
+    b = RdmaTransferEngine(connect_peer=connect_peer, engine_id="decode-0")
+    async with a, b:
+        engines[a.endpoint], engines[b.endpoint] = a, b
+        d_src, d_dst = a.register(a.allocate(1 << 20)), b.register(b.allocate(1 << 20))
+        await a.write(d_src, d_dst, [(0, 0, 128 << 10)])  # connected, completions flow
+        monkeypatch.setattr(verbs.QP, "post_send", lambda self, wr: None)  # they stop
+        with pytest.raises(TransferError, match="timed out") as info:
+            await asyncio.wait_for(a.write(d_src, d_dst, [(0, 0, 128 << 10)]), 5)
+        assert info.value.peer == "decode-0"
+        assert a._tracker.outstanding == 0  # nothing left for the poller to wait on

@@ -229,18 +229,26 @@ class RdmaTransferEngine(TransferEngine):
         future = self._batches[batch_id] = asyncio.get_running_loop().create_future()
         self._tracker.open(batch_id, len(slices))
         try:
-            for qp, lane in zip(qps, spread(slices, len(qps)), strict=True):
-                credits = self._credits[qp.qp_num]
-                for s in lane:
-                    await credits.acquire()  # never overrun the send queue
-                    wr_id = self._tracker.post(batch_id, s.op_index)
-                    self._wr_qp[wr_id] = qp.qp_num
-                    local = (region.addr + s.local_off, s.length, lkey)
-                    dev.post(qp, kind == "write", wr_id, local, remote.addr + s.remote_off,
-                             remote.rkey)  # fmt: skip
-                    self._posted.set()
+            # The deadline covers waiting for send-queue room too: a peer that stops
+            # completing must not hold a batch (or its caller) past the timeout.
             async with asyncio.timeout(self._batch_timeout_s):
+                for qp, lane in zip(qps, spread(slices, len(qps)), strict=True):
+                    credits = self._credits[qp.qp_num]
+                    for s in lane:
+                        await credits.acquire()  # never overrun the send queue
+                        wr_id = self._tracker.post(batch_id, s.op_index)
+                        self._wr_qp[wr_id] = qp.qp_num
+                        local = (region.addr + s.local_off, s.length, lkey)
+                        dev.post(qp, kind == "write", wr_id, local, remote.addr + s.remote_off,
+                                 remote.rkey)  # fmt: skip
+                        self._posted.set()
                 await future
+        except TimeoutError:
+            if self._links[peer][0].usable:
+                self._links[peer][0].move(LinkState.ERROR, f"{kind} timed out")
+            for wr_id in self._tracker.forget(batch_id):  # the poller may sleep again
+                self._wr_qp.pop(wr_id, None)
+            raise TransferError(peer, f"{kind} timed out after {self._batch_timeout_s}s") from None
         except TransferError as exc:
             # A failed work request puts the RC queue pair in the error state.
             if self._links[peer][0].usable:

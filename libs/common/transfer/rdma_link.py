@@ -197,6 +197,15 @@ class WorkTracker:
             return batch_id, batch
         return None
 
+    def forget(self, batch_id: int) -> list[int]:
+        """Drop a batch given up on (timed out) and its outstanding work requests;
+        returns their wr ids. A late completion of one is then ignored."""
+        self._batches.pop(batch_id, None)
+        dropped = [wr for wr, (batch, _) in self._wrs.items() if batch == batch_id]
+        for wr in dropped:
+            del self._wrs[wr]
+        return dropped
+
     @property
     def outstanding(self) -> int:
         return len(self._wrs)
