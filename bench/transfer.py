@@ -266,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     kinds = [k for k in args.ops.split(",") if k]
+    transports = [t for t in args.transports.split(",") if t]
+    if not transports or set(transports) - {"tcp", "shm"}:
+        parser.error(f"--transports: a comma list of tcp and shm, got {args.transports!r}")
+    if not kinds or set(kinds) - {"write", "read"}:
+        parser.error(f"--ops: a comma list of write and read, got {args.ops!r}")
     meta: dict[str, Any] = {
         "load_before": os.getloadavg(),
         "cpus": os.cpu_count(),
@@ -274,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
         "tcp_options": tcp_options,
     }
     rows = run_memcpy(args.seconds, args.max_iters)
-    transports = [t for t in args.transports.split(",") if t]
     if "tcp" in transports and not args.no_floors:
         conns = tcp_options.get("connections_per_peer", TCP_DEFAULT_CONNECTIONS)
         rows += run_floors(args.seconds, args.max_iters, conns, _stats)

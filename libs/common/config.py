@@ -223,14 +223,9 @@ def _convert(cls: type, f: dataclasses.Field, raw: str) -> Any:
 
 
 @dataclass
-class WorkerConfig(CommonConfig):
-    """Flags shared by the model workers (prefill and decode)."""
+class TransferConfig(CommonConfig):
+    """Flags of a service that owns a transfer engine (the workers, the cache stores)."""
 
-    model: str = field(
-        default="default",
-        metadata={"help": "'default' (SmolLM2-135M-Instruct Q4_1), a GGUF file or an HF folder"},
-    )
-    page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     transport: str = field(
         default="auto",
         metadata={
@@ -238,7 +233,44 @@ class WorkerConfig(CommonConfig):
             "choices": ("auto", "rdma", "tcp", "shm"),
         },
     )
+    transfer_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address the transfer engine listens on and gives to peers"},
+    )
+    transfer_advertise_host: str = field(
+        default="",
+        metadata={"help": "address peers dial for KV transfers (default: --transfer-host)"},
+    )
+    transfer_stall_timeout: float = field(
+        default=10.0,
+        metadata={"help": "seconds a KV transfer connection may stall before it fails (tcp)"},
+    )
 
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "transfer_stall_timeout")
+
+    def transfer_options(self, transport: str) -> dict[str, Any]:
+        """create_engine keywords from these flags for `transport` (shm and rdma take
+        none of them; rdma's exchange options come from transfer_exchange)."""
+        if transport != "tcp":
+            return {}
+        return {
+            "host": self.transfer_host,
+            "advertise_host": self.transfer_advertise_host or None,
+            "stall_timeout_s": self.transfer_stall_timeout,
+        }
+
+
+@dataclass
+class WorkerConfig(TransferConfig):
+    """Flags shared by the model workers (prefill and decode)."""
+
+    model: str = field(
+        default="default",
+        metadata={"help": "'default' (SmolLM2-135M-Instruct Q4_1), a GGUF file or an HF folder"},
+    )
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     kv_cache_mb: int = field(default=512, metadata={"help": "memory of the paged KV pool, MiB"})
     max_num_seqs: int = field(default=64, metadata={"help": "cap on running requests"})
     max_num_batched_tokens: int = field(
@@ -257,18 +289,6 @@ class WorkerConfig(CommonConfig):
         default=False,
         metadata={"help": "no dense K/V copy of decoding sequences (up to --kv-cache-mb again)"},
     )
-    transfer_host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "address the transfer engine listens on and gives to peers"},
-    )
-    transfer_advertise_host: str = field(
-        default="",
-        metadata={"help": "address peers dial for KV transfers (default: --transfer-host)"},
-    )
-    transfer_stall_timeout: float = field(
-        default=10.0,
-        metadata={"help": "seconds a KV transfer connection may stall before it fails (tcp)"},
-    )
     load_interval: float = field(default=0.25, metadata={"help": "seconds between load reports"})
     handoff_timeout: float = field(
         default=300.0,
@@ -283,7 +303,7 @@ class WorkerConfig(CommonConfig):
         super().validate()
         for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
             require_positive(self, name)
-        for name in ("load_interval", "handoff_timeout", "peer_timeout", "transfer_stall_timeout"):
+        for name in ("load_interval", "handoff_timeout", "peer_timeout"):
             require_positive(self, name)
         if self.num_threads < 0:
             raise ValueError(f"--num-threads: must be >= 0, got {self.num_threads}")

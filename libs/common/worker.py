@@ -129,13 +129,7 @@ class WorkerService(BaseService):
     # --- lifecycle -------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        options: dict[str, Any] = {}
-        if self.transport == "tcp":  # shm and rdma take none of these
-            options = {
-                "host": self.config.transfer_host,
-                "advertise_host": self.config.transfer_advertise_host or None,
-                "stall_timeout_s": self.config.transfer_stall_timeout,
-            }
+        options = self.config.transfer_options(self.transport)
         prefix, sid = self.config.subject_prefix, self.config.service_id
         options.update(engine_options(self.transport, self.bus, prefix, sid))
         self.transfer = create_engine(self.transport, **options)

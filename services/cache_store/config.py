@@ -3,7 +3,7 @@
 import re
 from dataclasses import dataclass, field
 
-from libs.common.config import CommonConfig, flag_name, require_positive
+from libs.common.config import TransferConfig, flag_name, require_positive
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -18,7 +18,7 @@ def parse_size(text: str) -> int:
 
 
 @dataclass
-class CacheStoreConfig(CommonConfig):
+class CacheStoreConfig(TransferConfig):
     """A cache store: one node of the KV pool, holding a registered memory segment."""
 
     SERVICE = "cache_store"
@@ -33,17 +33,6 @@ class CacheStoreConfig(CommonConfig):
             "help": "back the segment with this file (shared mapping) so a restart keeps its "
             "contents; its index is kept next to it in PATH.index.json"
         },
-    )
-    transport: str = field(
-        default="auto",
-        metadata={
-            "help": "KV transfer transport; auto = rdma where a device exists, else tcp",
-            "choices": ("auto", "rdma", "tcp", "shm"),
-        },
-    )
-    transfer_host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "address the transfer engine listens on and gives to peers (tcp)"},
     )
     heartbeat_interval: float = field(
         default=1.0, metadata={"help": "seconds between heartbeats to the cache master"}

@@ -63,6 +63,7 @@ class CacheStoreService(BaseService):
             "segment_file": self.config.segment_file,
             "transport": self.engine.transport if self.engine else self.config.transport,
             "transfer_endpoint": self.engine.endpoint if self.engine and self.region else "",
+            "transfer": self.engine.info() if self.engine else {},
             "mounted": self.mounted,
             "objects": len(seg.index) if seg else 0,
             "used": seg.used if seg else 0,
@@ -72,7 +73,7 @@ class CacheStoreService(BaseService):
         return self.subject("pool", "master", name)
 
     async def on_start(self) -> None:
-        options = {"host": self.config.transfer_host} if self._transport() == "tcp" else {}
+        options = self.config.transfer_options(self._transport())
         prefix, sid = self.config.subject_prefix, self.config.service_id
         options.update(engine_options(self._transport(), self.bus, prefix, sid))
         self.engine = create_engine(self._transport(), **options)

@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from libs.common.bus import RemoteError
+from libs.common.messages import InfoRequest, ServiceInfo
 from libs.common.pool_messages import PoolHeartbeatReply, PoolStoreRef
 
 
@@ -125,3 +126,15 @@ async def test_inline_master_endpoints_still_show_in_micro_info_and_stats(pool, 
         assert counts["exists"] >= 5
     finally:
         await nc.close()
+
+
+async def test_store_info_shows_its_transfer_engine_and_advertised_host(pool):
+    pool.procs.store("store-i", "--transfer-advertise-host", "127.0.0.9",
+                     "--transfer-stall-timeout", "4")  # fmt: skip
+    await pool.wait_stores(1)
+    info = await pool.bus.request("tandem.cache_store.store-i.info", InfoRequest(), ServiceInfo)
+    transfer = info.details["transfer"]
+    assert transfer["transport"] == "tcp" and transfer["state"] == "running"
+    assert transfer["stall_timeout_s"] == 4.0
+    assert transfer["endpoint"].startswith("127.0.0.9:")  # what peers dial
+    assert info.details["transfer_endpoint"] == transfer["endpoint"]

@@ -6,6 +6,7 @@ import asyncio
 import os
 
 import pytest
+import structlog
 import torch
 
 from libs.common.transfer import TransferError
@@ -55,10 +56,14 @@ async def test_refusals_touch_nothing(shm_pair) -> None:
         "another host": {"endpoint": "other-host:" + d_dst.endpoint.split(":", 1)[1]},
         "cannot map": {"endpoint": d_dst.endpoint.split(":", 1)[0] + ":../../etc/passwd"},
     }
-    for reason, change in forged.items():
-        desc = RegionDescriptor.from_dict({**d_dst.to_dict(), **change})
-        with pytest.raises(TransferError, match=reason):
-            await a.write(d_src, desc, [(0, 0, 16)])
+    with structlog.testing.capture_logs() as logs:
+        for reason, change in forged.items():
+            desc = RegionDescriptor.from_dict({**d_dst.to_dict(), **change})
+            with pytest.raises(TransferError, match=reason) as info:
+                await a.write(d_src, desc, [(0, 0, 16)])
+            assert info.value.peer == desc.endpoint and info.value.op == (0, 0, 16)
+    refused = [e for e in logs if e["event"] == "transfer refused"]
+    assert len(refused) == len(forged) and all("token" not in e for e in refused)
     b.unregister(d_dst)
     with pytest.raises(TransferError, match="unknown region"):
         await a.write(d_src, d_dst, [(0, 0, 16)])

@@ -9,6 +9,7 @@ import socket
 import structlog
 
 from libs.common.transfer.tcp_frame import (
+    FLAG_LAST,
     KIND_ACK,
     KIND_ERR,
     KIND_WRITE,
@@ -135,3 +136,41 @@ async def test_header_split_across_the_busy_poll_is_still_served(tcp_pair) -> No
     sock.close()
     assert RESPONSE.unpack(answer)[2] == KIND_ACK
     assert dst == bytes(8) + b"\x33" * 16 + bytes(40)
+
+
+async def test_overflowing_offset_on_the_wire_is_refused_and_nothing_is_written(tcp_pair) -> None:
+    _, b = tcp_pair
+    dst = bytearray(4096)
+    d_dst = b.register(dst)
+    sock = _connect(d_dst.endpoint)
+    # offset + length wraps a u64 to 8: a C-style `offset + length <= size` would pass.
+    offset = (1 << 64) - 8
+    sock.sendall(pack_request(KIND_WRITE, 1, 3, 1, d_dst.region_id, offset, 16,
+                              d_dst.token_bytes) + b"\x55" * 16)  # fmt: skip
+    sock.settimeout(0.5)  # the ERR, then the server waits for this batch's next op
+    answer = await asyncio.to_thread(_recv_all, sock)
+    sock.close()
+    kind, op_index = RESPONSE.unpack_from(answer)[2], RESPONSE.unpack_from(answer)[4]
+    assert kind == KIND_ERR and op_index == 3
+    assert b"outside region" in answer[RESPONSE.size :]
+    assert dst == bytes(4096)
+
+
+async def test_a_pipelined_batch_is_acknowledged_once(tcp_pair) -> None:
+    _, b = tcp_pair
+    dst = bytearray(4096)
+    d_dst = b.register(dst)
+    sock = _connect(d_dst.endpoint)
+    ops = [
+        pack_request(KIND_WRITE, FLAG_LAST if i == 7 else 0, i, 42, d_dst.region_id, i * 512,
+                     512, d_dst.token_bytes) + bytes([i + 1]) * 512
+        for i in range(8)
+    ]  # fmt: skip
+    sock.sendall(b"".join(ops))  # eight ops, no round trip between them
+    sock.settimeout(0.5)  # past the ACK: anything more would arrive in this time
+    answer = await asyncio.to_thread(_recv_all, sock)  # everything the server sends back
+    sock.close()
+    assert len(answer) == RESPONSE.size  # one ACK for the whole batch, nothing per op
+    fields = RESPONSE.unpack(answer)
+    assert fields[2] == KIND_ACK and fields[6] == 42
+    assert dst == b"".join(bytes([i + 1]) * 512 for i in range(8))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import structlog
 
 from libs.common.transfer import EngineState, create_engine
 from libs.common.transfer.shm import ShmTransferEngine
@@ -54,6 +55,16 @@ async def test_info_shows_transport_and_endpoint() -> None:
         assert info["endpoint"].startswith("127.0.0.1:")
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_start_logs_the_transport_in_use_and_its_endpoint(transport: str) -> None:
+    with structlog.testing.capture_logs() as logs:
+        async with create_engine(transport) as engine:
+            endpoint = engine.endpoint
+    started = [e for e in logs if e["event"] == "transfer engine started"]
+    assert len(started) == 1
+    assert started[0]["transport"] == transport and started[0]["endpoint"] == endpoint
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -86,3 +97,23 @@ def test_registry_picks_tcp_without_a_device_and_imports_lazily() -> None:
     assert create_engine("shm").transport == "shm"
     with pytest.raises(ValueError, match="transport"):
         create_engine("carrier-pigeon")
+
+
+def test_registry_defaults_to_rdma_where_a_device_and_pyverbs_exist(monkeypatch) -> None:
+    from libs.common.transfer import registry
+
+    monkeypatch.setattr(registry, "rdma_devices", lambda: ["mlx5_0"])
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    assert registry.default_transport() == "tcp"  # a device without pyverbs
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: object())
+    assert registry.default_transport() == "rdma"
+    monkeypatch.setattr(registry, "rdma_devices", lambda: [])
+    assert registry.default_transport() == "tcp"  # pyverbs without a device
+
+
+async def test_cuda_or_other_device_tensors_are_refused_by_name() -> None:
+    import torch
+
+    async with TcpTransferEngine() as engine:
+        with pytest.raises(ValueError, match="buffer: meta memory is not reachable"):
+            engine.register(torch.empty(16, device="meta"))

@@ -35,7 +35,7 @@ def rdma_available() -> bool:
 
 
 def default_transport() -> str:
-    """rdma where a device exists, else tcp (DESIGN.md)."""
+    """rdma where a device exists, else tcp (docs/transfer.md)."""
     return "rdma" if rdma_available() else "tcp"
 
 

@@ -185,8 +185,12 @@ class ShmTransferEngine(TransferEngine):
         try:
             segment, slot, remote_addr = self._pin(remote)
         except AccessRefused as exc:
-            self._log.warning("transfer refused", peer=remote.endpoint, reason=exc.reason)
-            raise TransferError(remote.endpoint, f"refused: {exc.reason}") from None
+            # The region as a whole is refused, so the batch's first op is.
+            self._log.warning("transfer refused", peer=remote.endpoint, reason=exc.reason,
+                              kind=kind, op_index=0)  # fmt: skip
+            raise TransferError(
+                remote.endpoint, f"refused: {exc.reason}", 0, tuple(ops[0])
+            ) from None
         copies: list[concurrent.futures.Future[None]] = []
         try:
             copies = self._move(kind, region, remote_addr, ops)
