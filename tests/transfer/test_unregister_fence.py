@@ -136,3 +136,43 @@ async def test_shm_unregister_waits_for_a_peer_batch_still_copying(shm_pair) -> 
     fence.join(5)
     with pytest.raises(TransferError, match="refused"):
         await a.write(d_src, d_dst, [(0, 0, 16)])
+
+
+def test_tcp_cut_from_a_stale_user_list_spares_the_connection_s_op_on_another_region() -> None:
+    from libs.common.transfer.region import RegionTable
+    from libs.common.transfer.tcp_server import _OpFence
+
+    table = RegionTable()
+    one, two = table.add(bytearray(64)), table.add(bytearray(64))
+    left, right = socket.socketpair()
+    fence = _OpFence(left)
+    try:
+        fence.start(two.region_id)  # the connection has moved on to region two
+        fence(one)  # a cut for region one, from a list taken before it left
+        left.sendall(b"still up")
+        assert right.recv(8) == b"still up"
+        fence(two)  # region two going away does cut it
+        assert right.recv(8) == b""  # shut down
+    finally:
+        fence.close()
+        right.close()
+
+
+async def test_shm_unregister_on_the_writer_s_own_loop_waits_only_for_the_copies(
+    shm_pair,
+) -> None:
+    # Owner and writer share one event loop: the pin must end with the copy threads,
+    # since the loop is held by unregister until then.
+    a, b = shm_pair  # inline_copy_bytes 64 KiB: 32 MiB goes to the copy threads
+    size = 32 << 20
+    src, dst = a.allocate(size), b.allocate(size)
+    src[:] = b"\x5a" * size
+    d_src, d_dst = a.register(src), b.register(dst)
+    await a.write(d_src, d_dst, [(0, 0, 16)])  # a has mapped b's segment
+    writing = asyncio.ensure_future(a.write(d_src, d_dst, [(0, 0, size)]))
+    await asyncio.sleep(0)  # the batch pinned the slot and started its copies
+    with structlog.testing.capture_logs() as logs:
+        b.unregister(d_dst)
+    assert dst == b"\x5a" * size  # every byte landed before unregister returned
+    assert not [e for e in logs if e["log_level"] == "error"]
+    await writing

@@ -244,23 +244,29 @@ class RdmaTransferEngine(TransferEngine):
                         self._posted.set()
                 await future
         except TimeoutError:
-            if self._links[peer][0].usable:
-                self._links[peer][0].move(LinkState.ERROR, f"{kind} timed out")
-            for wr_id in self._tracker.forget(batch_id):  # the poller may sleep again
-                self._wr_qp.pop(wr_id, None)
+            self._fail_link(peer, qps, f"{kind} timed out")
             raise TransferError(peer, f"{kind} timed out after {self._batch_timeout_s}s") from None
         except TransferError as exc:
             # A failed work request puts the RC queue pair in the error state.
-            if self._links[peer][0].usable:
-                self._links[peer][0].move(LinkState.ERROR, exc.reason)
+            self._fail_link(peer, qps, exc.reason)
             op = tuple(ops[exc.op_index]) if 0 <= exc.op_index < len(ops) else None
             raise TransferError(peer, exc.reason, exc.op_index, op) from None
         except Exception as exc:
-            if self._links[peer][0].usable:
-                self._links[peer][0].move(LinkState.ERROR, str(exc))
+            self._fail_link(peer, qps, str(exc))
             raise TransferError(peer, f"{kind} failed: {exc}") from exc
         finally:
             self._batches.pop(batch_id, None)
+            # A batch that did not complete (timed out, cancelled) leaves no work
+            # request for the poller to wait on; a late completion is ignored.
+            for wr_id in self._tracker.forget(batch_id):
+                self._wr_qp.pop(wr_id, None)
+
+    def _fail_link(self, peer: str, qps: list[Any], reason: str) -> None:
+        """Move the peer's link to the error state, unless it was reconnected meanwhile
+        (this batch's queue pairs are not the link's any more)."""
+        link, current = self._links[peer]
+        if link.usable and current is qps:
+            link.move(LinkState.ERROR, reason)
 
     async def _poll(self) -> None:
         idle_spins = 0

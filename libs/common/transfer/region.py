@@ -80,8 +80,8 @@ class Region:
     extra: dict[str, Any] = field(default_factory=dict)  # transport-specific (MR, slot)
     live: bool = True  # False once unregistered: no op may start on it
     # Ops from peers in progress on this region: each one's cut-off (a TCP server
-    # connection's shutdown), called by `RegionTable.remove`.
-    users: set[Callable[[], None]] = field(default_factory=set, repr=False)
+    # connection's shutdown), called with the region by `RegionTable.remove`.
+    users: set[Callable[[Region], None]] = field(default_factory=set, repr=False)
 
     @property
     def length(self) -> int:
@@ -120,7 +120,7 @@ class RegionTable:
         region.live = False  # before reading users: see `enter`
         if region.users:
             for cut in list(region.users):
-                cut()
+                cut(region)
             with self._drained:
                 if not self._drained.wait_for(lambda: not region.users, _DRAIN_TIMEOUT_S):
                     structlog.get_logger("tandem.transfer").error(
@@ -130,7 +130,7 @@ class RegionTable:
         return region
 
     def enter(
-        self, region_id: int, token: bytes, offset: int, length: int, cut: Callable[[], None]
+        self, region_id: int, token: bytes, offset: int, length: int, cut: Callable[[Region], None]
     ) -> Region:
         """`check`, then count the op as running on the region until `leave`; `cut`
         stops it (called from `remove`, any thread)."""
@@ -144,7 +144,7 @@ class RegionTable:
             raise AccessRefused(f"unknown region {region_id}")
         return region
 
-    def leave(self, region: Region, cut: Callable[[], None]) -> None:
+    def leave(self, region: Region, cut: Callable[[Region], None]) -> None:
         region.users.discard(cut)
         if not region.live:
             with self._drained:

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import hmac
+import itertools
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -191,17 +192,26 @@ class ShmTransferEngine(TransferEngine):
             raise TransferError(
                 remote.endpoint, f"refused: {exc.reason}", 0, tuple(ops[0])
             ) from None
-        copies: list[concurrent.futures.Future[None]] = []
         try:
             copies = self._move(kind, region, remote_addr, ops)
-            if copies:
-                await asyncio.gather(*(asyncio.wrap_future(c) for c in copies))
-        finally:
-            # A cancelled batch's copies still run in their threads: the slot stays
-            # pinned until they end (one batch's copy time).
-            if copies:
-                concurrent.futures.wait(copies)
+        except BaseException:
             segment.unpin(slot)
+            raise
+        if not copies:
+            segment.unpin(slot)
+            return
+        # The pin ends with the batch's last copy, in that copy's thread: the owner's
+        # unregister then waits for the bytes, not for this event loop to come round
+        # (nor for a cancelled batch's copies, which run on in their threads).
+        ended = itertools.count(1)
+
+        def copied(_: concurrent.futures.Future[None]) -> None:
+            if next(ended) == len(copies):  # itertools.count is atomic under the GIL
+                segment.unpin(slot)
+
+        for copy in copies:
+            copy.add_done_callback(copied)
+        await asyncio.gather(*(asyncio.wrap_future(c) for c in copies))
 
     def _move(
         self, kind: str, region: Region, remote_addr: int, ops: list[Op]

@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import struct
+import threading
 import time
 
 import numpy as np
@@ -93,6 +94,7 @@ class Segment:
         # The owner fences through a second description: its own pins never satisfy it.
         self._fence_fd = os.open(path, os.O_RDWR) if owner else -1
         self._pins: dict[int, int] = {}  # slot -> batches of this object pinning it
+        self._pins_lock = threading.Lock()  # a batch's copy threads unpin
         self.data_len = data_len
         self.owner = owner
         self.data = memoryview(mm)[HEADER_BYTES : HEADER_BYTES + data_len]
@@ -181,14 +183,14 @@ class Segment:
         """(slot, offset, length, token) of a live region, pinned until `unpin(slot)`:
         the owner's `clear` of that slot waits for it. None when the region is not
         live (or is being unregistered right now)."""
-        found = self._find_slot(region_id)
-        if found is None:
+        index = self._find_slot(region_id)
+        if index is None:
             return None
-        index = found
-        pins = self._pins.get(index, 0)
-        if not pins and not _lock(self._fd, fcntl.F_RDLCK, index):
-            return None  # the owner is fencing this slot: the region is going away
-        self._pins[index] = pins + 1
+        with self._pins_lock:
+            pins = self._pins.get(index, 0)
+            if not pins and not _lock(self._fd, fcntl.F_RDLCK, index):
+                return None  # the owner is fencing this slot: the region is going away
+            self._pins[index] = pins + 1
         # Checked again under the pin: the slot may have been cleared (or reused)
         # between the lookup and the lock.
         rid, offset, length, live, token = _SLOT.unpack_from(self._mm, _slot_at(index))
@@ -198,11 +200,13 @@ class Segment:
         return index, offset, length, token
 
     def unpin(self, index: int) -> None:
-        pins = self._pins.pop(index) - 1
-        if pins:
-            self._pins[index] = pins
-        else:
-            _lock(self._fd, fcntl.F_UNLCK, index)
+        """End one batch's pin (any thread: the last copy thread of a batch calls it)."""
+        with self._pins_lock:
+            pins = self._pins.pop(index, 0) - 1
+            if pins > 0:
+                self._pins[index] = pins
+            elif self._fd >= 0:  # a closed segment's locks went with its descriptor
+                _lock(self._fd, fcntl.F_UNLCK, index)
 
     def find(self, region_id: int) -> tuple[int, int, bytes] | None:
         """(offset, length, token) of a live region, or None (unpinned: a snapshot)."""
@@ -241,10 +245,12 @@ class Segment:
         # Views handed out by allocate() may still be alive; the mapping then goes
         # away with the last of them.
         self._slots = None
-        for fd in (self._fd, self._fence_fd):
-            if fd >= 0:
-                os.close(fd)  # drops this object's locks with its file description
-        self._fd = self._fence_fd = -1
+        with self._pins_lock:
+            for fd in (self._fd, self._fence_fd):
+                if fd >= 0:
+                    os.close(fd)  # drops this object's locks with its file description
+            self._fd = self._fence_fd = -1
+            self._pins.clear()
         with contextlib.suppress(BufferError):
             self.data.release()
             self._mm.close()

@@ -20,7 +20,6 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from .errors import AccessRefused
@@ -84,6 +83,38 @@ def send_all(sock: socket.socket, buffers: list[Any]) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+
+
+class _OpFence:
+    """Unregister's hold on one server connection: the region its op is moving bytes for
+    right now, and the cut (`RegionTable.remove` calls it with the region going away).
+
+    The cut shuts the connection down only while that same region's op is running (a
+    cut from a stale list of users must not kill the connection's next op, on another
+    region), and never races the socket's close (a reused descriptor number)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._region_id = 0  # region ids are never 0
+
+    def start(self, region_id: int) -> None:
+        with self._lock:
+            self._region_id = region_id
+
+    def end(self) -> None:
+        with self._lock:
+            self._region_id = 0
+
+    def __call__(self, region: Region) -> None:
+        with self._lock:
+            if self._region_id == region.region_id:
+                with contextlib.suppress(OSError):  # recv/send in the thread return at once
+                    self._sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close()
 
 
 class TcpTransferServer:
@@ -169,30 +200,24 @@ class TcpTransferServer:
                 sock.close()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        fence = _OpFence(sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_liveness(sock, self._stall_s)  # a cut link must not hold this thread
-            self._serve_frames(sock, peer)
+            self._serve_frames(sock, peer, fence)
         except OSError as exc:
             if not self._stopping.is_set():
                 self._log.warning("transfer connection error", peer=peer, error=str(exc))
         finally:
             with self._lock:
                 self._conns.pop(sock, None)
-            sock.close()
+            fence.close()
 
-    def _serve_frames(self, sock: socket.socket, peer: str) -> None:
+    def _serve_frames(self, sock: socket.socket, peer: str, cut: _OpFence) -> None:
         header = memoryview(bytearray(REQUEST.size))
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         failed_batch: int | None = None  # batch refused on this connection, until LAST
-
-        def cut() -> None:
-            """Unregister's fence: stop this connection's op on the region now (the
-            peer's batch fails; recv/send in this thread return at once)."""
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
         while True:
             got = recv_polled(sock, header, self._poll_s, poller.poll)
             if got != REQUEST.size:
@@ -213,9 +238,11 @@ class TcpTransferServer:
             if failed_batch is not None and failed_batch != batch_id:
                 failed_batch = None  # a new batch starts clean
             if failed_batch is None:
+                cut.start(region_id)
                 try:
                     region = self._regions.enter(region_id, token, offset, length, cut)
                 except AccessRefused as exc:
+                    cut.end()
                     self._log.warning(
                         "transfer op refused", peer=peer, reason=exc.reason,
                         batch_id=batch_id, op_index=op_index,
@@ -236,7 +263,7 @@ class TcpTransferServer:
                 failed_batch = None
 
     def _apply(
-        self, sock: socket.socket, peer: str, region: Region, cut: Callable[[], None],
+        self, sock: socket.socket, peer: str, region: Region, cut: _OpFence,
         kind: int, op_index: int, batch_id: int, offset: int, length: int,
     ) -> bool:  # fmt: skip
         """Move one admitted op's bytes (region entered by `_serve_frames`); False when
@@ -256,6 +283,7 @@ class TcpTransferServer:
                 send_all(sock, [pack_response(KIND_DATA, op_index, batch_id, length), source])
         finally:
             self._regions.leave(region, cut)
+            cut.end()
         return True
 
     def _drain(self, sock: socket.socket, length: int, peer: str) -> bool:
