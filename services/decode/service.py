@@ -28,7 +28,7 @@ from libs.common.messages import (
     RequestStatusReply,
     Usage,
 )
-from libs.common.transfer import RegionDescriptor
+from libs.common.transfer import RegionBusy, RegionDescriptor
 from libs.common.worker import WorkerService, logprobs_wire, sampling_params
 from services.decode.backlog import PromptBacklog
 from services.decode.config import DecodeConfig
@@ -196,9 +196,19 @@ class DecodeService(WorkerService):
                     log.warning("handoff waits for a region slot", error=str(e))
                     await self._region_freed.wait()
 
-    async def _end_handoff(self, region: RegionDescriptor) -> None:
-        if region.region_id != self.kv_region.region_id and self.transfer is not None:
-            self.transfer.unregister(region)
+    async def _end_handoff(self, region: RegionDescriptor, request_id: str) -> None:
+        if region.region_id == self.kv_region.region_id or self.transfer is None:
+            return
+        try:
+            self.transfer.unregister(region)  # the fence: no late write lands after it
+        except RegionBusy:
+            # A peer's write could not be stopped (frozen mid-copy): those pages may
+            # still change, so they never serve anyone again.
+            await self.engine.abort(request_id, retire_pages=True)
+            log.error("handoff pages retired: the prefill worker's write did not end",
+                      request_id=request_id)  # fmt: skip
+            raise RuntimeError("KV handoff could not be fenced; its pages are retired") from None
+        finally:
             async with self._region_freed:
                 self._region_freed.notify()
 
@@ -209,7 +219,7 @@ class DecodeService(WorkerService):
         try:
             return await self._ask_prefill(req, pages, held, region)
         finally:
-            await self._end_handoff(region)
+            await self._end_handoff(region, req.request_id)
 
     async def _ask_prefill(
         self, req: GenerateRequest, pages: list[int], held: int, region: RegionDescriptor

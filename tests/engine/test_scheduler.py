@@ -276,3 +276,24 @@ def test_pages_are_conserved_under_a_random_workload(seed: int):
         step(s, token=rng.choice([7, 8, EOS]))
         assert_pages_conserved(s)
     assert s.kv.cache.stats.hit_pages > 0
+
+
+def test_abort_with_retired_pages_never_hands_the_reserved_pages_out_again():
+    s = make()
+    first = seq("cached", 12)  # its 3 full pages end up in the prefix cache
+    s.add(first)
+    run_until_done(s)
+    q = seq("r", 21)  # shares the first 3 pages (12 tokens), 3 more of its own
+    pages = s.reserve(q, reuse_prefix=True)
+    held = q.num_committed_pages
+    assert held == 3 and len(pages) == 6
+    free_before = s.num_free_pages
+    assert s.abort("r", retire_pages=True) is q
+    assert s.retired_pages == 3
+    # The cached prefix pages are released (evictable again); its own pages stay out.
+    assert s.num_free_pages == free_before + held
+    for i in range(20):  # none of them is ever allocated again
+        other = seq(f"o{i}", 8, first=1000 + 10 * i)
+        got = s.reserve(other)
+        assert got is not None and not set(got) & set(pages[held:])
+        s.abort(f"o{i}")

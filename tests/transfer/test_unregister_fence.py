@@ -11,7 +11,7 @@ import threading
 import pytest
 import structlog
 
-from libs.common.transfer import TransferError
+from libs.common.transfer import RegionBusy, TransferError
 from libs.common.transfer.shm_segment import Segment
 from libs.common.transfer.tcp_frame import KIND_ERR, KIND_WRITE, RESPONSE, pack_request
 
@@ -176,3 +176,35 @@ async def test_shm_unregister_on_the_writer_s_own_loop_waits_only_for_the_copies
     assert dst == b"\x5a" * size  # every byte landed before unregister returned
     assert not [e for e in logs if e["log_level"] == "error"]
     await writing
+
+
+async def test_tcp_unregister_raises_region_busy_when_an_op_will_not_leave(
+    tcp_pair, monkeypatch
+) -> None:
+    from libs.common.transfer import region as region_module
+
+    monkeypatch.setattr(region_module, "_DRAIN_TIMEOUT_S", 0.05)
+    _, b = tcp_pair
+    d_dst = b.register(bytearray(64))
+    stuck = b._regions.get(d_dst.region_id)
+    stuck.users.add(lambda region: None)  # an op whose cut does not stop it
+    with pytest.raises(RegionBusy):
+        b.unregister(d_dst)
+    assert b._regions.get(d_dst.region_id) is None  # gone all the same
+
+
+async def test_shm_unregister_raises_region_busy_when_a_peer_copy_never_ends(
+    shm_pair, monkeypatch
+) -> None:
+    from libs.common.transfer import shm_segment
+
+    monkeypatch.setattr(shm_segment, "FENCE_TIMEOUT_S", 0.05)
+    a, b = shm_pair
+    src, dst = a.allocate(4096), b.allocate(4096)
+    d_src, d_dst = a.register(src), b.register(dst)
+    await a.write(d_src, d_dst, [(0, 0, 16)])
+    a._segment(d_dst).pin(d_dst.region_id)  # a peer frozen mid-copy
+    with pytest.raises(RegionBusy):
+        b.unregister(d_dst)
+    with pytest.raises(TransferError, match="unknown region"):
+        await a.write(d_src, d_dst, [(0, 0, 16)])

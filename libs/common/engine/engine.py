@@ -175,9 +175,10 @@ class Engine:
         finally:
             await self._abandon(request_id)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, retire_pages: bool = False) -> None:
+        """End a request in any state; `retire_pages`: see Scheduler.abort."""
         async with self._lock:
-            out = self._require().abort(request_id)
+            out = self._require().abort(request_id, retire_pages)
             self._flush_events()
         if request_id in self._streams:
             self._end(request_id, out or RequestOutput(request_id, [], "", True, "abort"))

@@ -154,9 +154,9 @@ class EngineCore:
         self.scheduler.add_imported(request_id, first_token_id)
         return self._output(self._requests[request_id], first_token_id, None)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, retire_pages: bool = False) -> RequestOutput | None:
         req = self._requests.pop(request_id, None)
-        seq = self.scheduler.abort(request_id)
+        seq = self.scheduler.abort(request_id, retire_pages)
         if req is None or seq is None:
             return None
         return RequestOutput(

@@ -117,6 +117,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._seqs: dict[str, Sequence] = {}  # every sequence not yet FINISHED
+        self.retired_pages = 0  # pages taken out of use for good (abort retire_pages)
 
     # -- queries ---------------------------------------------------------------
 
@@ -261,11 +262,18 @@ class Scheduler:
         self._finish(seq, FinishReason(reason))
         return seq
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Drop a sequence in any state and free its pages now (a HELD one too)."""
+    def abort(self, request_id: str, retire_pages: bool = False) -> Sequence | None:
+        """Drop a sequence in any state and free its pages now (a HELD one too).
+
+        With `retire_pages` its own pages (those not shared through the prefix cache)
+        are never handed out again: a peer may still be writing them (a KV handoff the
+        transfer engine could not fence). They stay counted as used."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
+        if retire_pages:
+            self.retired_pages += len(seq.page_table) - seq.num_committed_pages
+            del seq.page_table[seq.num_committed_pages :]
         seq.finish_reason = seq.finish_reason or FinishReason.ABORT
         seq.keep_pages = False
         self._finish(seq, seq.finish_reason)

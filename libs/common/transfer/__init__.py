@@ -6,11 +6,12 @@ tcp (tcp.py), shm (shm.py), rdma (rdma.py). Build one with `create_engine`.
 
 from .descriptor import RegionDescriptor
 from .engine import EngineState, TransferEngine
-from .errors import TransferError
+from .errors import RegionBusy, TransferError
 from .registry import create_engine, default_transport, rdma_available
 
 __all__ = [
     "EngineState",
+    "RegionBusy",
     "RegionDescriptor",
     "TransferEngine",
     "TransferError",

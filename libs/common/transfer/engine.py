@@ -27,6 +27,7 @@ Contract of write/read:
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import mmap
 from collections.abc import Awaitable, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 import structlog
 
 from .descriptor import RegionDescriptor
+from .errors import RegionBusy
 from .ops import Op, validate_ops
 from .region import Region, RegionTable
 
@@ -95,7 +97,8 @@ class TransferEngine(abc.ABC):
                 await self._stop()
         finally:
             for region in self._regions.all():
-                self._regions.remove(region.region_id)
+                with contextlib.suppress(RegionBusy):  # logged; the process is leaving it
+                    self._regions.remove(region.region_id)
             self._state = EngineState.STOPPED
             if started:
                 self._log.info("transfer engine stopped")
@@ -140,7 +143,11 @@ class TransferEngine(abc.ABC):
         return self._descriptor(region)
 
     def unregister(self, region: RegionDescriptor | int) -> None:
-        """Forget a region; later ops naming it are refused. Unknown ids are ignored."""
+        """Forget a region; later ops naming it are refused. Unknown ids are ignored.
+
+        A fence (tcp, shm): ops peers started on it before are cut off or waited for, so
+        when this returns no byte of the region moves any more and it may be reused.
+        Raises RegionBusy when that could not be made sure of (see errors.py)."""
         region_id = region.region_id if isinstance(region, RegionDescriptor) else region
         removed = self._regions.remove(region_id)
         if removed is not None:

@@ -42,3 +42,9 @@ class TransferError(Exception):
         self.reason = reason
         self.op_index = op_index
         self.op = op
+
+
+class RegionBusy(Exception):
+    """`unregister` could not fence the region: a peer's op on it did not end in time
+    (a peer process frozen mid-copy). The region is unregistered all the same, but its
+    memory may still be written: do not reuse it (the decode worker retires the pages)."""

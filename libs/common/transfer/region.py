@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 
 from .descriptor import TOKEN_BYTES, U64_MAX
-from .errors import AccessRefused
+from .errors import AccessRefused, RegionBusy
 from .ops import check_range
 
 # Compared against when the region id is unknown, so that "unknown region" and
@@ -112,7 +112,8 @@ class RegionTable:
         return region
 
     def remove(self, region_id: int) -> Region | None:
-        """Forget a region; ops in progress on it are cut off and drained first."""
+        """Forget a region; ops in progress on it are cut off and drained first
+        (RegionBusy when one does not leave within 5 s; the region is gone anyway)."""
         with self._lock:
             region = self._regions.pop(region_id, None)
         if region is None:
@@ -127,6 +128,7 @@ class RegionTable:
                         "unregister: ops still running on the region",
                         region_id=region_id, waited_s=_DRAIN_TIMEOUT_S,
                     )  # fmt: skip
+                    raise RegionBusy(f"region {region_id}: a peer's op did not end in time")
         return region
 
     def enter(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .descriptor import RegionDescriptor
 from .engine import EngineState, TransferEngine
-from .errors import AccessRefused, TransferError
+from .errors import AccessRefused, RegionBusy, TransferError
 from .ops import Op, Slice, check_range, slice_ops, spread
 from .region import Region
 from .shm_segment import Segment
@@ -115,6 +115,7 @@ class ShmTransferEngine(TransferEngine):
         if not region.extra["segment"].clear(region.extra["slot"]):
             self._log.error("unregister: a peer's copy into the region did not end in time",
                             region_id=region.region_id)  # fmt: skip
+            raise RegionBusy(f"region {region.region_id}: a peer's copy did not end in time")
 
     def _descriptor(self, region: Region) -> RegionDescriptor:
         segment: Segment = region.extra["segment"]

@@ -164,14 +164,15 @@ class Segment:
         self._mm[at + 24 : at + 32] = struct.pack("<Q", 1)
         return index
 
-    def clear(self, index: int, timeout_s: float = FENCE_TIMEOUT_S) -> bool:
+    def clear(self, index: int, timeout_s: float | None = None) -> bool:
         """Unpublish slot `index`, then wait until no peer's batch that pinned it
-        before is still copying (the fence). False if that took over `timeout_s` (a
-        peer stopped mid-copy): the caller must not reuse the memory yet."""
+        before is still copying (the fence). False if that took over `timeout_s`
+        (default FENCE_TIMEOUT_S; a peer stopped mid-copy): the caller must not reuse
+        the memory."""
         at = _slot_at(index)
         self._mm[at + 24 : at + 32] = bytes(8)
         self._mm[at : at + _SLOT.size] = bytes(_SLOT.size)
-        end = time.monotonic() + timeout_s
+        end = time.monotonic() + (FENCE_TIMEOUT_S if timeout_s is None else timeout_s)
         while not _lock(self._fence_fd, fcntl.F_WRLCK, index):
             if time.monotonic() >= end:
                 return False
