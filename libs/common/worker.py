@@ -118,6 +118,10 @@ class WorkerService(BaseService):
             "page_size": self.config.page_size,
             "kv_dtype": self.kv_dtype,
             "kv_pages": self.num_kv_pages,
+            # Pages taken out of use for good (a KV handoff that could not be fenced).
+            "retired_kv_pages": self.engine.core.scheduler.retired_pages
+            if self.engine and self.engine.core
+            else 0,
             "transport": self.transport,
             "transfer_endpoint": self.transfer.endpoint if self.transfer else "",
             "transfer": self.transfer.info() if self.transfer else {},

@@ -35,6 +35,7 @@ async def test_an_unfenced_handoff_fails_and_its_pages_are_never_reused(tmp_path
                 await svc._end_handoff(handoff, "r1")
             scheduler = engine.core.scheduler
             assert scheduler.get("r1") is None and scheduler.retired_pages == len(pages)
+            assert svc.details()["retired_kv_pages"] == len(pages)  # operators see it
             again = await engine.reserve("r2", prompt_ids(40, seed=3), SamplingParams())
             assert again is not None and not set(again) & set(pages)
     finally:
