@@ -13,6 +13,7 @@ import structlog
 
 from libs.common.transfer import RegionBusy, TransferError
 from libs.common.transfer.shm_segment import Segment
+from libs.common.transfer.tcp import TcpTransferEngine
 from libs.common.transfer.tcp_frame import KIND_ERR, KIND_WRITE, RESPONSE, pack_request
 
 
@@ -208,3 +209,29 @@ async def test_shm_unregister_raises_region_busy_when_a_peer_copy_never_ends(
         b.unregister(d_dst)
     with pytest.raises(TransferError, match="unknown region"):
         await a.write(d_src, d_dst, [(0, 0, 16)])
+
+
+async def test_tcp_a_batch_queued_behind_a_cut_one_is_sent_again_and_lands() -> None:
+    # One connection: a large write into region A is mid-payload when A is unregistered
+    # (its connection is cut); a small write into B, queued behind it on the same
+    # connection, must not fail with it.
+    a = TcpTransferEngine(connections_per_peer=1, batch_timeout_s=30.0)
+    b = TcpTransferEngine()
+    async with a, b:
+        size = 48 << 20
+        src = a.register(a.allocate(size))
+        region_a, region_b = bytearray(size), bytearray(4096)
+        d_a, d_b = b.register(region_a), b.register(region_b)
+        await a.write(src, d_b, [(0, 0, 16)])  # connected
+        served = b._regions.get(d_a.region_id)
+        big = asyncio.ensure_future(a.write(src, d_a, [(0, 0, size)]))
+        await _until(lambda: bool(served.users))  # A's payload is arriving
+        small = asyncio.ensure_future(a.write(src, d_b, [(4096 - 64, 0, 64)]))
+        await asyncio.sleep(0)
+        with structlog.testing.capture_logs() as logs:
+            b.unregister(d_a)
+            results = await asyncio.gather(big, small, return_exceptions=True)
+        assert isinstance(results[0], TransferError)  # cut, then refused: A is gone
+        assert results[1] is None  # B's batch was sent again and landed
+        assert any(e["event"] == "transfer batch sent again on a fresh connection"
+                   for e in logs)  # fmt: skip

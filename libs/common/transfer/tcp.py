@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
 from .descriptor import U32_MAX, RegionDescriptor
-from .engine import TransferEngine
+from .engine import EngineState, TransferEngine
 from .errors import AccessRefused, TransferError
 from .ops import Op, batch_bytes, slice_ops, slice_size, spread
 from .region import Region
@@ -29,6 +29,11 @@ from .tcp_server import TcpTransferServer
 # A spread batch gives each connection at least this much: 1 MiB moves as two halves
 # (over three connections, 349 KiB thirds measured 3.5 vs 4.6-5.0 GB/s).
 _MIN_SHARE_BYTES = 512 << 10
+
+
+class _ConnectionLost(TransferError):
+    """A batch failed only because its connection went away (reset, closed, cut by the
+    peer's unregister fence): `_begin` tries it once more on fresh connections."""
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -163,6 +168,8 @@ class TcpTransferEngine(TransferEngine):
         a peer whose connections are all alive straight from `_peers`)."""
         lock = self._peer_locks.setdefault(endpoint, asyncio.Lock())
         async with lock:
+            if self._state is not EngineState.RUNNING:  # stop() has closed every peer's
+                raise ConnectionError(f"engine is {self._state.value}")
             conns = [c for c in self._peers.get(endpoint, []) if c.alive]
             host, port = split_endpoint(endpoint)
             missing = self._lanes - len(conns)
@@ -230,7 +237,23 @@ class TcpTransferEngine(TransferEngine):
         """A small batch to a peer whose first connection is up and idle goes out and is
         busy-polled right here, with no coroutine at all (`_one_part`): on a slow core
         each coroutine layer costs microseconds of a ~50 µs 4 KiB write. Anything else
-        (a large batch, a busy or missing connection) goes through `_transfer`."""
+        (a large batch, a busy or missing connection) goes through `_transfer`.
+
+        A batch that fails only because its connection was lost is sent once more on
+        fresh connections (`_ConnectionLost`): ops are idempotent (the same bytes to
+        the same places), and the server checks each again, so a batch for a region
+        that is gone meanwhile is refused. This keeps one peer's cut connection (its
+        unregister fence stopping another batch) from failing every batch that was
+        queued behind on it."""
+        try:
+            pending = self._begin_once(kind, region, remote, ops)
+        except _ConnectionLost as lost:
+            return self._retry(lost, kind, region, remote, ops)
+        return None if pending is None else self._settle(pending, kind, region, remote, ops)
+
+    def _begin_once(
+        self, kind: str, region: Region, remote: RegionDescriptor, ops: list[Op]
+    ) -> Awaitable[None] | None:
         conns = self._peers.get(remote.endpoint)
         if conns and len(ops) <= U32_MAX:
             total = batch_bytes(ops)
@@ -238,6 +261,36 @@ class TcpTransferEngine(TransferEngine):
             if 0 < total <= self._poll_bytes and conn.alive and not conn.backlog():
                 return self._one_part(kind, conn, region, remote, ops, True)
         return self._transfer(kind, region, remote, ops)
+
+    async def _settle(
+        self,
+        pending: Awaitable[None],
+        kind: str,
+        region: Region,
+        remote: RegionDescriptor,
+        ops: list[Op],
+    ) -> None:
+        try:
+            await pending
+        except _ConnectionLost as lost:
+            await self._retry(lost, kind, region, remote, ops)
+
+    async def _retry(
+        self,
+        lost: _ConnectionLost,
+        kind: str,
+        region: Region,
+        remote: RegionDescriptor,
+        ops: list[Op],
+    ) -> None:
+        if self._state is not EngineState.RUNNING:  # stopping: no new connections
+            raise TransferError(lost.peer, lost.reason, lost.op_index, lost.op) from lost
+        self._log.info("transfer batch sent again on a fresh connection", peer=lost.peer,
+                       kind=kind, reason=lost.reason)  # fmt: skip
+        try:
+            await self._transfer(kind, region, remote, ops)
+        except _ConnectionLost as again:  # once only: a plain TransferError now
+            raise TransferError(again.peer, again.reason, again.op_index, again.op) from again
 
     def _one_part(
         self,
@@ -301,4 +354,7 @@ class TcpTransferEngine(TransferEngine):
                 raise TransferError(peer, f"refused: {result.reason}", index, op) from result
         for result in results:
             if isinstance(result, BaseException):
-                raise TransferError(peer, f"{kind} failed: {result}") from result
+                # A socket error (reset, closed under a queued part: EBADF, EPIPE) is the
+                # connection's, not the batch's (timeouts were handled above).
+                error = _ConnectionLost if isinstance(result, OSError) else TransferError
+                raise error(peer, f"{kind} failed: {result}") from result
