@@ -221,6 +221,14 @@ class ShmTransferEngine(TransferEngine):
         threads (returns their futures)."""
         # Bounds were validated against the descriptor, and the descriptor against
         # the owner's slot, so every address below lies inside the peer's region.
+        if len(ops) == 1 and (ops[0].length < self._inline or self._pool is None):
+            local_off, remote_off, length = ops[0]  # the usual batch: one copy, inline
+            local, remote = region.addr + local_off, remote_addr + remote_off
+            if kind == "write":
+                ctypes.memmove(remote, local, length)
+            else:
+                ctypes.memmove(local, remote, length)
+            return []
         slices = slice_ops(ops, self._slice_bytes)
         total = sum(s.length for s in slices)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import re
@@ -69,13 +70,17 @@ def _slot_at(index: int) -> int:
     return 64 + index * SLOT_BYTES
 
 
+@functools.lru_cache(maxsize=4 * NSLOTS)
+def _flock(kind: int, index: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, _slot_at(index), SLOT_BYTES, 0)
+
+
 def _lock(fd: int, kind: int, index: int) -> bool:
     """Set an OFD lock (fcntl.F_RDLCK / F_WRLCK / F_UNLCK) on slot `index`, without
     waiting; False when a conflicting lock is held. OFD locks belong to the open file
     description, so two Segment objects of one process conflict like two processes."""
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, _slot_at(index),
-                                                       SLOT_BYTES, 0))  # fmt: skip
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(kind, index))
     except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: held by another
         return False
     return True
@@ -184,7 +189,10 @@ class Segment:
         """(slot, offset, length, token) of a live region, pinned until `unpin(slot)`:
         the owner's `clear` of that slot waits for it. None when the region is not
         live (or is being unregistered right now)."""
-        index = self._find_slot(region_id)
+        # The slot it was last found in first, read once under the pin; a stale hint
+        # (the slot cleared or reused) costs a scan and a second try.
+        hint = self._last_slot.get(region_id)
+        index = hint if hint is not None else self._find_slot(region_id)
         if index is None:
             return None
         with self._pins_lock:
@@ -192,12 +200,14 @@ class Segment:
             if not pins and not _lock(self._fd, fcntl.F_RDLCK, index):
                 return None  # the owner is fencing this slot: the region is going away
             self._pins[index] = pins + 1
-        # Checked again under the pin: the slot may have been cleared (or reused)
-        # between the lookup and the lock.
+        # Read under the pin: what the owner clears from now on waits for this batch.
         rid, offset, length, live, token = _SLOT.unpack_from(self._mm, _slot_at(index))
         if live != 1 or rid != region_id:
             self.unpin(index)
-            return None
+            if hint is None:
+                return None
+            del self._last_slot[region_id]
+            return self.pin(region_id)
         return index, offset, length, token
 
     def unpin(self, index: int) -> None:
