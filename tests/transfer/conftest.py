@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,6 +19,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "rdma" in item.keywords:
             item.add_marker(skip)
+
+
+def connect_raw(endpoint: str) -> socket.socket:
+    """A plain blocking socket to a TCP transfer server (a raw, maybe hostile, peer)."""
+    host, port = endpoint.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.settimeout(5)
+    return sock
 
 
 @pytest.fixture

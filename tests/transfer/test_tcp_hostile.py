@@ -16,13 +16,7 @@ from libs.common.transfer.tcp_frame import (
     RESPONSE,
     pack_request,
 )
-
-
-def _connect(endpoint: str) -> socket.socket:
-    host, port = endpoint.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=5)
-    sock.settimeout(5)
-    return sock
+from tests.transfer.conftest import connect_raw
 
 
 def _recv_all(sock: socket.socket, limit: int = 1 << 16) -> bytes:
@@ -53,7 +47,7 @@ async def test_garbage_header_closes_the_connection_and_is_logged(tcp_pair) -> N
     dst = bytearray(4096)
     d_dst = b.register(dst)
     with structlog.testing.capture_logs() as logs:
-        sock = _connect(d_dst.endpoint)
+        sock = connect_raw(d_dst.endpoint)
         sock.sendall(os.urandom(64) + b"\xff" * 4096)
         assert await asyncio.to_thread(_recv_all, sock) == b""  # closed, no answer
         sock.close()
@@ -68,7 +62,7 @@ async def test_oversized_frame_is_refused_without_reading_it(tcp_pair) -> None:
     _, b = tcp_pair
     d_dst = b.register(bytearray(64))
     with structlog.testing.capture_logs() as logs:
-        sock = _connect(d_dst.endpoint)
+        sock = connect_raw(d_dst.endpoint)
         sock.sendall(pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 0, 1 << 62,
                                   d_dst.token_bytes))  # fmt: skip
         assert await asyncio.to_thread(_recv_all, sock) == b""
@@ -81,7 +75,7 @@ async def test_wrong_token_on_the_wire_gets_err_and_payload_is_discarded(tcp_pai
     dst = bytearray(4096)
     d_dst = b.register(dst)
     with structlog.testing.capture_logs() as logs:
-        sock = _connect(d_dst.endpoint)
+        sock = connect_raw(d_dst.endpoint)
         header = pack_request(KIND_WRITE, 1, 3, 9, d_dst.region_id, 0, 4096, os.urandom(16))
         sock.sendall(header + b"\xee" * 4096)
         reply = await asyncio.to_thread(sock.recv, RESPONSE.size, socket.MSG_WAITALL)
@@ -101,7 +95,7 @@ async def test_disconnect_mid_payload_writes_only_inside_the_range(tcp_pair) -> 
     dst = bytearray(b"\x11" * 8192)
     d_dst = b.register(dst)
     with structlog.testing.capture_logs() as logs:
-        sock = _connect(d_dst.endpoint)
+        sock = connect_raw(d_dst.endpoint)
         header = pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 1024, 4096, d_dst.token_bytes)
         sock.sendall(header + b"\x22" * 1000)  # promises 4096 bytes, sends 1000
         sock.close()
@@ -115,7 +109,7 @@ async def test_disconnect_mid_header_is_logged(tcp_pair) -> None:
     _, b = tcp_pair
     d_dst = b.register(bytearray(64))
     with structlog.testing.capture_logs() as logs:
-        sock = _connect(d_dst.endpoint)
+        sock = connect_raw(d_dst.endpoint)
         sock.sendall(b"\x00" * 10)
         sock.close()
         await _events_until(logs, "transfer peer disconnected mid-header")
@@ -127,7 +121,7 @@ async def test_header_split_across_the_busy_poll_is_still_served(tcp_pair) -> No
     _, b = tcp_pair
     dst = bytearray(64)
     d_dst = b.register(dst)
-    sock = _connect(d_dst.endpoint)
+    sock = connect_raw(d_dst.endpoint)
     header = pack_request(KIND_WRITE, 1, 0, 7, d_dst.region_id, 8, 16, d_dst.token_bytes)
     sock.sendall(header[:20])
     await asyncio.sleep(0.05)  # far past the 50 µs poll budget
@@ -142,7 +136,7 @@ async def test_overflowing_offset_on_the_wire_is_refused_and_nothing_is_written(
     _, b = tcp_pair
     dst = bytearray(4096)
     d_dst = b.register(dst)
-    sock = _connect(d_dst.endpoint)
+    sock = connect_raw(d_dst.endpoint)
     # offset + length wraps a u64 to 8: a C-style `offset + length <= size` would pass.
     offset = (1 << 64) - 8
     sock.sendall(pack_request(KIND_WRITE, 1, 3, 1, d_dst.region_id, offset, 16,
@@ -160,7 +154,7 @@ async def test_a_pipelined_batch_is_acknowledged_once(tcp_pair) -> None:
     _, b = tcp_pair
     dst = bytearray(4096)
     d_dst = b.register(dst)
-    sock = _connect(d_dst.endpoint)
+    sock = connect_raw(d_dst.endpoint)
     ops = [
         pack_request(KIND_WRITE, FLAG_LAST if i == 7 else 0, i, 42, d_dst.region_id, i * 512,
                      512, d_dst.token_bytes) + bytes([i + 1]) * 512

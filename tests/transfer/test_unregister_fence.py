@@ -15,13 +15,7 @@ from libs.common.transfer import RegionBusy, TransferError
 from libs.common.transfer.shm_segment import Segment
 from libs.common.transfer.tcp import TcpTransferEngine
 from libs.common.transfer.tcp_frame import KIND_ERR, KIND_WRITE, RESPONSE, pack_request
-
-
-def _connect(endpoint: str) -> socket.socket:
-    host, port = endpoint.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=5)
-    sock.settimeout(5)
-    return sock
+from tests.transfer.conftest import connect_raw
 
 
 async def _until(predicate, timeout_s: float = 5.0) -> None:
@@ -39,7 +33,7 @@ async def test_tcp_unregister_cuts_a_write_in_progress_and_nothing_lands_after(
     dst = bytearray(8192)
     d_dst = b.register(dst)
     region = b._regions.get(d_dst.region_id)
-    sock = _connect(d_dst.endpoint)
+    sock = connect_raw(d_dst.endpoint)
     header = pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 0, 4096, d_dst.token_bytes)
     sock.sendall(header + b"\x22" * 100)  # admitted, then the peer stalls mid-payload
     await _until(lambda: bool(region.users) and dst[99] == 0x22)
@@ -61,7 +55,7 @@ async def test_tcp_op_admitted_after_unregister_is_refused(tcp_pair) -> None:
     dst = bytearray(64)
     d_dst = b.register(dst)
     b.unregister(d_dst)
-    sock = _connect(d_dst.endpoint)
+    sock = connect_raw(d_dst.endpoint)
     sock.sendall(pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 0, 16, d_dst.token_bytes)
                  + b"\x44" * 16)  # fmt: skip
     answer = await asyncio.to_thread(sock.recv, RESPONSE.size)

@@ -198,9 +198,11 @@ class WorkTracker:
         return None
 
     def forget(self, batch_id: int) -> list[int]:
-        """Drop a batch given up on (timed out) and its outstanding work requests;
-        returns their wr ids. A late completion of one is then ignored."""
-        self._batches.pop(batch_id, None)
+        """Drop a batch given up on (timed out, cancelled) and its outstanding work
+        requests; returns their wr ids. A late completion of one is then ignored. A
+        batch whose every work request completed is gone already: nothing to scan."""
+        if self._batches.pop(batch_id, None) is None:
+            return []
         dropped = [wr for wr, (batch, _) in self._wrs.items() if batch == batch_id]
         for wr in dropped:
             del self._wrs[wr]

@@ -19,8 +19,9 @@ lock on the same bytes through its own file description, which it gets only once
 every batch that pinned the slot before the clear has finished copying:
 
     peer:  pin (shared lock) -> slot live? -> memmove ... -> unpin
-    owner: clear slot -> exclusive lock (waits for the pins) -> unlock -> free pages The
-file is created 0600 under an unguessable name: the OS user is the trust boundary,
+    owner: clear slot -> exclusive lock (waits for the pins) -> unlock -> free pages
+
+The file is created 0600 under an unguessable name: the OS user is the trust boundary,
 the slot check catches stale descriptors and mix-ups. Files live in /dev/shm (a
 tmpfs) rather than multiprocessing.shared_memory, whose resource tracker in
 Python 3.11 unlinks segments that a *peer* attached to when that peer exits.
@@ -218,14 +219,6 @@ class Segment:
                 self._pins[index] = pins
             elif self._fd >= 0:  # a closed segment's locks went with its descriptor
                 _lock(self._fd, fcntl.F_UNLCK, index)
-
-    def find(self, region_id: int) -> tuple[int, int, bytes] | None:
-        """(offset, length, token) of a live region, or None (unpinned: a snapshot)."""
-        index = self._find_slot(region_id)
-        if index is None:
-            return None
-        _, offset, length, _, token = _SLOT.unpack_from(self._mm, _slot_at(index))
-        return offset, length, token
 
     def _find_slot(self, region_id: int) -> int | None:
         """The slot of a live region, or None.
