@@ -29,8 +29,8 @@ from collections import defaultdict
 import orjson
 
 from libs.common import event_loop
-from libs.common.bus import Bus
-from libs.common.messages import TokenChunk, TokenChunkBatch
+from libs.common.bus.connection import Bus
+from libs.common.messages.control import TokenChunk, TokenChunkBatch
 
 
 class Seen:

@@ -83,7 +83,7 @@ def measure_matmul_rate(torch, n: int = 2048) -> float:
 
 def measure_onednn_rate(torch, n: int = 2048) -> float:
     """The same product through the engine's Linear (oneDNN weights on the CPU)."""
-    from libs.common.engine.linear import Linear
+    from libs.common.engine.model.linear import Linear
 
     x, lin = torch.randn(n, n), Linear(torch.randn(n, n))
     lin(x)
@@ -194,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from libs.common.engine.engine_config import EngineConfig
+    from libs.common.engine.config import EngineConfig
+    from libs.common.engine.core.sampling_params import SamplingParams
     from libs.common.engine.engine_core import EngineCore
-    from libs.common.engine.model_source import resolve_model_path
-    from libs.common.engine.sampling_params import SamplingParams
+    from libs.common.engine.load.source import resolve_model_path
 
     torch.set_num_threads(args.threads)
     report: dict = {"machine": {"cpu": platform.processor() or platform.machine(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from libs.common.engine.model_source import default_model_path
+from libs.common.engine.load.source import default_model_path
 
 
 def write(out: Path, src=None) -> None:

@@ -37,8 +37,8 @@ import structlog
 from bench.pool_common import CASES, BenchProcs, row, timed
 from bench.pool_floor import bounds, bytes_floor, round_trips
 from libs.common import event_loop
-from libs.common.bus import Bus
-from libs.common.pool_client import LocalMemory, PoolClient
+from libs.common.bus.connection import Bus
+from libs.common.pool.client import LocalMemory, PoolClient
 from libs.common.transfer import create_engine
 from scripts.nats_server import NatsServer
 

@@ -27,15 +27,15 @@ import structlog
 
 from bench.pool_common import CASES, BenchProcs, row, timed, timed_sync
 from libs.common import event_loop
-from libs.common.bus import Bus, Endpoint
-from libs.common.pool_client import LocalMemory, PoolClient, checksum
-from libs.common.pool_messages import (
+from libs.common.bus.connection import Bus, Endpoint
+from libs.common.messages.pool import (
     PoolCount,
     PoolKeys,
     PoolPutFinish,
     PoolPutStart,
     PoolPutStartReply,
 )
+from libs.common.pool.client import LocalMemory, PoolClient, checksum
 from libs.common.transfer import RegionDescriptor
 from scripts.cluster import REPO
 

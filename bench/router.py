@@ -55,9 +55,9 @@ import orjson
 from bench import router_floor
 from bench.http_stream import LeanClient
 from libs.common import event_loop
-from libs.common.bus import Bus
+from libs.common.bus.connection import Bus
 from libs.common.log import setup_logging
-from libs.common.messages import (
+from libs.common.messages.control import (
     GenerateAccepted,
     GenerateRequest,
     InfoRequest,

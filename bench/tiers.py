@@ -36,7 +36,7 @@ from bench.deployments import PEER_KINDS, Deployment, PeerServer, Topology
 from bench.metrics import Slo
 from bench.serve import add_workload_args, benchmark, make_arrivals, make_workload, served_model
 from libs.common import event_loop
-from libs.common.engine.model_source import default_model_path
+from libs.common.engine.load.source import default_model_path
 from scripts.cluster import REPO
 
 CONFIGS = ("baseline", "L1", "L1+pool", "disaggregated", "aggregated", "peer")

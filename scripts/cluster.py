@@ -26,7 +26,7 @@ from typing import IO
 import nats
 
 from libs.common import event_loop
-from libs.common.bus import discover
+from libs.common.bus.connection import discover
 from scripts.nats_server import NatsServer
 
 SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router")

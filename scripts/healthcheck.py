@@ -220,7 +220,7 @@ async def _check_with_nats_py(
     """The same check through nats-py, for tls:// and ws:// URLs (slower to import)."""
     import nats
 
-    from libs.common.bus import discover
+    from libs.common.bus.connection import discover
 
     service = config.SERVICE
     try:

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from libs.common import __version__, event_loop
-from libs.common.bus import Bus, BusError, Endpoint
+from libs.common.bus.connection import Bus, BusError, Endpoint
 from libs.common.config import CommonConfig, redact_url
 from libs.common.log import get_logger, setup_logging
-from libs.common.messages import InfoRequest, ServiceInfo
+from libs.common.messages.control import InfoRequest, ServiceInfo
 
 log = get_logger(__name__)
 

@@ -13,11 +13,11 @@ import asyncio
 import time
 from typing import Any
 
-from libs.common.bus import Endpoint, HandlerError
-from libs.common.kv_events import events_subject, keep_kv_stream
+from libs.common.bus.connection import Endpoint, HandlerError
+from libs.common.bus.kv_events import events_subject, keep_kv_stream
 from libs.common.log import get_logger
-from libs.common.messages import InfoRequest, KvEvent, Message
-from libs.common.pool_messages import (
+from libs.common.messages.control import InfoRequest, KvEvent, Message
+from libs.common.messages.pool import (
     PoolCount,
     PoolGetReply,
     PoolHeartbeatReply,
@@ -87,8 +87,8 @@ class CacheMasterService(BaseService):
             "remove": (PoolKeys, self._remove),
             "stats": (InfoRequest, self._stats),
         }
-        # Inline: every handler is quick and only publishes, never waits on a reply, so
-        # it can run from the read loop (one task hop fewer each way; libs/common/bus.py).
+        # Inline: every handler is quick and only publishes, never waits on a reply, so it
+        # can run from the read loop (one task hop fewer each way; libs/common/bus/connection.py).
         return [
             Endpoint(name, self.subject("pool", "master", name), kind, handler, QUEUE_GROUP,
                      inline=True)

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from libs.common.pool_messages import PoolRecord
+from libs.common.messages.pool import PoolRecord
 from libs.common.transfer import TransferEngine
 
 INDEX_VERSION = 1

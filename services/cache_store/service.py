@@ -19,10 +19,10 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from libs.common.bus import BusError
+from libs.common.bus.connection import BusError
 from libs.common.log import get_logger
-from libs.common.messages import MessageError
-from libs.common.pool_messages import (
+from libs.common.messages.control import MessageError
+from libs.common.messages.pool import (
     PoolCount,
     PoolHeartbeatReply,
     PoolMount,
@@ -32,7 +32,7 @@ from libs.common.pool_messages import (
 )
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine
-from libs.common.transfer_exchange import engine_options, serve_connect
+from libs.common.transfer.rdma.exchange import engine_options, serve_connect
 from services.cache_store.config import CacheStoreConfig
 from services.cache_store.segment import StoreSegment
 

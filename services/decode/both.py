@@ -13,7 +13,7 @@ a decode worker that may prefill for itself and as a prefill worker for the othe
 
 from __future__ import annotations
 
-from libs.common.bus import Endpoint
+from libs.common.bus.connection import Endpoint
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from libs.common.bus import BusError, Endpoint, HandlerError
-from libs.common.handoff import handoff_check
+from libs.common.bus.connection import BusError, Endpoint, HandlerError
 from libs.common.log import get_logger, request_context
-from libs.common.messages import (
+from libs.common.messages.control import (
     GenerateAccepted,
     GenerateRequest,
     PrefillRequest,
@@ -29,7 +28,8 @@ from libs.common.messages import (
     Usage,
 )
 from libs.common.transfer import RegionBusy, RegionDescriptor
-from libs.common.worker import WorkerService, logprobs_wire, sampling_params
+from libs.common.worker.handoff import handoff_check
+from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
 from services.decode.backlog import PromptBacklog
 from services.decode.config import DecodeConfig
 from services.decode.stream import ChunkBatcher, TokenStream

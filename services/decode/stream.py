@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
-from libs.common.bus import Bus
+from libs.common.bus.connection import Bus
 from libs.common.log import get_logger
-from libs.common.messages import TokenChunk, Usage, encode_chunk_batch
+from libs.common.messages.control import TokenChunk, Usage, encode_chunk_batch
 
 log = get_logger(__name__)
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import asyncio
 
-from libs.common.bus import Endpoint, HandlerError
-from libs.common.handoff import KvLayout, handoff_check
+from libs.common.bus.connection import Endpoint, HandlerError
 from libs.common.log import get_logger, request_context
-from libs.common.messages import (
+from libs.common.messages.control import (
     PrefillRequest,
     PrefillResult,
     RequestStatus,
@@ -30,7 +29,8 @@ from libs.common.messages import (
     Usage,
 )
 from libs.common.transfer import RegionDescriptor, TransferError
-from libs.common.worker import WorkerService, logprobs_wire, sampling_params
+from libs.common.worker.handoff import KvLayout, handoff_check
+from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
 from services.prefill.config import PrefillConfig
 from services.prefill.kv_sender import KvSender
 

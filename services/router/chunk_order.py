@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from libs.common.messages import TokenChunk
+from libs.common.messages.control import TokenChunk
 
 FAILED = ("error", "abort")  # abort: a worker shut down
 

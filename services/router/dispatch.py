@@ -38,9 +38,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from libs.common.bus import Bus, BusError, RemoteError
+from libs.common.bus.connection import Bus, BusError, RemoteError
 from libs.common.log import get_logger
-from libs.common.messages import (
+from libs.common.messages.control import (
     CancelRequest,
     GenerateAccepted,
     GenerateRequest,

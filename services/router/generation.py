@@ -16,9 +16,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.common.engine.sampling_params import SamplingParams
-from libs.common.engine.tokenizer import TextTokenizer
-from libs.common.messages import SamplingSpec, TokenChunk
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.load.tokenizer import TextTokenizer
+from libs.common.messages.control import SamplingSpec, TokenChunk
 from services.router.dispatch import Dispatcher
 from services.router.errors import bad_request
 from services.router.metrics import RouterMetrics

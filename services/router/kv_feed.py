@@ -19,10 +19,10 @@ import asyncio
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from libs.common.bus import Bus
-from libs.common.kv_events import STREAM_NAME, ensure_kv_stream, events_subject, retry
+from libs.common.bus.connection import Bus
+from libs.common.bus.kv_events import STREAM_NAME, ensure_kv_stream, events_subject, retry
 from libs.common.log import get_logger
-from libs.common.messages import KvEvent, MessageError
+from libs.common.messages.control import KvEvent, MessageError
 from services.router.kv_index import KvIndex
 
 log = get_logger(__name__)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from libs.common.messages import KvEvent
+from libs.common.messages.control import KvEvent
 
 POOL = "pool"
 WORKER_TIERS = ("device", "host")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from libs.common.kv_hash import PageHasher
+from libs.common.engine.core.kv_hash import PageHasher
 from libs.common.log import get_logger
 from services.router.kv_index import KvIndex, PrefixMatch
 from services.router.metrics import RouterMetrics

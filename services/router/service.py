@@ -16,9 +16,9 @@ from typing import Any
 from aiohttp import web
 from nats.aio.msg import Msg
 
-from libs.common.engine.model_source import load_tokenizer
+from libs.common.engine.load.source import load_tokenizer
 from libs.common.log import get_logger
-from libs.common.messages import LoadReport, MessageError
+from libs.common.messages.control import LoadReport, MessageError
 from libs.common.service import BaseService
 from services.router.app import build_app
 from services.router.config import RouterConfig

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from libs.common.bus import Bus
-from libs.common.engine.tokenizer import TextTokenizer
+from libs.common.bus.connection import Bus
+from libs.common.engine.load.tokenizer import TextTokenizer
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.kv_index import KvIndex

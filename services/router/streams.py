@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
-from libs.common.bus import Bus
+from libs.common.bus.connection import Bus
 from libs.common.log import get_logger
-from libs.common.messages import MessageError, TokenChunk, TokenChunkBatch
+from libs.common.messages.control import MessageError, TokenChunk, TokenChunkBatch
 
 log = get_logger(__name__)
 

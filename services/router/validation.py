@@ -14,7 +14,7 @@ from typing import Any
 
 from services.router.errors import bad_request
 
-MAX_LOGPROBS = 20  # the engine's cap (libs/common/engine/sampling_params.py)
+MAX_LOGPROBS = 20  # the engine's cap (libs/common/engine/core/sampling_params.py)
 MAX_STOP = 16
 # Bounds that keep one choice's GenerateRequest well under NATS's 1 MiB max payload
 # (the prompt itself is bounded by the context length).

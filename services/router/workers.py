@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from libs.common.messages import LoadReport
+from libs.common.messages.control import LoadReport
 
 ROLES = ("prefill", "decode", "both")
 

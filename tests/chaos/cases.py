@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from libs.common.engine.config import EngineConfig
+from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
-from libs.common.engine.engine_config import EngineConfig
-from libs.common.engine.sampling_params import SamplingParams
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:

@@ -17,9 +17,9 @@ import os
 import signal
 from pathlib import Path
 
-from libs.common.bus import BusError
-from libs.common.messages import InfoRequest
-from libs.common.pool_messages import PoolStats
+from libs.common.bus.connection import BusError
+from libs.common.messages.control import InfoRequest
+from libs.common.messages.pool import PoolStats
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 from tests.chaos.cases import CASES, references

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from libs.common.bus import Bus
-from libs.common.messages import InfoRequest, KvEvent, LoadReport, ServiceInfo
+from libs.common.bus.connection import Bus
+from libs.common.messages.control import InfoRequest, KvEvent, LoadReport, ServiceInfo
 
 
 async def connect(url: str, name: str) -> Bus:

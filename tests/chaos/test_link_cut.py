@@ -25,7 +25,7 @@ import nats
 import orjson
 import pytest
 
-from libs.common.messages import InfoRequest, LoadReport, ServiceInfo
+from libs.common.messages.control import InfoRequest, LoadReport, ServiceInfo
 from scripts.cluster import REPO, LocalCluster
 from tests.chaos.netns import D_ADDR, P_ADDR, LinkedNamespaces, unavailable
 from tests.router.conftest import router_env, router_port

@@ -9,8 +9,8 @@ import aiohttp
 import nats
 import pytest
 
-from libs.common.bus import discover
-from libs.common.kv_events import STREAM_NAME
+from libs.common.bus.connection import discover
+from libs.common.bus.kv_events import STREAM_NAME
 from tests.chaos.cases import CASES, prompt_ids
 from tests.chaos.client import Stream, complete
 from tests.chaos.harness import TOPOLOGY

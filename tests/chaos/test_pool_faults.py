@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from libs.common.kv_hash import PageHasher
-from libs.common.messages import InfoRequest
-from libs.common.pool_client import LocalMemory, PoolClient
-from libs.common.pool_messages import PoolStats
+from libs.common.engine.core.kv_hash import PageHasher
+from libs.common.messages.control import InfoRequest
+from libs.common.messages.pool import PoolStats
+from libs.common.pool.client import LocalMemory, PoolClient
 from libs.common.transfer import create_engine
 from tests.chaos.cases import CASES
 from tests.chaos.client import complete

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from libs.common.messages import LoadReport
+from libs.common.messages.control import LoadReport
 from tests.chaos.cases import CASES
 from tests.chaos.client import Stream, complete
 from tests.chaos.reports import free_pages, info

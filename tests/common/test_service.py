@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-from libs.common.bus import Endpoint
+from libs.common.bus.connection import Endpoint
 from libs.common.config import CommonConfig
-from libs.common.messages import InfoRequest, Message, ServiceInfo
+from libs.common.messages.control import InfoRequest, Message, ServiceInfo
 from libs.common.service import BaseService
 
 

@@ -7,10 +7,10 @@ import pathlib
 import pytest
 import torch
 
-from libs.common.engine.engine_config import EngineConfig
+from libs.common.engine.config import EngineConfig
 from libs.common.engine.engine_core import EngineCore
-from libs.common.engine.model import LlamaModel
-from libs.common.engine.model_source import default_model_path, load_model
+from libs.common.engine.load.source import default_model_path, load_model
+from libs.common.engine.model.model import LlamaModel
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.common.engine.sampling_params import SamplingParams
+from libs.common.engine.core.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_end
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def _run(core, prompts) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def alone(prompts, model_and_tokenizer):
     """Each prompt alone, unchunked, no prefix cache."""
-    from libs.common.engine.engine_config import EngineConfig
+    from libs.common.engine.config import EngineConfig
     from libs.common.engine.engine_core import EngineCore
 
     model, tok = model_and_tokenizer

@@ -6,10 +6,10 @@ import contextlib
 
 import pytest
 
+from libs.common.engine.config import EngineConfig
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.core.sequence import pages_for
 from libs.common.engine.engine import Engine
-from libs.common.engine.engine_config import EngineConfig
-from libs.common.engine.sampling_params import SamplingParams
-from libs.common.engine.sequence import pages_for
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 

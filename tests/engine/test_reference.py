@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libs.common.engine.sampling_params import SamplingParams
+from libs.common.engine.core.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_end
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def generated(prompts, model_and_tokenizer, make_core_module):
 
 @pytest.fixture(scope="module")
 def make_core_module(model_and_tokenizer):
-    from libs.common.engine.engine_config import EngineConfig
+    from libs.common.engine.config import EngineConfig
     from libs.common.engine.engine_core import EngineCore
 
     model, tok = model_and_tokenizer

@@ -10,7 +10,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from libs.common.messages import InfoRequest, ServiceInfo
+from libs.common.messages.control import InfoRequest, ServiceInfo
 from scripts.nats_server import NatsServer
 from tests.hostile.conftest import PROCESSES, Hostile
 

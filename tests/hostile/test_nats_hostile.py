@@ -21,7 +21,7 @@ import nats
 import orjson
 import pytest
 
-from libs.common.messages import (
+from libs.common.messages.control import (
     CancelRequest,
     GenerateRequest,
     InfoRequest,
@@ -34,7 +34,7 @@ from libs.common.messages import (
     TokenChunk,
     TokenChunkBatch,
 )
-from libs.common.pool_messages import (
+from libs.common.messages.pool import (
     PoolKeys,
     PoolMount,
     PoolPutFinish,

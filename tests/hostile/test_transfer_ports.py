@@ -14,8 +14,8 @@ import socket
 
 import pytest
 
-from libs.common.transfer.tcp import TcpTransferEngine
-from libs.common.transfer.tcp_frame import (
+from libs.common.transfer.tcp.engine import TcpTransferEngine
+from libs.common.transfer.tcp.frame import (
     FLAG_LAST,
     KIND_ACK,
     KIND_DATA,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.pool_client import LocalMemory, PoolClient
+from libs.common.bus.connection import Bus
+from libs.common.pool.client import LocalMemory, PoolClient
 from libs.common.transfer import create_engine
 from scripts.cluster import REPO
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from libs.common.pool_messages import PoolRecord
+from libs.common.messages.pool import PoolRecord
 from services.cache_master.metadata import PoolLimits, PoolMetadata
 from services.cache_master.objects import PoolRequestError, PutSpec
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from libs.common.pool_messages import PoolGetReply, PoolKeys
+from libs.common.messages.pool import PoolGetReply, PoolKeys
 from libs.common.transfer import RegionDescriptor
 
 
@@ -71,8 +71,8 @@ async def test_corrupted_bytes_are_reported_as_a_miss_and_the_object_dropped(poo
 
 
 async def test_read_that_outlives_its_lease_is_refused(pool_procs, nats_url):
-    from libs.common.bus import Bus
-    from libs.common.pool_client import PoolClient
+    from libs.common.bus.connection import Bus
+    from libs.common.pool.client import PoolClient
     from libs.common.transfer import create_engine
     from tests.pool.conftest import PoolHarness
 
@@ -96,8 +96,8 @@ async def test_read_that_outlives_its_lease_is_refused(pool_procs, nats_url):
 async def test_concurrent_puts_of_one_key_from_two_clients_yield_one_winner(pool, nats_url):
     import asyncio
 
-    from libs.common.bus import Bus
-    from libs.common.pool_client import LocalMemory, PoolClient
+    from libs.common.bus.connection import Bus
+    from libs.common.pool.client import LocalMemory, PoolClient
     from libs.common.transfer import create_engine
 
     pool.procs.store("store-a")

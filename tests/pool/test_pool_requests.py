@@ -7,9 +7,9 @@ import nats
 import orjson
 import pytest
 
-from libs.common.bus import RemoteError
-from libs.common.messages import InfoRequest, ServiceInfo
-from libs.common.pool_messages import PoolHeartbeatReply, PoolStoreRef
+from libs.common.bus.connection import RemoteError
+from libs.common.messages.control import InfoRequest, ServiceInfo
+from libs.common.messages.pool import PoolHeartbeatReply, PoolStoreRef
 
 
 async def _master_still_serves(pool) -> None:

@@ -35,7 +35,7 @@ async def test_replicas_land_on_distinct_stores(pool):
     assert all(r.ok for r in put)
     stats = await pool.client.stats()
     assert sum(s["objects"] for s in stats.stores.values()) == 16
-    from libs.common.pool_messages import PoolGetReply, PoolKeys
+    from libs.common.messages.pool import PoolGetReply, PoolKeys
 
     reply = await pool.bus.request("tandem.pool.master.get", PoolKeys(keys), PoolGetReply)
     for stores in reply.stores:

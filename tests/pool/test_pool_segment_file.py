@@ -34,7 +34,7 @@ async def test_store_drops_an_object_whose_bytes_changed_while_it_was_down(pool,
     pool.fill(0, os.urandom(2 * 4096))
     assert all(r.ok for r in await pool.client.batch_put(["keep", "spoil"], pool.mem,
                                                          [0, 4096], [4096, 4096]))  # fmt: skip
-    from libs.common.pool_messages import PoolGetReply, PoolKeys
+    from libs.common.messages.pool import PoolGetReply, PoolKeys
 
     reply = await pool.bus.request("tandem.pool.master.get", PoolKeys(["spoil"]), PoolGetReply)
     offset = reply.offsets[0][0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from libs.common.messages import InfoRequest, ServiceInfo
+from libs.common.messages.control import InfoRequest, ServiceInfo
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from bench.deployments import Deployment, Topology
-from libs.common.engine.model_source import load_tokenizer
+from libs.common.engine.load.source import load_tokenizer
 from tests.workers.conftest import reference
 
 pytestmark = pytest.mark.slow

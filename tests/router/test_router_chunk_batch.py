@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.messages import (
+from libs.common.bus.connection import Bus
+from libs.common.messages.control import (
     MessageError,
     TokenChunk,
     TokenChunkBatch,

@@ -1,6 +1,6 @@
 """ChunkOrder: a stream's chunks in index order, once each, ending at the final one."""
 
-from libs.common.messages import TokenChunk
+from libs.common.messages.control import TokenChunk
 from services.router.chunk_order import ChunkOrder
 
 

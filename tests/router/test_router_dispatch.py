@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from libs.common.bus import Bus, Endpoint, HandlerError
-from libs.common.messages import (
+from libs.common.bus.connection import Bus, Endpoint, HandlerError
+from libs.common.messages.control import (
     CancelRequest,
     GenerateAccepted,
     GenerateRequest,

@@ -17,8 +17,8 @@ import nats
 import openai
 import pytest
 
-from libs.common.engine.model_source import load_tokenizer
-from libs.common.messages import CancelRequest, LoadReport
+from libs.common.engine.load.source import load_tokenizer
+from libs.common.messages.control import CancelRequest, LoadReport
 from services.router import openapi
 from tests.router.conftest import Routers
 from tests.router.e2e_cluster import E2ECluster, metric, wait_healthy

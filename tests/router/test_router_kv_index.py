@@ -2,7 +2,7 @@
 
 import pytest
 
-from libs.common.messages import KvEvent
+from libs.common.messages.control import KvEvent
 from services.router.kv_index import KvIndex
 
 

@@ -2,7 +2,7 @@
 
 import random
 
-from libs.common.messages import LoadReport
+from libs.common.messages.control import LoadReport
 from services.router.kv_index import PrefixMatch
 from services.router.policy import PolicyConfig, choose, prefill_cost
 from services.router.workers import Worker, WorkerTable

@@ -2,7 +2,7 @@
 
 import pytest
 
-from libs.common.engine.model_source import load_tokenizer
+from libs.common.engine.load.source import load_tokenizer
 from services.router.errors import ApiError
 from services.router.generation import prepare
 from services.router.validation import parse_request

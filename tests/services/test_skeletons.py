@@ -8,7 +8,7 @@ import nats
 import orjson
 import pytest
 
-from libs.common.messages import InfoRequest, ServiceInfo
+from libs.common.messages.control import InfoRequest, ServiceInfo
 from scripts.cluster import REPO, SERVICES, LocalCluster
 
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from libs.common.transfer.registry import rdma_devices
-from libs.common.transfer.shm import ShmTransferEngine
-from libs.common.transfer.tcp import TcpTransferEngine
+from libs.common.transfer.shm.engine import ShmTransferEngine
+from libs.common.transfer.tcp.engine import TcpTransferEngine
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

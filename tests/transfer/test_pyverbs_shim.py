@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from libs.common.transfer.pyverbs_shim import ENUMS, load_enums
+from libs.common.transfer.rdma.shim import ENUMS, load_enums
 
 VALUES = {name: i + 1 for i, name in enumerate(ENUMS)}
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.rdma
 
 
 async def test_rdma_write_and_read_loopback() -> None:
-    from libs.common.transfer.rdma import RdmaTransferEngine
+    from libs.common.transfer.rdma.engine import RdmaTransferEngine
 
     engines: dict[str, RdmaTransferEngine] = {}
 

@@ -9,7 +9,7 @@ import pytest
 
 from libs.common.transfer import TransferError, rdma
 from libs.common.transfer.descriptor import RegionDescriptor
-from libs.common.transfer.rdma import RdmaTransferEngine
+from libs.common.transfer.rdma.engine import RdmaTransferEngine
 from tests.transfer.fake_verbs import make_verbs
 
 

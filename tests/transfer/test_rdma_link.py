@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.common.transfer.rdma_link import Link, LinkState, QpExchange, QpInfo, WorkTracker
+from libs.common.transfer.rdma.link import Link, LinkState, QpExchange, QpInfo, WorkTracker
 
 QP = QpInfo(qpn=0x12, psn=0xABCDEF, lid=3, gid="fe80" + "0" * 28, mtu=5)
 

@@ -10,11 +10,11 @@ import os
 
 import pytest
 
-from libs.common.bus import Bus, RemoteError
-from libs.common.messages import RdmaConnect
+from libs.common.bus.connection import Bus, RemoteError
+from libs.common.messages.control import RdmaConnect
 from libs.common.transfer import TransferError, create_engine, rdma
 from libs.common.transfer.descriptor import RegionDescriptor
-from libs.common.transfer_exchange import connect_subject, engine_options, serve_connect
+from libs.common.transfer.rdma.exchange import connect_subject, engine_options, serve_connect
 from tests.transfer.fake_verbs import make_verbs
 
 

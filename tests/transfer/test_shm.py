@@ -11,7 +11,7 @@ import torch
 
 from libs.common.transfer import TransferError
 from libs.common.transfer.descriptor import RegionDescriptor
-from libs.common.transfer.shm import ShmTransferEngine
+from libs.common.transfer.shm.engine import ShmTransferEngine
 
 
 async def test_write_and_read_through_shared_memory(shm_pair) -> None:
@@ -106,7 +106,7 @@ async def test_one_buffer_registered_1023_times_each_fenced_alone(shm_pair) -> N
     """A decode worker registers its KV pool once per handoff in flight: 1023 at once work,
     the next is refused (the worker waits), and an unregistered one refuses writes while
     every other registration still takes them."""
-    from libs.common.transfer.shm_segment import NSLOTS
+    from libs.common.transfer.shm.segment import NSLOTS
 
     a, b = shm_pair
     src = a.register(a.allocate(4096))
@@ -131,7 +131,7 @@ async def test_a_peer_maps_a_full_segment_populated_and_never_allocates_a_sparse
     # A peer attaching a segment whose owner holds every page (a store prefaults its
     # own) fills its page tables at once; one with holes must stay as sparse as the
     # owner left it (populating would allocate the owner's untouched memory).
-    from libs.common.transfer import shm_segment
+    from libs.common.transfer.shm import segment as shm_segment
 
     assert shm_segment._attach_flags(True) & getattr(shm_segment.mmap, "MAP_POPULATE", 0)
     assert not shm_segment._attach_flags(False) & getattr(shm_segment.mmap, "MAP_POPULATE", 1)

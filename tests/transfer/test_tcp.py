@@ -11,7 +11,7 @@ import torch
 
 from libs.common.transfer import TransferError
 from libs.common.transfer.descriptor import RegionDescriptor
-from libs.common.transfer.tcp import TcpTransferEngine
+from libs.common.transfer.tcp.engine import TcpTransferEngine
 
 
 async def test_write_then_read_moves_exact_bytes(tcp_pair) -> None:

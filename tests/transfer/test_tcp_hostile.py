@@ -8,7 +8,7 @@ import socket
 
 import structlog
 
-from libs.common.transfer.tcp_frame import (
+from libs.common.transfer.tcp.frame import (
     FLAG_LAST,
     KIND_ACK,
     KIND_ERR,

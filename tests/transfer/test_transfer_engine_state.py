@@ -8,8 +8,8 @@ import pytest
 import structlog
 
 from libs.common.transfer import EngineState, create_engine
-from libs.common.transfer.shm import ShmTransferEngine
-from libs.common.transfer.tcp import TcpTransferEngine
+from libs.common.transfer.shm.engine import ShmTransferEngine
+from libs.common.transfer.tcp.engine import TcpTransferEngine
 
 
 async def test_stop_is_idempotent_and_safe_before_start() -> None:

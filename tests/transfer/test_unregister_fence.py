@@ -12,9 +12,9 @@ import pytest
 import structlog
 
 from libs.common.transfer import RegionBusy, TransferError
-from libs.common.transfer.shm_segment import Segment
-from libs.common.transfer.tcp import TcpTransferEngine
-from libs.common.transfer.tcp_frame import KIND_ERR, KIND_WRITE, RESPONSE, pack_request
+from libs.common.transfer.shm.segment import Segment
+from libs.common.transfer.tcp.engine import TcpTransferEngine
+from libs.common.transfer.tcp.frame import KIND_ERR, KIND_WRITE, RESPONSE, pack_request
 from tests.transfer.conftest import connect_raw
 
 
@@ -135,7 +135,7 @@ async def test_shm_unregister_waits_for_a_peer_batch_still_copying(shm_pair) -> 
 
 def test_tcp_cut_from_a_stale_user_list_spares_the_connection_s_op_on_another_region() -> None:
     from libs.common.transfer.region import RegionTable
-    from libs.common.transfer.tcp_server import _OpFence
+    from libs.common.transfer.tcp.server import _OpFence
 
     table = RegionTable()
     one, two = table.add(bytearray(64)), table.add(bytearray(64))
@@ -191,7 +191,7 @@ async def test_tcp_unregister_raises_region_busy_when_an_op_will_not_leave(
 async def test_shm_unregister_raises_region_busy_when_a_peer_copy_never_ends(
     shm_pair, monkeypatch
 ) -> None:
-    from libs.common.transfer import shm_segment
+    from libs.common.transfer.shm import segment as shm_segment
 
     monkeypatch.setattr(shm_segment, "FENCE_TIMEOUT_S", 0.05)
     a, b = shm_pair

@@ -13,11 +13,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from libs.common.bus import Bus
+from libs.common.bus.connection import Bus
+from libs.common.engine.config import EngineConfig
+from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
-from libs.common.engine.engine_config import EngineConfig
-from libs.common.engine.sampling_params import SamplingParams
-from libs.common.messages import GenerateAccepted, GenerateRequest, SamplingSpec, TokenChunk, Usage
+from libs.common.messages.control import (
+    GenerateAccepted,
+    GenerateRequest,
+    SamplingSpec,
+    TokenChunk,
+    Usage,
+)
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 

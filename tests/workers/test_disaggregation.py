@@ -4,8 +4,8 @@ import asyncio
 
 import orjson
 
-from libs.common.bus import RemoteError
-from libs.common.messages import (
+from libs.common.bus.connection import RemoteError
+from libs.common.messages.control import (
     GenerateAccepted,
     GenerateRequest,
     InfoRequest,

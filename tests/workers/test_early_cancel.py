@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from libs.common import worker
+from libs.common.worker import service as worker
 from services.decode.config import DecodeConfig
 from services.decode.service import DecodeService
 

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from libs.common.bus import RemoteError
-from libs.common.kv_hash import PageHasher
-from libs.common.messages import (
+from libs.common.bus.connection import RemoteError
+from libs.common.engine.core.kv_hash import PageHasher
+from libs.common.messages.control import (
     CancelRequest,
     InfoRequest,
     KvEvent,

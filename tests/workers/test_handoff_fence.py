@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from libs.common.engine.config import EngineConfig
+from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
-from libs.common.engine.engine_config import EngineConfig
-from libs.common.engine.sampling_params import SamplingParams
-from libs.common.transfer import shm_segment
-from libs.common.transfer.shm import ShmTransferEngine
+from libs.common.transfer.shm import segment as shm_segment
+from libs.common.transfer.shm.engine import ShmTransferEngine
 from services.decode.config import DecodeConfig
 from services.decode.service import DecodeService
 from tests.workers.conftest import prompt_ids

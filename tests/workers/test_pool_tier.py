@@ -2,7 +2,7 @@
 
 import asyncio
 
-from libs.common.messages import KvEvent
+from libs.common.messages.control import KvEvent
 from tests.workers.conftest import generate, prompt_ids
 
 

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from libs.common.bus import Bus
-from libs.common.messages import InfoRequest, ServiceInfo
+from libs.common.bus.connection import Bus
+from libs.common.messages.control import InfoRequest, ServiceInfo
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 from tests.workers.conftest import WORKER_ARGS, _wait_workers, generate, prompt_ids, reference

@@ -35,9 +35,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> dict:
-    from libs.common.engine.engine_config import EngineConfig
+    from libs.common.engine.config import EngineConfig
+    from libs.common.engine.core.sampling_params import SamplingParams
     from libs.common.engine.engine_core import EngineCore
-    from libs.common.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     core = EngineCore(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_mb=256))

@@ -23,13 +23,13 @@ from typing import Any
 import structlog
 import torch
 
-from libs.common.engine.engine_config import EngineConfig
+from libs.common.engine.config import EngineConfig
+from libs.common.engine.core.outputs import RequestOutput
+from libs.common.engine.core.radix_cache import CacheEvent
+from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine_core import EngineCore
-from libs.common.engine.model import LlamaModel
-from libs.common.engine.outputs import RequestOutput
-from libs.common.engine.sampling_params import SamplingParams
-from libs.common.engine.tokenizer import TextTokenizer
-from libs.common.radix_cache import CacheEvent
+from libs.common.engine.load.tokenizer import TextTokenizer
+from libs.common.engine.model.model import LlamaModel
 
 log = structlog.get_logger(__name__)
 

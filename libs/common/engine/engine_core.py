@@ -15,22 +15,22 @@ from typing import Any
 import structlog
 import torch
 
-from libs.common.engine.attention import backend_class
-from libs.common.engine.engine_config import EngineConfig
-from libs.common.engine.kv_cache import KVCache
-from libs.common.engine.model import LlamaModel
-from libs.common.engine.model_runner import ModelRunner
-from libs.common.engine.model_source import load_model
-from libs.common.engine.outputs import RequestOutput
-from libs.common.engine.page_allocator import PageAllocator
-from libs.common.engine.sampler import SamplingRow, TokenLogprobs
-from libs.common.engine.sampling_params import SamplingParams
-from libs.common.engine.scheduler import Scheduler
-from libs.common.engine.sequence import FinishReason, Sequence, SequenceStatus
-from libs.common.engine.stop import StopChecker
-from libs.common.engine.tokenizer import TextTokenizer
-from libs.common.kv_hash import PageHasher
-from libs.common.radix_cache import CacheEvent, RadixCache
+from libs.common.engine.config import EngineConfig
+from libs.common.engine.core.kv_hash import PageHasher
+from libs.common.engine.core.outputs import RequestOutput, TokenLogprobs
+from libs.common.engine.core.page_allocator import PageAllocator
+from libs.common.engine.core.radix_cache import CacheEvent, RadixCache
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.core.scheduler import Scheduler
+from libs.common.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from libs.common.engine.core.stop import StopChecker
+from libs.common.engine.load.source import load_model
+from libs.common.engine.load.tokenizer import TextTokenizer
+from libs.common.engine.model.attention import backend_class
+from libs.common.engine.model.kv_cache import KVCache
+from libs.common.engine.model.model import LlamaModel
+from libs.common.engine.model.runner import ModelRunner
+from libs.common.engine.model.sampler import SamplingRow
 
 log = structlog.get_logger(__name__)
 

@@ -35,10 +35,10 @@ from typing import Any
 
 import structlog
 
-from .descriptor import RegionDescriptor
-from .errors import RegionBusy
-from .ops import Op, validate_ops
-from .region import Region, RegionTable
+from libs.common.transfer.descriptor import RegionDescriptor
+from libs.common.transfer.errors import RegionBusy
+from libs.common.transfer.ops import Op, validate_ops
+from libs.common.transfer.region import Region, RegionTable
 
 
 class EngineState(enum.Enum):

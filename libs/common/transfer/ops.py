@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from .descriptor import U64_MAX
+from libs.common.transfer.descriptor import U64_MAX
 
 
 class Op(NamedTuple):

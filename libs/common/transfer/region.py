@@ -25,9 +25,9 @@ from typing import Any
 
 import structlog
 
-from .descriptor import TOKEN_BYTES, U64_MAX
-from .errors import AccessRefused, RegionBusy
-from .ops import check_range
+from libs.common.transfer.descriptor import TOKEN_BYTES, U64_MAX
+from libs.common.transfer.errors import AccessRefused, RegionBusy
+from libs.common.transfer.ops import check_range
 
 # Compared against when the region id is unknown, so that "unknown region" and
 # "wrong token" take the same time and a prober learns nothing from timing.

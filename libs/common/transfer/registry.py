@@ -12,13 +12,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .engine import TransferEngine
+from libs.common.transfer.engine import TransferEngine
 
 TRANSPORTS = MappingProxyType(
     {
-        "tcp": ("libs.common.transfer.tcp", "TcpTransferEngine"),
-        "shm": ("libs.common.transfer.shm", "ShmTransferEngine"),
-        "rdma": ("libs.common.transfer.rdma", "RdmaTransferEngine"),
+        "tcp": ("libs.common.transfer.tcp.engine", "TcpTransferEngine"),
+        "shm": ("libs.common.transfer.shm.engine", "ShmTransferEngine"),
+        "rdma": ("libs.common.transfer.rdma.engine", "RdmaTransferEngine"),
     }
 )
 

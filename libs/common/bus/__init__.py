@@ -1,0 +1,9 @@
+"""The bus: NATS as Tandem uses it.
+
+Owns the connection (request/reply, publish, subscribe, JetStream), the service framework
+(micro endpoints with typed requests and error replies) and the KV-event stream
+(`tandem.kv.events.<id>` and its JetStream stream).
+
+May import: libs.common.config, libs.common.log, libs.common.messages, libs.common.engine.core
+(page-event types). Never torch, the transfer engine or a service.
+"""

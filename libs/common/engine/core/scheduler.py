@@ -1,0 +1,362 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
+
+The engine loop is three calls:
+
+    out = scheduler.schedule()                  # who runs, which tokens, which pages
+    sampled = runner.run(out)                   # {request_id: token} for entries with .sample
+    done = scheduler.postprocess(out, sampled)  # append, commit full pages, finish
+
+Every call must come from one thread, and `abort`/`finish`/`release` must not
+run between `schedule()` and its `postprocess()` while the model may still be
+writing into the pages of that step: freed pages can be handed out at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+import structlog
+
+from libs.common.engine.core.kv_hash import PageHasher
+from libs.common.engine.core.kv_pages import KvPages
+from libs.common.engine.core.page_allocator import PageAllocator
+from libs.common.engine.core.radix_cache import RadixCache
+from libs.common.engine.core.sequence import FinishReason, Sequence, SequenceStatus, pages_for
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledSeq:
+    """Compute `token_ids` (= seq.token_ids[start:start + num_tokens]) at positions
+    start, start+1, ...; the KV of position p goes to page seq.page_table[p // page_size],
+    slot p % page_size, and attention covers positions 0..p. When `sample` is set the
+    chunk reaches the last known token and one token is sampled from its last
+    position; otherwise it is a non-final prefill chunk and its logits are unused."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample = self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch (decodes first, then prefill chunks) and who was preempted."""
+
+    scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous batching over one KV pool.
+
+    Contract:
+    - a step computes at most `max_num_batched_tokens` tokens for at most
+      `max_num_seqs` running sequences; running decodes go first, then running
+      prefill chunks, then waiting sequences are admitted in arrival order
+      (the head of the queue is never overtaken);
+    - at admission the longest cached prefix of full pages is reused, but
+      never the whole sequence: at least one token is computed so that there
+      are logits to sample from;
+    - when a running sequence needs a page and neither the free list nor the
+      cache's unreferenced pages have one, the most recently admitted running
+      sequence is preempted: its pages are freed and it goes back to the front
+      of the queue to be recomputed; no sequence is admitted in that step;
+    - newly full computed pages are committed to the cache after each step; a
+      page whose key is already cached is swapped for the cached copy (same key,
+      same bytes), so `page_table` entries can change between steps;
+    - a finished sequence frees its pages, unless it has `keep_pages`: then it
+      is HELD with its pages until `release`.
+    """
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        cache: RadixCache | None = None,
+        hasher: PageHasher | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({max_num_seqs}) so every running sequence can decode"
+            )
+        self.kv = KvPages(allocator, page_size, cache, hasher)
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._seqs: dict[str, Sequence] = {}  # every sequence not yet FINISHED
+        self.retired_pages = 0  # pages taken out of use for good (abort retire_pages)
+
+    # -- queries ---------------------------------------------------------------
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages obtainable now: free ones plus unreferenced cached ones."""
+        return self.kv.num_free_pages
+
+    # -- entry points ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FCFS). Raises ValueError if it could never fit."""
+        self._register(seq)
+        self.waiting.append(seq)
+
+    def reserve(self, seq: Sequence, reuse_prefix: bool = False) -> list[int] | None:
+        """Allocate pages for `seq`'s prompt so a peer can write its KV into them.
+
+        Returns the page indices (in prompt order), or None when the pool cannot
+        hold them now (nothing is kept). The sequence is RESERVED until
+        `add_imported` (KV arrived) or `abort`. With `reuse_prefix`, the leading
+        `seq.num_committed_pages` pages are this pool's cached pages of the prompt's
+        prefix: they already hold the right KV, and the peer writes only the rest.
+        """
+        if seq.page_table or seq.num_computed_tokens:
+            raise ValueError(f"{seq.request_id}: a sequence to reserve must hold no pages")
+        self._register(seq)
+        if reuse_prefix:
+            self.kv.match_prefix(seq)
+        if not self.kv.grow(seq, seq.num_prompt_tokens):
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            del self._seqs[seq.request_id]
+            return None
+        seq.status = SequenceStatus.RESERVED
+        return list(seq.page_table)
+
+    def add_imported(self, request_id: str, first_token_id: int) -> Sequence:
+        """The prompt KV of a RESERVED sequence is in place and its first token was
+        sampled elsewhere: commit its pages and queue it to decode. It is queued
+        ahead of sequences that hold no pages, since it already holds its own."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status != SequenceStatus.RESERVED:
+            raise ValueError(f"{request_id}: not a reserved sequence")
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.append_token(first_token_id)
+        self.kv.commit(seq)
+        reason = self._stop_reason(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+            return seq
+        seq.status = SequenceStatus.WAITING
+        at = next((i for i, s in enumerate(self.waiting) if not s.page_table), len(self.waiting))
+        self.waiting.insert(at, seq)
+        return seq
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch and give every picked sequence the pages it needs."""
+        out = SchedulerOutput()
+        picked: dict[str, ScheduledSeq] = {}
+        budget = self.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + chunks:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv.grow(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if (undone := picked.pop(victim.request_id, None)) is not None:
+                    budget += undone.num_tokens
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                picked[seq.request_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+                budget -= n
+        # A step that had to preempt has no room to admit anyone.
+        while not out.preempted and self.waiting and budget and self._has_seat():
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            picked[seq.request_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+            budget -= n
+        out.scheduled = list(picked.values())
+        return out
+
+    def postprocess(self, out: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
+        """Advance each scheduled sequence by its chunk, append its sampled token
+        (`sampled[request_id]`, required where `.sample`), commit newly full pages
+        and finish on max_tokens, a stop token id, EOS (unless ignore_eos) or
+        after the first token of a prefill-only sequence. Returns the sequences
+        that finished (FINISHED or HELD) in this step. Stop strings are the
+        caller's: it calls `finish` when the detokenized text hits one."""
+        done: list[Sequence] = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != item.start:
+                continue  # aborted or finished since schedule()
+            seq.num_computed_tokens += item.num_tokens
+            if not item.sample:
+                self.kv.commit(seq)
+                continue
+            token = sampled.get(seq.request_id)
+            if token is None:
+                raise ValueError(f"{seq.request_id}: no sampled token for a sampling step")
+            seq.append_token(token)
+            self.kv.commit(seq)
+            reason = self._stop_reason(seq)
+            if reason is not None or seq.prefill_only:
+                self._finish(seq, reason)
+                done.append(seq)
+        return done
+
+    def finish(self, request_id: str, reason: FinishReason | str) -> Sequence | None:
+        """End a sequence for a reason found outside (a stop string), as postprocess
+        would; a no-op on one that already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return seq
+        self._finish(seq, FinishReason(reason))
+        return seq
+
+    def abort(self, request_id: str, retire_pages: bool = False) -> Sequence | None:
+        """Drop a sequence in any state and free its pages now (a HELD one too).
+
+        With `retire_pages` its own pages (those not shared through the prefix cache)
+        are never handed out again: a peer may still be writing them (a KV handoff the
+        transfer engine could not fence). They stay counted as used."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        if retire_pages:
+            self.retired_pages += len(seq.page_table) - seq.num_committed_pages
+            del seq.page_table[seq.num_committed_pages :]
+        seq.finish_reason = seq.finish_reason or FinishReason.ABORT
+        seq.keep_pages = False
+        self._finish(seq, seq.finish_reason)
+        return seq
+
+    def release(self, request_id: str) -> Sequence:
+        """Free the pages of a HELD sequence (its export or pool write is done)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status != SequenceStatus.HELD:
+            raise ValueError(f"{request_id}: not a held sequence")
+        self._drop(seq)
+        return seq
+
+    # -- internals -----------------------------------------------------------------
+
+    def _register(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if seq.status != SequenceStatus.WAITING:
+            raise ValueError(f"{seq.request_id}: a new sequence must be WAITING")
+        self._check_fits(seq)
+        self._seqs[seq.request_id] = seq
+
+    def _check_fits(self, seq: Sequence) -> None:
+        # A sequence larger than the pool would preempt itself forever.
+        most = seq.num_prompt_tokens + seq.sampling_params.max_tokens
+        if pages_for(most, self.page_size) > self.kv.allocator.num_pages:
+            raise ValueError(
+                f"{seq.request_id}: {most} tokens need more pages than the pool's "
+                f"{self.kv.allocator.num_pages}"
+            )
+
+    def _has_seat(self) -> bool:
+        return len(self.running) < self.max_num_seqs
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Reuse the cached prefix (sequences holding no pages), then get pages for
+        the first chunk. Returns the chunk length, or None with everything undone."""
+        fresh = not seq.page_table
+        queried, hit = self.kv.match_prefix(seq) if fresh else (0, 0)
+        n = min(seq.num_uncomputed_tokens, budget)
+        if not self.kv.grow(seq, seq.num_computed_tokens + n):
+            if fresh:
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+            return None
+        if fresh and self.kv.cache is not None:
+            self.kv.cache.stats.record(queried, hit)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = min(hit * self.page_size, seq.num_prompt_tokens)
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        log.info("preempted", request_id=seq.request_id, tokens=seq.num_tokens)
+
+    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
+        params, token = seq.sampling_params, seq.last_token_id
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason | None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        seq.finish_reason = reason
+        if seq.keep_pages:
+            seq.status = SequenceStatus.HELD
+        else:
+            self._drop(seq)
+
+    def _drop(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._seqs.pop(seq.request_id, None)

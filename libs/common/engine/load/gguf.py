@@ -1,0 +1,154 @@
+"""Load a GGUF file: config, dequantized fp32 weights, tokenizer metadata.
+
+Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (others are refused by
+name). llama.cpp's converter permutes the rows of Q and K for the llama
+architecture so that its interleaved RoPE works on them; `unpermute_qk` undoes
+that, and the model then applies rotate-half RoPE like transformers does
+(tests/engine/load/test_gguf.py proves the two forms equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from libs.common.engine.load.model_config import ModelConfig
+
+log = structlog.get_logger(__name__)
+
+_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_output.weight": "o",
+    "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed",
+    "output_norm.weight": "norm",
+    "output.weight": "lm_head",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """What a loader returns: config, weights under canonical names, tokenizer source.
+
+    Canonical weight names: embed, norm, lm_head (absent when tied), rope_freqs
+    (optional), and layers.{i}.{attn_norm,q,k,v,q_bias,k_bias,v_bias,o,ffn_norm,
+    gate,up,down}, each [out, in] fp32 in the rotate-half RoPE layout.
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer_meta: dict[str, Any]
+    model_id: str
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: interleaved-pair rows back to rotate-half rows."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's `permute` (rotate-half rows to interleaved pairs); for tests."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_config(reader: Any) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    p = f"{arch}."
+    num_heads = int(_field(reader, p + "attention.head_count"))
+    hidden = int(_field(reader, p + "embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, p + "vocab_size") or (len(tokens.data) if tokens else None)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    rope_scaling = None
+    if _field(reader, p + "rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": _field(reader, p + "rope.scaling.factor")}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    return ModelConfig(
+        arch="llama" if arch == "mistral" else arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, p + "attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        max_position=int(_field(reader, p + "context_length", 4096)),
+        tie_word_embeddings=not has_output,
+        attention_bias=arch == "qwen2",
+        rope_scaling=rope_scaling,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def read_tokenizer_meta(reader: Any) -> dict[str, Any]:
+    """Every `tokenizer.*` field, decoded to Python values."""
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def load_gguf(path: str) -> LoadedModel:
+    """Read and dequantize a whole GGUF file into fp32 tensors."""
+    import gguf  # the reader is only needed by this loader
+
+    reader = gguf.GGUFReader(path)
+    config = read_config(reader)
+    # Only the llama arch's converter permutes Q/K; qwen2 uses NeoX RoPE as stored.
+    permuted = _field(reader, "general.architecture") in ("llama", "mistral")
+    weights: dict[str, torch.Tensor] = {}
+    for i, tensor in enumerate(reader.tensors):
+        kind = tensor.tensor_type.name
+        if kind not in _SUPPORTED_TYPES:
+            raise ValueError(f"{path}: tensor {tensor.name} has unsupported type {kind}")
+        name = _canonical(tensor.name)
+        if name is None:
+            log.debug("gguf.tensor_skipped", tensor=tensor.name)
+            continue
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        data = data.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if permuted and name.endswith((".q", ".q_bias")):
+            data = unpermute_qk(data, config.num_heads)
+        elif permuted and name.endswith((".k", ".k_bias")):
+            data = unpermute_qk(data, config.num_kv_heads)
+        # F32 tensors come back as read-only views of the mmap: copy those.
+        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+        if i % 50 == 0:
+            log.debug("gguf.progress", tensors=i, total=len(reader.tensors))
+    name = _field(reader, "general.name") or path
+    return LoadedModel(config, weights, read_tokenizer_meta(reader), model_id=str(name))
+
+
+def _canonical(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None

@@ -1,0 +1,66 @@
+"""Load a Hugging Face model folder: config.json, *.safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+
+from libs.common.engine.load.gguf import LoadedModel
+from libs.common.engine.load.model_config import ModelConfig
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.weight": "o",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+}
+
+
+def load_hf_folder(path: str) -> LoadedModel:
+    """Read config.json and every *.safetensors shard; weights become fp32."""
+    from safetensors import safe_open
+
+    folder = pathlib.Path(path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"model: {path} has no config.json")
+    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"model: {path} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                name = _canonical(key)
+                if name is not None:
+                    weights[name] = f.get_tensor(key).to(torch.float32).contiguous()
+    if config.tie_word_embeddings:
+        weights.pop("lm_head", None)
+    meta: dict = {"hf_folder": str(folder)}
+    return LoadedModel(config, weights, meta, model_id=folder.name)
+
+
+def _canonical(key: str) -> str | None:
+    if key in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[key]
+    if key.startswith("model.layers."):
+        index, _, rest = key[len("model.layers.") :].partition(".")
+        if rest in _LAYER_NAMES:
+            return f"layers.{index}.{_LAYER_NAMES[rest]}"
+    return None

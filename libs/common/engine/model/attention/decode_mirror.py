@@ -1,0 +1,219 @@
+"""A dense copy of the decoding sequences' K/V, so decode attention gathers no pages.
+
+The paged cache stays the source of truth (the prefix cache, exports and imports
+all read and write pages). The mirror holds, per layer, K and V of each decoding
+sequence in its own slot, head-major: [slots, kv_heads, capacity, head_dim]. A
+step's decode attention then reads `mirror[:slots_in_use, :, :longest_context]`
+directly, where the paged path first copies every row's pages into a padded
+batch (at 32 streams x 256 tokens that gather was ~40% of decode attention).
+
+A slot is trusted only while its sequence decodes in consecutive steps: the row
+with key `k` keeps its slot when the previous step had `k` as a decode row with
+one token less of context, and the same first page. Anything else (a new
+decoder, a prefill chunk in between, a preemption, a context that did not grow
+by exactly one, a step whose forward did not finish every layer) refills the
+slot from the pages, which the step has already written. Growing the slot count
+or the capacity drops every slot (all rows refill once, one gather as before).
+
+Memory: the mirror is never larger than the paged cache; a step that would need
+more goes without it (`plan` returns None and the caller gathers pages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import structlog
+import torch
+
+from libs.common.engine.model.kv_cache import KVCache
+
+log = structlog.get_logger(__name__)
+
+CAPACITY_STEP = 128  # tokens; capacity grows in these steps (a multiple of every page size used)
+
+
+@dataclasses.dataclass(slots=True)
+class MirrorPlan:
+    """One step's use of the mirror, shared by every layer."""
+
+    width: int  # slots covered by attention this step: [0, width)
+    length: int  # longest context among the step's decode rows
+    slots: torch.Tensor  # [B] slot of each decode row, row order
+    identity: bool  # slots == arange(B) and width == B: no scatter/gather of q needed
+    write_index: torch.Tensor | None  # [n_keep * Hk] flat rows of the continuing rows' new K/V
+    keep_rows: torch.Tensor | None  # [n_keep] decode-row indices that continue their slot
+    fill_slots: torch.Tensor | None  # [n_fill] slots refilled from pages this step
+    fill_rows: torch.Tensor | None  # [n_fill] decode-row indices refilled
+    fill_pages: torch.Tensor | None  # [n_fill * fill_pages_each] page ids, padded with page 0
+    fill_tokens: int  # tokens gathered per refilled row (a whole number of pages)
+    mask: torch.Tensor  # [width, 1, 1, length]: 0 attended, -inf past a slot's context
+
+
+class DecodeMirror:
+    """Slot bookkeeping (pure Python) plus the mirror tensor of one KV cache.
+
+    Contract: call `plan(keys, ctx_lens, page_tables)` once per step with the
+    step's decode rows (row order); then, for every layer, after the step's new
+    K/V are in the paged cache, `update(layer, plan, k_rows, v_rows)` with those
+    rows' new K/V [B, Hk, D]; `keys(layer, plan)` / `values(layer, plan)` are
+    then the [width, Hk, length, D] views attention reads. `finish()` marks the
+    step complete; a plan made without it drops every slot first. Call
+    `forget()` for a step that has no decode rows.
+    """
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+        self._tensor: torch.Tensor | None = None  # [L, 2, S, Hk, capacity, D]
+        # key -> (slot, context, first page) as of the last step
+        self._slots: dict[int, tuple[int, int, int]] = {}
+        self._complete = True
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self._tensor is None else self._tensor.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._tensor is None else self._tensor.shape[4]
+
+    def finish(self) -> None:
+        self._complete = True
+
+    def forget(self) -> None:
+        """Trust no slot any more (a step without decode rows breaks every run)."""
+        self._slots.clear()
+
+    def drop(self) -> None:
+        """Forget every slot and free the memory."""
+        self._tensor = None
+        self.forget()
+
+    def plan(
+        self, keys: list[int], ctx_lens: list[int], page_tables: list[list[int]]
+    ) -> MirrorPlan | None:
+        if not self._complete:
+            self.forget()
+        self._complete = False
+        if len(set(keys)) != len(keys):
+            self.drop()
+            return None
+        if not self._fits(len(keys), max(ctx_lens)):
+            self.drop()
+            return None
+        keep, fill = [], []
+        slot_of: dict[int, int] = {}
+        for row, (key, ctx, table) in enumerate(zip(keys, ctx_lens, page_tables, strict=True)):
+            last = self._slots.get(key)
+            if last is not None and last[1:] == (ctx - 1, table[0]):
+                slot_of[key] = last[0]
+                keep.append(row)
+            else:
+                fill.append(row)
+        used = set(slot_of.values())
+        free = (s for s in range(self.num_slots) if s not in used)
+        for row in fill:
+            slot_of[keys[row]] = next(free)
+        if max(slot_of.values()) + 1 > 2 * len(keys):
+            # Mostly empty slots in the attended width: refill every row into slots 0.. instead.
+            keep, fill = [], list(range(len(keys)))
+            slot_of = {key: row for row, key in enumerate(keys)}
+        self._slots = {
+            key: (slot_of[key], ctx, table[0])
+            for key, ctx, table in zip(keys, ctx_lens, page_tables, strict=True)
+        }
+        slots = [slot_of[key] for key in keys]
+        return self._make_plan(slots, ctx_lens, page_tables, keep, fill)
+
+    def slot_of(self, key: int) -> int | None:
+        """The slot `key` holds after the last plan, or None."""
+        last = self._slots.get(key)
+        return None if last is None else last[0]
+
+    def _fits(self, rows: int, longest: int) -> bool:
+        """Grow the mirror if needed; False when it would outgrow the paged cache."""
+        if rows <= self.num_slots and longest <= self.capacity:
+            return True
+        c = self.kv_cache
+        slots = max(rows, self.num_slots)
+        capacity = max(self.capacity, -(-longest // CAPACITY_STEP) * CAPACITY_STEP)
+        capacity = -(-capacity // c.page_size) * c.page_size
+        shape = (c.num_layers, 2, slots, c.num_kv_heads, capacity, c.head_dim)
+        if torch.Size(shape).numel() > c.buffer.numel():
+            if self._tensor is not None:
+                log.info("decode_mirror.off", rows=rows, longest=longest, reason="pool size")
+            return False
+        self.drop()
+        self._tensor = torch.zeros(shape, dtype=c.buffer.dtype, device=c.buffer.device)
+        nbytes = self._tensor.numel() * self._tensor.element_size()
+        log.info("decode_mirror.grown", slots=slots, capacity=capacity, mib=nbytes >> 20)
+        return True
+
+    def _make_plan(self, slots, ctx_lens, page_tables, keep, fill) -> MirrorPlan:
+        dev = self.kv_cache.buffer.device
+        hk, cap, ps = self.kv_cache.num_kv_heads, self.capacity, self.kv_cache.page_size
+        width = max(slots) + 1
+        length = max(ctx_lens)
+        mask = torch.zeros(width, length, dtype=self.kv_cache.buffer.dtype, device=dev)
+        lens = [0] * width
+        for slot, ctx in zip(slots, ctx_lens, strict=True):
+            lens[slot] = ctx
+        for slot, n in enumerate(lens):
+            if 0 < n < length:
+                mask[slot, n:] = float("-inf")
+        write_index = keep_rows = None
+        if keep:
+            flat = [(slots[r] * hk + h) * cap + ctx_lens[r] - 1 for r in keep for h in range(hk)]
+            write_index = torch.tensor(flat, dtype=torch.long, device=dev)
+            keep_rows = torch.tensor(keep, dtype=torch.long, device=dev)
+        fill_slots = fill_rows = fill_pages = None
+        fill_tokens = 0
+        if fill:
+            n_pages = -(-max(ctx_lens[r] for r in fill) // ps)
+            pages: list[int] = []
+            for r in fill:
+                table = page_tables[r][: -(-ctx_lens[r] // ps)]
+                pages.extend(table)
+                pages.extend([0] * (n_pages - len(table)))
+            fill_tokens = n_pages * ps
+            fill_slots = torch.tensor([slots[r] for r in fill], dtype=torch.long, device=dev)
+            fill_rows = torch.tensor(fill, dtype=torch.long, device=dev)
+            fill_pages = torch.tensor(pages, dtype=torch.long, device=dev)
+        identity = width == len(slots) and slots == list(range(width))
+        return MirrorPlan(
+            width=width,
+            length=length,
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            identity=identity,
+            write_index=write_index,
+            keep_rows=keep_rows,
+            fill_slots=fill_slots,
+            fill_rows=fill_rows,
+            fill_pages=fill_pages,
+            fill_tokens=fill_tokens,
+            mask=mask.view(width, 1, 1, length),
+        )
+
+    def update(self, layer: int, plan: MirrorPlan, k_rows: torch.Tensor, v_rows: torch.Tensor):
+        """Bring the step's slots up to date for `layer` (pages must already hold the new K/V)."""
+        assert self._tensor is not None
+        c = self.kv_cache
+        hk, d = c.num_kv_heads, c.head_dim
+        for kv, paged, new in ((0, c.key(layer), k_rows), (1, c.value(layer), v_rows)):
+            mirror = self._tensor[layer, kv]
+            if plan.write_index is not None:
+                rows = new.index_select(0, plan.keep_rows).reshape(-1, d)
+                mirror.view(-1, d).index_copy_(0, plan.write_index, rows)
+            if plan.fill_pages is not None:
+                n = plan.fill_slots.shape[0]
+                gathered = paged.index_select(0, plan.fill_pages).view(n, -1, hk, d)
+                target = mirror.narrow(2, 0, plan.fill_tokens)
+                target.index_copy_(0, plan.fill_slots, gathered.transpose(1, 2))
+
+    def keys(self, layer: int, plan: MirrorPlan) -> torch.Tensor:
+        assert self._tensor is not None
+        return self._tensor[layer, 0, : plan.width, :, : plan.length]
+
+    def values(self, layer: int, plan: MirrorPlan) -> torch.Tensor:
+        assert self._tensor is not None
+        return self._tensor[layer, 1, : plan.width, :, : plan.length]

@@ -1,0 +1,145 @@
+"""Batched, vectorized token sampling over one step's logits.
+
+Per row: penalties -> (logprobs) -> greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> a draw. The draw is Gumbel-max style: argmax(p / E) with E
+~ Exp(1) drawn from a generator seeded by (request seed, output index), so a
+seeded request samples the same tokens whatever else is in the batch, after a
+preemption, and on any worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from libs.common.engine.core.outputs import TokenLogprobs
+from libs.common.engine.core.sampling_params import SamplingParams
+
+_MASK = float("-inf")
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: spreads (seed, step) pairs
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclasses.dataclass(slots=True)
+class SamplingRow:
+    """One row of the logits: its params, seed, output index and history.
+
+    `seed` is the request's seed, or one the engine drew for it at arrival;
+    `step` is the number of tokens it has generated so far. The token ids are
+    only read when a penalty is on.
+    """
+
+    params: SamplingParams
+    seed: int
+    step: int
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Samples one token per row; see the module docstring for the order of steps.
+
+    Logprobs are those of the model's distribution after penalties and before
+    temperature and filtering (what vLLM reports by default).
+    """
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        logits = logits.float()
+        if any(_has_penalty(r.params) for r in rows):
+            logits = _apply_penalties(logits.clone(), rows)
+        want_lp = [r.params.logprobs is not None for r in rows]
+        logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        tokens = torch.argmax(logits, dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, dtype=torch.long)
+            picked = _sample(logits.index_select(0, idx), [rows[i] for i in random_rows])
+            tokens.index_copy_(0, idx, picked)
+        token_ids = tokens.tolist()
+        out_lp: list[TokenLogprobs | None] = [None] * len(rows)
+        if logprobs is not None:
+            for i, r in enumerate(rows):
+                if want_lp[i]:
+                    out_lp[i] = _token_logprobs(logprobs[i], token_ids[i], r.params.logprobs)
+        return SamplerOutput(token_ids, out_lp)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _counts(ids: list[list[int]], vocab: int) -> torch.Tensor:
+    """[B, vocab] occurrence counts of each row's ids (padding goes to a dropped column)."""
+    width = max((len(x) for x in ids), default=0)
+    padded = torch.full((len(ids), max(width, 1)), vocab, dtype=torch.long)
+    for i, x in enumerate(ids):
+        if x:
+            padded[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+    counts = torch.zeros(len(ids), vocab + 1)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    out_counts = _counts([r.output_ids for r in rows], vocab)
+    rep = torch.tensor([r.params.repetition_penalty for r in rows]).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows]).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in rows]).unsqueeze(1)
+    if (rep != 1.0).any():
+        seen = (_counts([r.prompt_ids for r in rows], vocab) + out_counts) > 0
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+    return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    temps = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
+    logits = logits / temps
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
+    if (min_p > 0).any():
+        floor = min_p * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(rows):
+        gen = torch.Generator().manual_seed(((r.seed + 1) * _SEED_MIX + r.step) & _SEED_MASK)
+        noise[i].exponential_(generator=gen)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    values, order = torch.sort(logits, dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k]).unsqueeze(1)
+    values = values.masked_fill(ranks >= k, _MASK)
+    probs = torch.softmax(values, dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p; the
+    # first token always stays.
+    above = torch.cumsum(probs, dim=-1) - probs
+    p = torch.tensor(top_p).unsqueeze(1)
+    values = values.masked_fill(above >= p, _MASK)
+    return torch.full_like(logits, _MASK).scatter_(1, order, values)
+
+
+def _token_logprobs(lp: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
+    top: list[tuple[int, float]] = []
+    if n:
+        vals, ids = torch.topk(lp, n)
+        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprobs(token_id, float(lp[token_id]), top)

@@ -1,0 +1,9 @@
+"""Every message that crosses a process boundary over NATS, and the one decoder.
+
+Owns the envelope (schema version, type tag), the field checks and the decode of every wire
+type: control messages (generate, prefill, reserve, token streams, load reports, KV events,
+service info) in `control`, the pool's messages (master RPCs, mounts, heartbeats) in `pool`.
+
+May import: the standard library and orjson only, so any process (and any tool) can read
+the whole protocol without loading anything else.
+"""

@@ -1,0 +1,339 @@
+"""Every message that crosses a process boundary over NATS, in one place.
+
+Each message is a dataclass encoded as one JSON object (orjson) with two envelope fields:
+
+    {"v": 1, "type": "service_info", ...fields...}
+
+`v` is the schema version: a receiver refuses a version it does not know, with an error
+that says both versions. Unknown fields are ignored (a newer sender may add optional
+fields without a version bump); missing required fields and wrong types are refused with
+`MessageError` naming the field. Nothing is pickled or evaluated: decoding is
+`orjson.loads` plus type checks against the dataclass annotations.
+
+Subjects and which message travels on each are listed in docs/protocol.md; the KV pool's
+columnar messages are in libs/common/messages/pool.py, the envelope and decoder in
+libs/common/messages/schema.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import orjson
+
+# The envelope and decoder live in schema.py; these names stay importable here.
+from libs.common.messages.schema import SCHEMA_VERSION as SCHEMA_VERSION
+from libs.common.messages.schema import M as M
+from libs.common.messages.schema import Message as Message
+from libs.common.messages.schema import MessageError as MessageError
+
+# --- generic replies --------------------------------------------------------------------
+
+
+@dataclass
+class ErrorReply(Message):
+    """Body of an error reply (the `Nats-Service-Error[-Code]` headers say the same)."""
+
+    TYPE: ClassVar[str] = "error"
+    code: int
+    message: str
+
+
+@dataclass
+class InfoRequest(Message):
+    """Asks a service for its `ServiceInfo`. Empty today; a body is optional."""
+
+    TYPE: ClassVar[str] = "info_request"
+
+
+@dataclass
+class ServiceInfo(Message):
+    """Reply of every service's `info` endpoint.
+
+    `details` holds what is specific to a role (model id, page size, kv dtype, transport…),
+    as plain strings, numbers and booleans.
+    """
+
+    TYPE: ClassVar[str] = "service_info"
+    service: str
+    service_id: str
+    version: str
+    started_at: float
+    nats_url: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+# --- the request path: router -> decode -> prefill, tokens back on a stream subject -------
+#
+#   router                     decode worker <id>                prefill worker <pid>
+#     | sub tandem.stream.<rid>       |                                  |
+#     |-- GenerateRequest ----------->| reserve pages                    |
+#     |   tandem.decode.<id>.generate |-- PrefillRequest --------------->| compute, write KV
+#     |<-- GenerateAccepted ----------|   tandem.prefill.<pid>.prefill   | into the reserved
+#     |<======== TokenChunk (index 0, the first token) ==================| pages
+#     |                               |<-- PrefillResult (check value) --|
+#     |<== TokenChunk (index 1..) ====| decode, then the last chunk carries finish + usage
+#
+# A GenerateRequest with no prefill worker is prefilled by the decode worker itself
+# (conditional disaggregation). Chunks are ordered by `index`: the first token comes from
+# the prefill worker's connection, the rest from the decode worker's, and NATS orders
+# messages per connection only, so the router reorders by index.
+
+
+@dataclass
+class SamplingSpec(Message):
+    """Sampling parameters on the wire; the engine's SamplingParams validates them."""
+
+    TYPE: ClassVar[str] = "sampling"
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass
+class GenerateRequest(Message):
+    """Router -> decode worker: generate a completion for `token_ids`.
+
+    `prefill_worker` names the prefill worker to compute the prompt, or is empty when the
+    decode worker prefills it itself. Tokens go to `stream_subject` as TokenChunk messages.
+    `timeout` bounds the whole request in seconds; past it every worker frees its pages.
+    """
+
+    TYPE: ClassVar[str] = "generate"
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingSpec
+    stream_subject: str
+    prefill_worker: str = ""
+    timeout: float = 600.0
+    # Where the decode worker sends this request's chunks batched with the other requests'
+    # of the same router (TokenChunkBatch), or empty: one TokenChunk per publish on
+    # `stream_subject`. Token 0 from a prefill worker always goes to `stream_subject`.
+    batch_subject: str = ""
+
+
+@dataclass
+class GenerateAccepted(Message):
+    """Decode worker -> router: the request holds its pages and is queued."""
+
+    TYPE: ClassVar[str] = "generate_accepted"
+    request_id: str
+    decode_worker: str
+    num_reserved_pages: int
+    num_held_pages: int = 0  # reserved pages this worker's cache already filled: not sent
+
+
+@dataclass
+class PrefillRequest(Message):
+    """Decode -> prefill worker: compute `token_ids` and write their KV into my pages.
+
+    `kv_region` is the decode worker's KV-pool region descriptor (transfer engine, plain
+    data); `page_indices[i]` receives prompt page `i + skip_pages` (the first `skip_pages`
+    pages the decode worker already holds from its own prefix cache). `model_id`,
+    `page_size` and `kv_dtype` must equal the prefill worker's, or it refuses to pair.
+    """
+
+    TYPE: ClassVar[str] = "prefill"
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingSpec
+    stream_subject: str
+    decode_worker: str
+    kv_region: dict[str, Any]
+    page_indices: list[int]
+    skip_pages: int
+    model_id: str
+    page_size: int
+    kv_dtype: str
+    kv_num_pages: int
+    timeout: float = 600.0
+
+
+@dataclass
+class PrefillResult(Message):
+    """Prefill -> decode worker: the prompt's KV is in place.
+
+    `check` is a digest over the prompt's token ids, the written page indices and the first
+    token (`handoff_check`); the decode worker recomputes it and refuses a handoff that
+    does not match (a stale or mismatched reply). `cached_tokens` counts prompt tokens
+    served from each tier (`device`, `host`, `pool`) instead of computed. When the first
+    token already ends the request (`finish_reason` set), the prefill worker has sent the
+    final chunk itself and the decode worker just frees its reservation.
+    """
+
+    TYPE: ClassVar[str] = "prefill_result"
+    request_id: str
+    first_token: int
+    check: str
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    finish_reason: str | None = None  # set when the first token already ends the request
+
+
+@dataclass
+class RequestStatus(Message):
+    """Decode worker -> the prefill worker it waits on (`tandem.prefill.<id>.status`): is
+    this request still in flight there? "No" while the PrefillResult has not come means
+    the reply was lost (e.g. in a NATS restart): the decode worker stops waiting."""
+
+    TYPE: ClassVar[str] = "request_status"
+    request_id: str
+
+
+@dataclass
+class RequestStatusReply(Message):
+    TYPE: ClassVar[str] = "request_status_reply"
+    request_id: str
+    active: bool
+
+
+@dataclass
+class Usage(Message):
+    """Exact token counts of one request, as the router reports them to the client."""
+
+    TYPE: ClassVar[str] = "usage"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TokenChunk(Message):
+    """Worker -> router on `stream_subject`: tokens `index .. index + len(token_ids) - 1`.
+
+    `text` is the detokenized delta of these tokens, by the engine that sampled them: it
+    never ends inside a UTF-8 character and never shows (part of) a stop string, so the
+    router concatenates `text` rather than decoding ids itself.
+    The last chunk of a request has `finish_reason` ("stop", "length", "abort", "error")
+    and `usage`; an error ends the stream with `finish_reason="error"` and `error` set.
+    `logprobs[i]` (when asked) is `{"token": id, "logprob": x, "top": [[id, x], ...]}`.
+    """
+
+    TYPE: ClassVar[str] = "token_chunk"
+    request_id: str
+    index: int
+    token_ids: list[int]
+    worker: str
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def shortcut(cls, obj: dict) -> TokenChunk | None:
+        # The usual chunk (no usage, no logprobs): the router decodes one per token per
+        # stream, and the per-field checks were most of a 64-stream step's decode.
+        get = obj.get
+        rid, index, ids, worker = get("request_id"), get("index"), get("token_ids"), get("worker")
+        text, finish, error = get("text", ""), get("finish_reason"), get("error")
+        logprobs = get("logprobs", [])
+        if (
+            type(rid) is str and type(index) is int and type(worker) is str
+            and type(text) is str and type(ids) is list and all(type(t) is int for t in ids)
+            and (finish is None or type(finish) is str) and (error is None or type(error) is str)
+            and get("usage") is None and type(logprobs) is list and not logprobs
+        ):  # fmt: skip
+            return cls(rid, index, ids, worker, text, finish, None, error)
+        return None
+
+
+@dataclass
+class TokenChunkBatch(Message):
+    """Decode worker -> router on `batch_subject`: the chunks one engine step produced for
+    every request of that router, in one message. Each chunk is exactly the TokenChunk that
+    would otherwise go on its request's `stream_subject` (`request_id` says which).
+
+    One publish, one delivery and one decode per step instead of one per request: at 64
+    streams that is most of the router's work per token. Built from encoded chunks by
+    `encode_chunk_batch` (a batch is split to stay under the bus's payload limit).
+    """
+
+    TYPE: ClassVar[str] = "token_chunk_batch"
+    worker: str
+    chunks: list[TokenChunk]
+
+
+def encode_chunk_batch(worker: str, encoded_chunks: list[bytes]) -> bytes:
+    """The bytes of a TokenChunkBatch holding already-encoded TokenChunks (no re-encode:
+    the sender measures each chunk's size to split batches under the payload limit)."""
+    chunks = [orjson.Fragment(c) for c in encoded_chunks]
+    body = {"v": SCHEMA_VERSION, "type": TokenChunkBatch.TYPE, "worker": worker, "chunks": chunks}
+    return orjson.dumps(body)
+
+
+@dataclass
+class CancelRequest(Message):
+    """Router -> every worker (published on `tandem.cancel`): drop this request, free pages."""
+
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str
+    reason: str = "client disconnected"
+
+
+@dataclass
+class RdmaConnect(Message):
+    """The rdma transport's queue-pair exchange, request and reply alike, on
+    `tandem.transfer.<engine-id>.connect` (libs/common/transfer/rdma/exchange.py).
+
+    `exchange` is a QpExchange dict (libs/common/transfer/rdma/link.py), validated there.
+    """
+
+    TYPE: ClassVar[str] = "rdma_connect"
+    exchange: dict[str, Any]
+
+
+# --- cluster state: load reports and KV events --------------------------------------------
+
+
+@dataclass
+class LoadReport(Message):
+    """Each worker, every few hundred ms, on `tandem.workers.<role>.<id>.load`.
+
+    The router drops a worker whose reports stop (out of rotation within 3 s).
+    """
+
+    TYPE: ClassVar[str] = "load"
+    worker: str
+    role: str  # "prefill", "decode" or "both"
+    model_id: str
+    page_size: int
+    kv_dtype: str
+    waiting: int
+    running: int
+    waiting_prefill_tokens: int
+    free_pages: int
+    total_pages: int
+    tokens_per_s: float
+    max_model_len: int
+    timestamp: float
+
+
+@dataclass
+class KvEvent(Message):
+    """A tier change of pages, on `tandem.kv.events.<worker-or-store-id>` (JetStream kept).
+
+    `kind` is `stored` (keys in prefix order, `parent_key` the key before the first, or
+    empty), `removed`, or `cleared` (the source holds nothing in `tier` any more). `tier` is
+    `device`, `host` or `pool`. `seq` increases per source so a reader can spot gaps.
+    """
+
+    TYPE: ClassVar[str] = "kv_event"
+    source: str
+    seq: int
+    kind: str
+    tier: str
+    keys: list[str] = field(default_factory=list)
+    parent_key: str = ""
+    num_tokens: int = 0
+    timestamp: float = 0.0

@@ -1,0 +1,310 @@
+"""The KV pool client: what workers call to find, read and write page objects in the pool.
+
+    client = PoolClient(bus, engine)                     # a connected Bus, a running engine
+    mem = LocalMemory.register(engine, kv_buffer)        # or LocalMemory(view, region)
+    n = await client.batch_exists(page_keys)             # leading keys present, 1 round trip
+    got = await client.batch_get(page_keys[:n], mem, offsets, capacity=page_bytes)
+    put = await client.batch_put(new_keys, mem, offsets, sizes=[page_bytes] * len(new_keys))
+
+Bytes never cross NATS: the master says where (store segment descriptor + offset) and
+the transfer engine moves them between `mem` and the stores' segments.
+
+Guarantees:
+  - batch_put: an object is visible only after all its replicas are written (two-phase:
+    put_start -> write -> put_end; a failed write is revoked). A key already in the pool
+    answers `exists` and is never overwritten. Each object's xxh3-64 checksum, computed
+    here from the bytes sent, is recorded by the master.
+  - batch_get: the bytes at `offsets[i]` are valid only where `results[i].ok`. They are
+    checked against the recorded checksum; a mismatch removes the object from the pool
+    and reports a miss (`checksum`). A read that ends after its lease (counted from when
+    the request was sent) is refused (`lease_expired`): the store may have reused those
+    bytes. Replicas are tried in turn when a store cannot be reached.
+  - Errors that concern the whole call (the master unreachable, a malformed batch) raise
+    `BusError`/`RemoteError`; per-object outcomes are in the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import xxhash
+
+from libs.common.bus.connection import Bus, BusError
+from libs.common.log import get_logger
+from libs.common.messages.control import InfoRequest
+from libs.common.messages.pool import (
+    PoolCount,
+    PoolGetReply,
+    PoolKeys,
+    PoolPutFinish,
+    PoolPutStart,
+    PoolPutStartReply,
+    PoolStats,
+)
+from libs.common.transfer import RegionDescriptor, TransferEngine, TransferError
+from libs.common.transfer.region import buffer_view
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+# Keys per master request: keeps every message far below NATS's 1 MiB payload limit.
+BATCH_KEYS = 256
+# How long "no responders" (no master subscribed: dead, or restarting) is retried.
+NO_MASTER_WAIT_S = 0.5
+
+
+@dataclass(frozen=True)
+class LocalMemory:
+    """A registered local buffer: `view` (its bytes) and `region` (its descriptor)."""
+
+    view: memoryview
+    region: RegionDescriptor
+
+    @classmethod
+    def register(cls, engine: TransferEngine, buffer: Any) -> LocalMemory:
+        return cls.of(buffer, engine.register(buffer))
+
+    @classmethod
+    def of(cls, buffer: Any, region: RegionDescriptor) -> LocalMemory:
+        """Pair memory already registered (e.g. a worker's KV pool) with its descriptor."""
+        view, _ = buffer_view(buffer)
+        if view.nbytes != region.length:
+            raise ValueError(f"region: {region.length} bytes, buffer has {view.nbytes}")
+        return cls(view, region)
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """`error` is "" (ok), "missing", "too_large", "unreachable", "checksum" or
+    "lease_expired"; `size` is the object's size (bytes written when ok)."""
+
+    key: str
+    size: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """`error` is "" (stored), "exists", "full" or "failed" (a write or put_end failed)."""
+
+    key: str
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+async def _all(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """asyncio.gather, but one call is awaited in place: gather would wrap it in a task, a
+    loop turn more on a single get or put's critical path."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return list(await asyncio.gather(*calls))
+
+
+def checksum(data: Any) -> str:
+    """xxh3-64 as 16 hex chars: the pool's object checksum."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class PoolClient:
+    """Client of the KV pool; see the module docstring for the guarantees."""
+
+    def __init__(
+        self, bus: Bus, engine: TransferEngine, prefix: str = "tandem", timeout: float = 5.0
+    ):
+        self.bus, self.engine, self.prefix, self.timeout = bus, engine, prefix, timeout
+
+    def _subject(self, name: str) -> str:
+        return f"{self.prefix}.pool.master.{name}"
+
+    async def _ask(self, name: str, message: Any, reply_type: type) -> Any:
+        # No master listening: fail within NO_MASTER_WAIT_S (the caller computes instead)
+        # rather than after the whole timeout, which would add it to a request's latency.
+        return await self.bus.request(self._subject(name), message, reply_type, self.timeout,
+                                      responder_wait=NO_MASTER_WAIT_S)  # fmt: skip
+
+    async def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many leading `keys` are in the pool (a prompt's cached prefix, in pages)."""
+        found = 0
+        for start in range(0, len(keys), BATCH_KEYS):
+            chunk = list(keys[start : start + BATCH_KEYS])
+            count = (await self._ask("exists", PoolKeys(chunk), PoolCount)).count
+            found += count
+            if count < len(chunk):
+                break
+        return found
+
+    async def batch_get(
+        self,
+        keys: Sequence[str],
+        memory: LocalMemory,
+        offsets: Sequence[int],
+        capacity: int | Sequence[int],
+    ) -> list[GetResult]:
+        """Read object `keys[i]` into `memory` at `offsets[i]` (room: `capacity[i]` bytes)."""
+        caps = [capacity] * len(keys) if isinstance(capacity, int) else list(capacity)
+        if not len(keys) == len(offsets) == len(caps):
+            raise ValueError("keys, offsets and capacity: lengths differ")
+        results: list[GetResult] = []
+        for start in range(0, len(keys), BATCH_KEYS):
+            end = start + BATCH_KEYS
+            results += await self._get_chunk(keys[start:end], memory, offsets[start:end],
+                                             caps[start:end])  # fmt: skip
+        return results
+
+    async def _get_chunk(
+        self, keys: Sequence[str], memory: LocalMemory, offsets: Sequence[int], caps: list[int]
+    ) -> list[GetResult]:
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        reply = await self._ask("get", PoolKeys(list(keys)), PoolGetReply)
+        if len(reply.sizes) != len(keys):
+            raise BusError(f"{self._subject('get')}: {len(reply.sizes)} answers, {len(keys)} keys")
+        deadline = sent + reply.lease_ttl  # the master's lease began after `sent`
+        results: list[GetResult | None] = [None] * len(keys)
+        todo: dict[int, list[tuple[str, int]]] = {}  # index -> replicas left to try
+        for i, size in enumerate(reply.sizes):
+            if not reply.stores[i]:
+                results[i] = GetResult(keys[i], 0, "missing")
+            elif size > caps[i]:
+                results[i] = GetResult(keys[i], size, "too_large")
+            else:
+                todo[i] = list(zip(reply.stores[i], reply.offsets[i], strict=True))
+        while todo:  # each round reads every pending key from its next replica
+            groups: dict[str, list[int]] = {}
+            for i, replicas in todo.items():
+                groups.setdefault(replicas[0][0], []).append(i)
+            reads = [
+                self._transfer("read", memory, reply.segments[store],
+                               [(offsets[i], todo[i][0][1], reply.sizes[i]) for i in group], store)
+                for store, group in groups.items()
+            ]  # fmt: skip
+            outcomes = await _all(reads)
+            for group, ok in zip(groups.values(), outcomes, strict=True):
+                for i in group:
+                    todo[i].pop(0)
+                    if ok or not todo[i]:
+                        del todo[i]
+                        results[i] = GetResult(keys[i], reply.sizes[i], "" if ok else "unreachable")
+        if loop.time() > deadline:
+            log.error("pool read outlived its lease; bytes refused", keys=len(keys),
+                      lease_ttl=reply.lease_ttl)  # fmt: skip
+            return [r if not r.ok else GetResult(r.key, r.size, "lease_expired") for r in results]
+        return await self._verify(results, memory, offsets, reply)
+
+    async def _transfer(
+        self, kind: str, memory: LocalMemory, segment: dict[str, Any], ops: list, store: str
+    ) -> bool:
+        """One batch with one store; False (logged) when it failed."""
+        try:
+            remote = RegionDescriptor.from_dict(segment)
+            if kind == "read":
+                await self.engine.read(memory.region, remote, ops)
+            else:
+                await self.engine.write(memory.region, remote, ops)
+        except (TransferError, OSError, ValueError) as e:
+            # ValueError: a descriptor or range that does not fit; another replica may.
+            log.warning("pool transfer failed", kind=kind, store=store, error=str(e))
+            return False
+        return True
+
+    async def _verify(
+        self,
+        results: list[GetResult],
+        memory: LocalMemory,
+        offsets: Sequence[int],
+        reply: PoolGetReply,
+    ) -> list[GetResult]:
+        bad: list[str] = []
+        out: list[GetResult] = []
+        for i, result in enumerate(results):
+            if result.ok:
+                data = memory.view[offsets[i] : offsets[i] + result.size]
+                if checksum(data) != reply.checksums[i]:
+                    bad.append(result.key)
+                    result = GetResult(result.key, result.size, "checksum")
+            out.append(result)
+        if bad:
+            log.error("pool object failed its checksum; removing it", keys=bad[:8],
+                      count=len(bad))  # fmt: skip
+            await self._ask("remove", PoolKeys(bad), PoolCount)
+        return out
+
+    async def batch_put(
+        self,
+        keys: Sequence[str],
+        memory: LocalMemory,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        replicas: int = 0,
+    ) -> list[PutResult]:
+        """Store `memory[offsets[i] : offsets[i] + sizes[i]]` as object `keys[i]`.
+
+        `replicas` 0 uses the master's default. Raises RemoteError (400/413) when the
+        master refuses the batch as a whole (bad key, size <= 0 or above its limit).
+        """
+        if not len(keys) == len(offsets) == len(sizes):
+            raise ValueError("keys, offsets and sizes: lengths differ")
+        results: list[PutResult] = []
+        for start in range(0, len(keys), BATCH_KEYS):
+            end = start + BATCH_KEYS
+            results += await self._put_chunk(keys[start:end], memory, offsets[start:end],
+                                             sizes[start:end], replicas)  # fmt: skip
+        return results
+
+    async def _put_chunk(
+        self,
+        keys: Sequence[str],
+        memory: LocalMemory,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        replicas: int,
+    ) -> list[PutResult]:
+        view = memory.view
+        for off, size in zip(offsets, sizes, strict=True):
+            if off < 0 or size < 0 or off + size > view.nbytes:
+                raise ValueError(f"offsets/sizes: {off}+{size} outside local memory")
+        sums = [checksum(view[o : o + n]) for o, n in zip(offsets, sizes, strict=True)]
+        request = PoolPutStart(list(keys), list(sizes), sums, replicas)
+        reply = await self._ask("put_start", request, PoolPutStartReply)
+        if len(reply.statuses) != len(keys):
+            raise BusError(f"{self._subject('put_start')}: answers do not match the keys")
+        errors = {i: s for i, s in enumerate(reply.statuses) if s != "ok"}
+        by_store: dict[str, tuple[list[tuple[int, int, int]], list[int]]] = {}
+        for i in range(len(keys)):
+            for store, remote_off in zip(reply.stores[i], reply.offsets[i], strict=True):
+                if i not in errors:
+                    entry = by_store.setdefault(store, ([], []))
+                    entry[0].append((offsets[i], remote_off, sizes[i]))
+                    entry[1].append(i)
+        writes = [self._transfer("write", memory, reply.segments[store], ops, store)
+                  for store, (ops, _) in by_store.items()]  # fmt: skip
+        for (_, written), ok in zip(by_store.values(), await _all(writes), strict=True):
+            if not ok:
+                errors.update({i: "failed" for i in written})
+        done = [k for i, k in enumerate(keys) if i not in errors]
+        failed = [k for i, k in enumerate(keys) if errors.get(i) == "failed"]
+        ends = [self._ask("put_end", PoolPutFinish(reply.put_id, done), PoolKeys)] if done else []
+        if failed:
+            ends.append(self._ask("put_revoke", PoolPutFinish(reply.put_id, failed), PoolCount))
+        finished = await _all(ends)
+        visible = set(finished[0].keys) if done else set()
+        return [PutResult(k, errors.get(i, "" if k in visible else "failed"))
+                for i, k in enumerate(keys)]  # fmt: skip
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        """Remove objects (bytes freed once no reader holds a lease); returns how many."""
+        return (await self._ask("remove", PoolKeys(list(keys)), PoolCount)).count
+
+    async def stats(self) -> PoolStats:
+        return await self._ask("stats", InfoRequest(), PoolStats)

@@ -1,0 +1,278 @@
+"""What the prefill and decode workers share: an engine, a transfer engine, the cluster feed.
+
+    WorkerService(BaseService)
+      on_start: load the engine (its KV pool allocated through the transfer engine, so
+                peers can write it), register the pool, make sure the KV events stream
+                exists, start the load-report loop, subscribe to cancels
+      details:  model id, page size, KV dtype, transport, endpoint: what `info` shows and
+                what a peer checks before pairing
+      on_stop:  stop the loops, the engine and the transfer engine (idempotent)
+
+Subclasses add their endpoints and say how a cancel applies to them (`cancel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from libs.common.bus.kv_events import KvEventPublisher, keep_kv_stream
+from libs.common.config import WorkerConfig
+from libs.common.engine.config import EngineConfig
+from libs.common.engine.core.outputs import TokenLogprobs
+from libs.common.engine.core.radix_cache import CacheEvent
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.engine import Engine
+from libs.common.log import get_logger, request_context
+from libs.common.messages.control import CancelRequest, LoadReport, MessageError, SamplingSpec
+from libs.common.pool.client import PoolClient
+from libs.common.pool.tier import PoolTier
+from libs.common.service import BaseService
+from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
+from libs.common.transfer.rdma.exchange import engine_options, serve_connect
+
+log = get_logger(__name__)
+
+_CANCELLED_KEPT = 4096  # early cancels remembered (request ids)
+
+
+def sampling_params(spec: SamplingSpec) -> SamplingParams:
+    """Wire sampling -> engine sampling; ValueError (naming the field) when invalid."""
+    body = {k: v for k, v in spec.to_dict().items() if k not in ("v", "type")}
+    return SamplingParams.from_dict(body)
+
+
+def logprobs_wire(items: list[TokenLogprobs | None]) -> list[dict]:
+    """Engine logprobs -> TokenChunk.logprobs entries."""
+    return [
+        {"token": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+        for lp in items
+        if lp is not None
+    ]
+
+
+class WorkerService(BaseService):
+    """A model replica on the bus. `role` is "prefill" or "decode"."""
+
+    role = "worker"
+
+    def __init__(self, config: WorkerConfig):
+        super().__init__(config)
+        self.config: WorkerConfig = config
+        self.engine: Engine | None = None
+        self.transfer: TransferEngine | None = None
+        self.kv_region: RegionDescriptor | None = None
+        self.pool: PoolTier | None = None
+        self.events = KvEventPublisher(
+            self.bus, config.subject_prefix, config.service_id, tier="device"
+        )
+        self._pending_events: list[CacheEvent] = []
+        self._events_wake = asyncio.Event()
+        self._loops: list[asyncio.Task] = []
+        self._cancel_sub: Any = None
+        self._active: dict[str, asyncio.Task] = {}  # request id -> the task serving it
+        # Cancels that came before their request was registered (a router that gave up
+        # waiting for the reply): such a request is refused when it registers, instead of
+        # running for nobody. Bounded, oldest dropped first.
+        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._tokens_out = 0  # output tokens since the last load report
+        self.queued_prompt_tokens = 0  # accepted, not yet prefilled (for routing)
+
+    # --- what the pairing check and `info` need --------------------------------------
+
+    @property
+    def transport(self) -> str:
+        chosen = self.config.transport
+        return default_transport() if chosen == "auto" else chosen
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.core.model.model_id if self.engine and self.engine.core else ""
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.engine.core.kv_cache.dtype_name if self.engine and self.engine.core else ""
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self.engine.core.kv_cache.num_pages if self.engine and self.engine.core else 0
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence this worker can serve: the model's context, or less when
+        its KV pool is smaller (a longer one could never be scheduled here)."""
+        if not (self.engine and self.engine.core):
+            return 0
+        pool_tokens = self.num_kv_pages * self.config.page_size
+        return min(self.engine.core.model.config.max_position, pool_tokens)
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "model": self.config.model,
+            "model_id": self.model_id,
+            "page_size": self.config.page_size,
+            "kv_dtype": self.kv_dtype,
+            "kv_pages": self.num_kv_pages,
+            # Pages taken out of use for good (a KV handoff that could not be fenced).
+            "retired_kv_pages": self.engine.core.scheduler.retired_pages
+            if self.engine and self.engine.core
+            else 0,
+            "transport": self.transport,
+            "transfer_endpoint": self.transfer.endpoint if self.transfer else "",
+            "transfer": self.transfer.info() if self.transfer else {},
+            "prefix_cache": not self.config.no_prefix_cache,
+            "pool": not self.config.no_pool,
+            "active_requests": len(self._active),
+        }
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def on_start(self) -> None:
+        options = self.config.transfer_options(self.transport)
+        prefix, sid = self.config.subject_prefix, self.config.service_id
+        options.update(engine_options(self.transport, self.bus, prefix, sid))
+        self.transfer = create_engine(self.transport, **options)
+        await self.transfer.start()
+        await serve_connect(self.bus, self.transfer, prefix, sid)
+        self.engine = Engine(
+            EngineConfig(
+                model=self.config.model,
+                page_size=self.config.page_size,
+                kv_cache_mb=self.config.kv_cache_mb,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                enable_prefix_cache=not self.config.no_prefix_cache,
+                decode_mirror=not self.config.no_decode_mirror,
+                num_threads=self.config.num_threads or None,
+                tier="device",
+            ),
+            on_kv_event=self._on_kv_event,
+            kv_allocator=self.transfer.allocate,
+        )
+        await self.engine.start()
+        self.kv_region = self.transfer.register(self.engine.core.kv_cache.buffer)
+        if not self.config.no_pool and not self.config.no_prefix_cache:
+            # Pool pages enter through the prefix cache, so the pool needs it on.
+            client = PoolClient(self.bus, self.transfer, self.config.subject_prefix)
+            self.pool = PoolTier(client, self.engine, self.transfer)
+        await keep_kv_stream(self.bus, self.config.subject_prefix)
+        self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self._on_cancel_msg)
+        self._loops = [
+            asyncio.create_task(self._load_loop(), name="load-reports"),
+            asyncio.create_task(self._events_loop(), name="kv-events"),
+        ]
+        log.info("transfer engine ready", transport=self.transport, endpoint=self.transfer.endpoint)
+
+    async def on_stop(self) -> None:
+        loops, self._loops = self._loops, []
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        if self._pending_events and self.bus.connected:
+            await self._flush_events()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await engine.stop()
+        transfer, self.transfer = self.transfer, None
+        if transfer is not None:
+            await transfer.stop()
+
+    # --- the pool (L3) ---------------------------------------------------------------------
+
+    def page_keys(self, token_ids: list[int], num_tokens: int) -> list[str]:
+        """Keys of the full pages among the first `num_tokens` tokens (none without a cache)."""
+        hasher = self.engine.core.hasher
+        if hasher is None:
+            return []
+        n = num_tokens // self.config.page_size * self.config.page_size
+        return hasher.keys(token_ids[:n])
+
+    def write_back(self, token_ids: list[int], num_tokens: int) -> None:
+        """Copy computed full pages to the pool in the background (write-through)."""
+        if self.pool is not None:
+            keys = self.page_keys(token_ids, num_tokens)
+            if keys:
+                self.bus.spawn(self.pool.write_back(keys), name="pool-write-back")
+
+    # --- cancels ---------------------------------------------------------------------------
+
+    async def _on_cancel_msg(self, msg: Msg) -> None:
+        try:
+            cancel = CancelRequest.decode(msg.data)
+        except MessageError as e:
+            log.warning("bad cancel message", error=str(e))
+            return
+        await self.cancel(cancel.request_id, cancel.reason)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """Drop `request_id` if this worker serves it: its task is cancelled, and the task's
+        own cleanup aborts it in the engine (freeing its pages) and ends its stream."""
+        task = self._active.get(request_id)
+        if task is not None:
+            with request_context(request_id):
+                log.info("request cancelled", reason=reason)
+            task.cancel()
+        else:
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > _CANCELLED_KEPT:
+                self._cancelled.popitem(last=False)
+
+    def was_cancelled(self, request_id: str) -> bool:
+        """True if a cancel for `request_id` came before the request registered here."""
+        return self._cancelled.pop(request_id, False) is None
+
+    # --- load reports and KV events --------------------------------------------------------
+
+    def count_output_tokens(self, n: int) -> None:
+        self._tokens_out += n
+
+    def load_report(self, interval: float) -> LoadReport:
+        core = self.engine.core
+        scheduler = core.scheduler
+        report = LoadReport(
+            worker=self.config.service_id,
+            role=self.role,
+            model_id=self.model_id,
+            page_size=self.config.page_size,
+            kv_dtype=self.kv_dtype,
+            waiting=scheduler.num_waiting,
+            running=scheduler.num_running,
+            waiting_prefill_tokens=self.queued_prompt_tokens,
+            free_pages=scheduler.num_free_pages,
+            total_pages=core.kv_cache.num_pages,
+            tokens_per_s=self._tokens_out / interval,
+            max_model_len=self.max_model_len,
+            timestamp=time.time(),
+        )
+        self._tokens_out = 0
+        return report
+
+    async def _load_loop(self) -> None:
+        subject = self.subject("workers", self.role, self.config.service_id, "load")
+        interval = self.config.load_interval
+        while True:
+            started = time.monotonic()
+            try:
+                await self.bus.publish(subject, self.load_report(interval))
+            except Exception as e:  # NATS down: the next report goes when it is back
+                log.debug("load report not sent", error=str(e))
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def _on_kv_event(self, event: CacheEvent) -> None:
+        self._pending_events.append(event)
+        self._events_wake.set()
+
+    async def _events_loop(self) -> None:
+        while True:
+            await self._events_wake.wait()
+            self._events_wake.clear()
+            await self._flush_events()
+
+    async def _flush_events(self) -> None:
+        events, self._pending_events = self._pending_events, []
+        await self.events.publish(events)
