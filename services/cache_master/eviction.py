@@ -1,4 +1,8 @@
-"""LRU eviction of one segment: the policy, apart from the bookkeeping it acts on.
+"""LRU order of the pool's objects and the choice of eviction victims on one segment.
+
+`PoolMetadata` (metadata.py) owns one `Lru` and keeps it in step with its objects; this
+module knows the records (objects.py) but nothing of the metadata, so the policy reads
+and tests alone.
 
 A segment is evicted when its use passes the high watermark (down to the low one), or
 when a put needs a contiguous range it does not have (until one fits). Victims are
@@ -12,36 +16,69 @@ replica stays visible with fewer copies.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 
-from services.cache_master.objects import Segment
-
-if TYPE_CHECKING:
-    from services.cache_master.metadata import PoolMetadata
+from services.cache_master.objects import PoolObject, Segment
 
 
-def evict_segment(meta: PoolMetadata, segment: Segment, now: float, need: int = 0) -> int:
-    """Free replicas on `segment`; return how many were evicted.
+class Lru:
+    """Keys of complete objects, least recently used first."""
 
-    `need` > 0: stop as soon as a free range of `need` bytes exists. Otherwise stop when
-    use is at or under the low watermark.
-    """
-    alloc = segment.allocator
+    def __init__(self) -> None:
+        self._order: OrderedDict[str, None] = OrderedDict()
 
-    def done() -> bool:
-        if need > 0:
-            return alloc.largest_free >= alloc.aligned(need)
-        return segment.use <= meta.limits.low_watermark
+    def __len__(self) -> int:
+        return len(self._order)
 
-    evicted = 0
-    if done():
-        return 0
-    for key in list(meta.lru):  # oldest first; the list copy allows removal while iterating
-        obj = meta.objects.get(key)
-        if obj is None or obj.leased(now) or obj.on(segment.store_id) is None:
-            continue
-        meta.drop_replica(obj, segment, free=True)
-        evicted += 1
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def add(self, key: str) -> None:
+        """A newly visible object: the most recently used."""
+        self._order[key] = None
+
+    def touch(self, key: str) -> None:
+        self._order.move_to_end(key)
+
+    def discard(self, key: str) -> None:
+        self._order.pop(key, None)
+
+    def evict(
+        self,
+        segment: Segment,
+        objects: Mapping[str, PoolObject],
+        now: float,
+        low_watermark: float,
+        need: int = 0,
+    ) -> list[PoolObject]:
+        """Free the bytes of `segment`'s replicas of the oldest unleased objects.
+
+        `need` > 0: stop as soon as a free range of `need` bytes exists. Otherwise stop
+        when use is at or under `low_watermark`. Walks the order from the oldest without
+        changing it; the caller then forgets each returned object's replica on
+        `segment` (its bytes are already free) and drops the key of one left with none.
+        """
+        alloc = segment.allocator
+
+        def done() -> bool:
+            if need > 0:
+                return alloc.largest_free >= alloc.aligned(need)
+            return segment.use <= low_watermark
+
+        victims: list[PoolObject] = []
         if done():
-            break
-    return evicted
+            return victims
+        for key in self._order:
+            obj = objects.get(key)
+            replica = obj.on(segment.store_id) if obj is not None else None
+            if obj is None or replica is None or obj.leased(now):
+                continue
+            alloc.free(replica.offset)
+            victims.append(obj)
+            if done():
+                break
+        return victims

@@ -14,13 +14,12 @@ Invariants (tests/pool/test_metadata.py):
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.cache_master.allocator import AllocationError, OffsetAllocator
-from services.cache_master.eviction import evict_segment
+from services.cache_master.eviction import Lru
 from services.cache_master.objects import (
     Changes,
     PoolObject,
@@ -52,7 +51,7 @@ class PoolMetadata:
         self.limits = limits
         self.segments: dict[str, Segment] = {}
         self.objects: dict[str, PoolObject] = {}  # complete and pending, by key
-        self.lru: OrderedDict[str, None] = OrderedDict()  # complete keys, oldest first
+        self.lru = Lru()  # complete keys, oldest first
         self.doomed: list[PoolObject] = []  # removed while leased: bytes held until expiry
         self.changes = Changes()
         self.hits = self.misses = self.evictions = 0
@@ -112,7 +111,7 @@ class PoolMetadata:
         if obj is None:
             obj = PoolObject(key, record.size, checksum, [], complete=True)
             self.objects[key] = obj
-            self.lru[key] = None
+            self.lru.add(key)
         obj.replicas.append(Replica(segment.store_id, record.offset))
         segment.keys.add(key)
         self.changes.add(segment.store_id, obj, record.offset)
@@ -201,7 +200,7 @@ class PoolMetadata:
             if len(chosen) == want:
                 break
             if segment.allocator.largest_free < segment.allocator.aligned(size):
-                self.evictions += evict_segment(self, segment, now, need=size)
+                self.evict(segment, now, need=size)
             if segment.allocator.largest_free >= segment.allocator.aligned(size):
                 chosen.append(segment)
         return chosen
@@ -214,7 +213,7 @@ class PoolMetadata:
             if obj is None or obj.complete or obj.put_id != put_id or not obj.replicas:
                 continue
             obj.complete = True
-            self.lru[key] = None
+            self.lru.add(key)
             for replica in obj.replicas:
                 self.changes.add(replica.store_id, obj, replica.offset)
             done.append(key)
@@ -248,7 +247,7 @@ class PoolMetadata:
                 continue
             self.hits += 1
             obj.lease_until = max(obj.lease_until, now + self.limits.lease_ttl)
-            self.lru.move_to_end(key)
+            self.lru.touch(key)
             out.append((key, obj))
         return out
 
@@ -294,11 +293,18 @@ class PoolMetadata:
 
     def enforce_watermarks(self, now: float) -> int:
         evicted = 0
-        for segment in list(self.segments.values()):
+        for segment in self.segments.values():
             if segment.use > self.limits.high_watermark:
-                evicted += evict_segment(self, segment, now)
-        self.evictions += evicted
+                evicted += self.evict(segment, now)
         return evicted
+
+    def evict(self, segment: Segment, now: float, need: int = 0) -> int:
+        """Evict LRU replicas on `segment` (policy: eviction.py); return how many."""
+        victims = self.lru.evict(segment, self.objects, now, self.limits.low_watermark, need)
+        for obj in victims:
+            self.drop_replica(obj, segment, free=False)  # the walk freed its bytes
+        self.evictions += len(victims)
+        return len(victims)
 
     def _delete(self, obj: PoolObject) -> None:
         for replica in list(obj.replicas):
@@ -323,7 +329,7 @@ class PoolMetadata:
     def _unlist(self, obj: PoolObject) -> None:
         if self.objects.get(obj.key) is obj:
             del self.objects[obj.key]
-        self.lru.pop(obj.key, None)
+        self.lru.discard(obj.key)
 
     # --- stats ---------------------------------------------------------------------------
 

@@ -83,13 +83,23 @@ def test_bad_sizes_and_keys_refuse_the_whole_batch():
     assert not meta.objects  # nothing reserved
 
 
-def test_eviction_frees_least_recently_used_first():
+def test_eviction_frees_least_recently_used_first_and_stops_at_the_low_watermark():
     meta = meta_with(1, units=10, high_watermark=0.9, low_watermark=0.5)
     put(meta, [f"k{i}" for i in range(9)], now=0.0)
     meta.get(["k0"], now=100.0)  # k0 becomes the most recent; lease ends at 110
     assert put(meta, ["k9"], now=200.0) == {"k9": "ok"}  # 100% > 90%: evict to 50%
-    assert "k0" in meta.objects and "k1" not in meta.objects and "k9" in meta.objects
-    assert meta.segments["s0"].use <= 0.5
+    assert list(meta.lru) == ["k6", "k7", "k8", "k0", "k9"]  # k1..k5, the oldest, went
+    assert meta.evictions == 5 and meta.segments["s0"].use == 0.5
+
+
+def test_eviction_skips_leased_objects_and_takes_younger_unleased_ones():
+    meta = meta_with(1, units=4, lease_ttl=10.0, high_watermark=1.0)
+    put(meta, ["a", "b"], now=0.0)
+    meta.get(["a", "b"], now=1.0)  # leased until 11
+    put(meta, ["c", "d"], now=2.0)  # full; a and b are the oldest
+    assert put(meta, ["e"], now=5.0) == {"e": "ok"}  # needs one unit: one victim
+    assert list(meta.lru) == ["a", "b", "d", "e"]  # c, the oldest unleased, went
+    assert meta.evictions == 1
 
 
 def test_eviction_never_frees_a_leased_object():
