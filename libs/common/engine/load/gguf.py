@@ -5,18 +5,23 @@ name). llama.cpp's converter permutes the rows of Q and K for the llama
 architecture so that its interleaved RoPE works on them; `unpermute_qk` undoes
 that, and the model then applies rotate-half RoPE like transformers does
 (tests/engine/load/test_gguf.py proves the two forms equal).
+
+Config and tokenizer metadata read without torch (the router needs them, never the
+weights); torch is imported by `load_gguf` alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
-import torch
 
 from libs.common.engine.load.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger(__name__)
 
@@ -117,6 +122,7 @@ def read_tokenizer_meta(reader: Any) -> dict[str, Any]:
 def load_gguf(path: str) -> LoadedModel:
     """Read and dequantize a whole GGUF file into fp32 tensors."""
     import gguf  # the reader is only needed by this loader
+    import torch  # weights only: the metadata path above stays torch-free
 
     reader = gguf.GGUFReader(path)
     config = read_config(reader)

@@ -1,14 +1,19 @@
-"""Load a Hugging Face model folder: config.json, *.safetensors, tokenizer files."""
+"""Load a Hugging Face model folder: config.json, *.safetensors, tokenizer files.
+
+torch is imported by `load_hf_folder` alone: importing this module stays torch-free.
+"""
 
 from __future__ import annotations
 
 import json
 import pathlib
-
-import torch
+from typing import TYPE_CHECKING
 
 from libs.common.engine.load.gguf import LoadedModel
 from libs.common.engine.load.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm",
@@ -33,6 +38,7 @@ _GLOBAL_NAMES = {
 
 def load_hf_folder(path: str) -> LoadedModel:
     """Read config.json and every *.safetensors shard; weights become fp32."""
+    import torch
     from safetensors import safe_open
 
     folder = pathlib.Path(path)
