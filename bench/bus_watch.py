@@ -8,7 +8,7 @@ of the host, so the benchmark's client compares them with its own. They are take
 thing in each message's callback, before any decoding, by a process that does nothing
 else: a client that reads 64 HTTP streams in one event loop cannot say when a chunk
 reached the bus (the callback that stamps it waits behind the HTTP reads, or the reads
-behind it, and the measured hold swung from 0.9 to 3.9 ms between identical runs).
+behind it, and the measured hold swung severalfold between identical runs).
 
 Watched: `<prefix>.decode.<worker>.generate` (GenerateRequest; by request id),
 `<prefix>.stream.>` (TokenChunk one by one: the router's `stream.<router>.<rid>` and the

@@ -4,11 +4,11 @@ time its bytes reached this process.
 The router's added latency is what happens between the bus and the client's socket. A
 full client (aiohttp: a task, a StreamReader and a line parser per stream) reading 64
 streams in one event loop stamps an event only when that stream's task gets its turn,
-after the others' reads: its own queueing (~1 ms at 64 streams here) lands in the
-router's figure. This client stamps in `data_received`, the loop's first Python call for
-the bytes, keeps them, and parses them after the response ended. It also sends each
-request as one ready-made write on a kept-alive connection, so the request's `front`
-is not the client building 64 requests in Python either.
+after the others' reads: its own queueing lands in the router's figure. This client
+stamps in `data_received`, the loop's first Python call for the bytes, keeps them, and
+parses them after the response ended. It also sends each request as one ready-made
+write on a kept-alive connection, so the request's `front` is not the client building
+64 requests in Python either.
 
 Only what the router sends is handled: status 200 with a chunked body (anything else
 raises), `data: ` events, keep-alive.

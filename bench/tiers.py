@@ -158,8 +158,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-round-barrier", dest="round_barrier", action="store_false")
     # 8 conversations, 4 in flight: the decode worker's KV holds the running batch and
     # about one more conversation, so what L1 keeps between rounds is capacity-bound.
-    # Short answers: on these cores a decode step costs ~0.3 s, and long answers would make
-    # every configuration's run time decode time, hiding what the cache tiers change.
+    # Short answers: on CPU cores a decode step is slow (docs/benchmarks.md, bench.tiers),
+    # and long answers would make every configuration's run time decode time, hiding what
+    # the cache tiers change.
     p.set_defaults(workload="multi-turn", num_clients=8, num_rounds=6, input_len=256,
                    question_len=32, output_len=8, round_barrier=True, max_concurrency=4,
                    duration=900.0)  # fmt: skip

@@ -1,9 +1,9 @@
 """The event loop every Tandem process runs on: uvloop where it is installed, else asyncio's.
 
-uvloop (libuv under asyncio's API) cuts the Python cost of each NATS round trip by about
-a third here (docs/benchmarks.md, "Event loop"): most of a pool `exists` or of a router
-hop. Services choose with `--event-loop` (or `TANDEM_EVENT_LOOP`), benchmarks and
-scripts with `TANDEM_EVENT_LOOP`; `asyncio` is there to debug or to compare.
+uvloop (libuv under asyncio's API) cuts the Python cost of each NATS round trip, most of
+a pool `exists` or of a router hop (measured: docs/pool.md, "Round trips"). Services
+choose with `--event-loop` (or `TANDEM_EVENT_LOOP`), benchmarks and scripts with
+`TANDEM_EVENT_LOOP`; `asyncio` is there to debug or to compare.
 
     run(main())             instead of asyncio.run(main())
     loop_name("uvloop")     what run() would use: "asyncio" when uvloop is not installed

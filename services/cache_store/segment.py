@@ -71,8 +71,8 @@ class StoreSegment:
     def prefault(self) -> None:
         """Touch every page of an anonymous segment now (call in a thread).
 
-        First-touch page faults cost a put of 1 MiB into fresh memory ~10x its copy time
-        (measured: 11 ms vs 0.4 ms under load); a store pays them once at start instead,
+        First-touch page faults cost a put of 1 MiB into fresh memory many times its copy
+        time (docs/pool.md, "Prefaulted segments"); a store pays them once at start instead,
         and its memory use is the segment size from then on, like pinned RDMA memory.
         File-backed segments are left alone: writing would destroy their contents.
         """

@@ -3,8 +3,9 @@ fast they drain.
 
 A decode worker accepts a request, then the request waits for its prefill (on a prefill
 worker, or in its own engine). Under overload that wait grows without bound while the
-client sees nothing: bounded only by KV pages, 256 clients on two CPU cores waited 90 s
-for a first token. `PromptBacklog` estimates the wait of a new prompt as
+client sees nothing: bounded only by KV pages, bench.load's 256 clients waited minutes
+for a first token (docs/reliability.md, "Load"). `PromptBacklog` estimates the wait of
+a new prompt as
 
     (tokens queued + its tokens) / tokens drained per second over the last `window_s`
 

@@ -4,17 +4,12 @@ On the CPU each weight is reordered once into oneDNN's blocked layout for
 inner products (`torch.ops.mkldnn._reorder_linear_weight`, no batch hint) and
 multiplied with `torch.ops.mkldnn._linear_pointwise`, which takes and returns
 dense tensors (the path torch's inductor uses for fp32 CPU linears). The
-blocked layout beats a plain `.to_mkldnn()` copy of the weight (same values,
-row-major): 30 layers of the default model, idle machine, batch 1 14.2 -> 11.8
-ms, batch 32 30.8 -> 26.7 ms, 2048 rows 1067 -> 1007 ms; lm_head at batch 32
-8.9 -> 6.1 ms (relative error against F.linear ~1e-6 either way). Earlier,
-measured
-on the 2-core dev machines (30 layers + lm_head of the default model, fp32,
-idle machine) against torch's dense `F.linear`: batch 1 ~29 ms vs ~46 ms per
-token (17 GB/s vs 9.5 GB/s of weights read), batch 32 ~90 ms vs ~119 ms. The
-dense-in/dense-out call matters when the cores are shared: converting x to
-and from mkldnn around `mkldnn_linear` adds two OpenMP regions per product,
-and on oversubscribed cores every region's barrier costs a time slice.
+blocked layout measured faster than a plain `.to_mkldnn()` copy of the weight
+(same values, row-major) at batch 1, batch 32 and 2048 rows, and oneDNN faster
+than torch's dense `F.linear` at batch 1 and 32 (docs/engine.md, "Weight
+products"). The dense-in/dense-out call matters when the cores are shared:
+converting x to and from mkldnn around `mkldnn_linear` adds two OpenMP regions
+per product, and on oversubscribed cores every region's barrier costs a time slice.
 Elsewhere (CUDA, or a torch without oneDNN) a plain `F.linear` is used.
 """
 

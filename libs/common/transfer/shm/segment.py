@@ -59,9 +59,9 @@ FENCE_TIMEOUT_S = 5.0
 
 def _attach_flags(owner_holds_every_page: bool) -> int:
     """A peer maps a segment whose owner already holds every page (a cache store
-    prefaults its own) with its page tables filled at once (MAP_POPULATE: ~70 µs a MiB
-    here), instead of a minor fault per 4 KiB page on its first copy into each range
-    (a put of 1 MiB into a fresh range: 592 vs 91 µs the second time). A segment with
+    prefaults its own) with its page tables filled at once (MAP_POPULATE), instead of
+    a minor fault per 4 KiB page on its first copy into each range (measured:
+    docs/transfer.md, "Choices, measured"). A segment with
     holes is mapped lazily: populating would allocate the owner's untouched pages."""
     populate = getattr(mmap, "MAP_POPULATE", 0) if owner_holds_every_page else 0
     return mmap.MAP_SHARED | populate

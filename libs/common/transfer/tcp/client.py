@@ -184,13 +184,13 @@ class Connection:
     def poll(self, future: asyncio.Future[None], budget_s: float) -> None:
         """Busy-poll the socket until `future` is done or `budget_s` has passed.
 
-        A sleeping thread costs a scheduler wake-up per round trip (~20-30 µs on these
-        VMs, twice per round trip), more than a small batch itself; like RDMA
+        A sleeping thread costs a scheduler wake-up, twice per round trip, more than a
+        small batch itself (docs/transfer.md, "Busy-polling"); like RDMA
         completion polling, spinning a bounded time on non-blocking recvs takes the
         answer as soon as it lands. Blocks the event loop for at most `budget_s`.
         """
         end = time.perf_counter() + budget_s
-        ready = self._ready.poll  # poll(0) answers "nothing yet" ~3x cheaper than a recv
+        ready = self._ready.poll  # poll(0) answers "nothing yet" cheaper than a recv
         while self._closed is None:
             if ready(0):
                 self._on_readable()

@@ -27,7 +27,7 @@ from libs.common.transfer.tcp.frame import KIND_READ, KIND_WRITE, MAX_FRAME_BYTE
 from libs.common.transfer.tcp.server import TcpTransferServer
 
 # A spread batch gives each connection at least this much: 1 MiB moves as two halves
-# (over three connections, 349 KiB thirds measured 3.5 vs 4.6-5.0 GB/s).
+# (thirds over three connections measured slower: docs/transfer.md).
 _MIN_SHARE_BYTES = 512 << 10
 
 
@@ -236,8 +236,9 @@ class TcpTransferEngine(TransferEngine):
     ) -> Awaitable[None] | None:
         """A small batch to a peer whose first connection is up and idle goes out and is
         busy-polled right here, with no coroutine at all (`_one_part`): on a slow core
-        each coroutine layer costs microseconds of a ~50 µs 4 KiB write. Anything else
-        (a large batch, a busy or missing connection) goes through `_transfer`.
+        each coroutine layer is a measurable part of a 4 KiB write (docs/transfer.md).
+        Anything else (a large batch, a busy or missing connection) goes through
+        `_transfer`.
 
         A batch that fails only because its connection was lost is sent once more on
         fresh connections (`_ConnectionLost`): ops are idempotent (the same bytes to

@@ -10,8 +10,8 @@ Small parts cost one `sendmsg` and no lock, task or timeout object. A large part
 whole to a worker thread: on loopback one non-blocking `sendmsg` from the loop pushes
 a whole window (MBs), so the loop thread did every connection's kernel copy (and the
 receiving TCP stack, which runs in the sender's context) one after the other on one
-core; from threads, without the GIL, two connections use both cores (64 x 1 MiB
-write 3.7-4.3 -> 3.9-5.6 GB/s, docs/transfer.md).
+core; from threads, without the GIL, two connections use both cores (measured
+faster on 64 x 1 MiB writes: docs/transfer.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The TCP transfer server: applies peers' WRITE and READ ops to registered regions.
 
-One thread per connection with blocking sockets. Measured against asyncio on these
-machines (docs/benchmarks.md): the kernel copies of `recv_into`/`sendmsg` release the
-GIL, so the threads move bytes while the service's event loop keeps running, and
-there is no per-op event-loop round trip. Payloads go straight from the socket into
-the region (`recv_into` on a memoryview slice) and from the region into the socket
-(`sendmsg` of a memoryview slice): no intermediate copies. A thread waiting for
+One thread per connection with blocking sockets. Measured against asyncio
+(docs/transfer.md, "Choices, measured"): the kernel copies of `recv_into`/`sendmsg`
+release the GIL, so the threads move bytes while the service's event loop keeps
+running, and there is no per-op event-loop round trip. Payloads go straight from the
+socket into the region (`recv_into` on a memoryview slice) and from the region into the
+socket (`sendmsg` of a memoryview slice): no intermediate copies. A thread waiting for
 the next request spins on poll(0) for `poll_s` before it sleeps in the
 kernel (`recv_polled`): a peer's next small batch is then served without a wake-up.
 
@@ -58,9 +58,9 @@ def recv_polled(sock: socket.socket, view: memoryview, poll_s: float, ready: Any
     """recv_exact, but first spin for up to `poll_s` on `ready` (a select.poll of the
     socket) until something arrives.
 
-    A thread asleep in recv pays a scheduler wake-up when the next request lands
-    (~20-30 µs here); a peer that sends its next batch right after an ACK is served
-    without it. poll(0) answers "nothing yet" ~3x cheaper than a non-blocking recv that
+    A thread asleep in recv pays a scheduler wake-up when the next request lands; a
+    peer that sends its next batch right after an ACK is served without it. poll(0)
+    answers "nothing yet" cheaper than a non-blocking recv that
     raises, and releases the GIL each time, so the spin does not hold the service's
     event loop for more than one syscall at a time.
     """

@@ -5,7 +5,8 @@ all read and write pages). The mirror holds, per layer, K and V of each decoding
 sequence in its own slot, head-major: [slots, kv_heads, capacity, head_dim]. A
 step's decode attention then reads `mirror[:slots_in_use, :, :longest_context]`
 directly, where the paged path first copies every row's pages into a padded
-batch (at 32 streams x 256 tokens that gather was ~40% of decode attention).
+batch (a large part of decode attention at 32 streams: docs/engine.md, "The decode
+mirror").
 
 A slot is trusted only while its sequence decodes in consecutive steps: the row
 with key `k` keeps its slot when the previous step had `k` as a decode row with

@@ -5,13 +5,13 @@ scaled_dot_product_attention call over their pages gathered and padded to the
 longest context. The call sees each KV head's group of query heads as a
 "query length" of group size (q [B, kv_heads, group, d] against K/V
 [B, kv_heads, T, d]) with one additive float mask built per step: SDPA's
-enable_gqa path and a bool mask measured ~20% slower per layer at batch 32
-on the CPU. When the step names its sequences (`AttentionBatch.seq_keys`)
-the decode rows read a dense mirror of their K/V instead of gathering pages
-(attention/decode_mirror.py; off with `decode_mirror=False`). Prefill chunks
-run one sequence at a time, except adjacent chunks that are whole prompts of one
-length: those attend to their own fresh K/V in one batched call, without
-touching the cache.
+enable_gqa path and a bool mask measured slower per layer at batch 32 on the
+CPU (docs/engine.md, "KV layout"). When the step names its sequences
+(`AttentionBatch.seq_keys`) the decode rows read a dense mirror of their K/V
+instead of gathering pages (attention/decode_mirror.py; off with
+`decode_mirror=False`). Prefill chunks run one sequence at a time, except
+adjacent chunks that are whole prompts of one length: those attend to their own
+fresh K/V in one batched call, without touching the cache.
 """
 
 from __future__ import annotations
