@@ -4,8 +4,8 @@ Round trip (request -> nats-server -> responder process -> nats-server -> back),
   - `raw NATS protocol`: blocking sockets speaking the protocol by hand on both sides, no
     asyncio: nats-server plus two process wake-ups each way, the mechanism's floor.
   - `nats-py echo`: stock nats-py request() to a stock nats-py subscription callback.
-  - `bus echo`: Bus.request() to an inline micro endpoint of a Bus (the path the master
-    serves on), with pool messages: what an `exists` costs without the master's work.
+  - `bus echo`: Bus.request() to a micro endpoint of a Bus (the path the master serves
+    on), with pool messages: what an `exists` costs without the master's work.
 Bytes (this process): the transfer engine's read and write of one object from/to a
 store's segment and its xxh3 checksum; with the round trips they bound a single get
 (one round trip + read + checksum) and put (two round trips + checksum + write).
@@ -103,7 +103,7 @@ async def _serve_async(url: str, mode: str) -> None:
         async def count(req: PoolKeys) -> PoolCount:
             return PoolCount(len(req.keys))
 
-        echo = Endpoint("echo", SUBJECT, PoolKeys, count, inline=True)
+        echo = Endpoint("echo", SUBJECT, PoolKeys, count)
         await bus.add_service("bench-pool-echo", "0.0.1", "bench.pool round-trip floor", [echo])
     print("ready", flush=True)
     await asyncio.sleep(3600)  # stopped by the benchmark (SIGTERM)

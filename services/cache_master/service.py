@@ -87,13 +87,12 @@ class CacheMasterService(BaseService):
             "remove": (PoolKeys, self._remove),
             "stats": (InfoRequest, self._stats),
         }
-        # Inline: every handler is quick and only publishes, never waits on a reply, so it
-        # can run from the read loop (one task hop fewer each way; libs/common/bus/connection.py).
+        # Not concurrent: each endpoint serves its requests one at a time, in order; every
+        # handler changes the index before its first await (the publishes of its changes).
         return [
-            Endpoint(name, self.subject("pool", "master", name), kind, handler, QUEUE_GROUP,
-                     inline=True)
+            Endpoint(name, self.subject("pool", "master", name), kind, handler, QUEUE_GROUP)
             for name, (kind, handler) in handlers.items()
-        ]  # fmt: skip
+        ]
 
     async def on_start(self) -> None:
         try:

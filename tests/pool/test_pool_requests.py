@@ -105,9 +105,9 @@ async def test_heartbeat_from_an_unknown_store_asks_it_to_mount(pool):
     assert reply.known is False
 
 
-async def test_inline_master_endpoints_still_show_in_micro_info_and_stats(pool, nats_url):
-    # The master serves from the read loop (Endpoint inline=True): `nats micro info` and
-    # `nats micro stats` must still list every endpoint and count its requests.
+async def test_master_endpoints_show_in_micro_info_and_stats(pool, nats_url):
+    # `nats micro info` and `nats micro stats` list every endpoint of the master and
+    # count its requests.
     pool.procs.store("store-a", size="4MiB")
     await pool.wait_stores(1)
     for _ in range(5):

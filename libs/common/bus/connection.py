@@ -5,17 +5,17 @@
   need a restart of any service).
 - `request()` always has a timeout, encodes and decodes typed messages, and turns an error
   reply (the `Nats-Service-Error` headers of the micro protocol) into `RemoteError`.
-  Replies come back on one inbox subscription that completes the caller's future from
-  the read loop, and publishes write the socket at once (libs/common/bus/client.py:
-  two asyncio task hops fewer per message than stock nats-py).
+  It is nats-py's `Client.request`: replies come back on one wildcard inbox subscription
+  whose callback completes the caller's future.
 - `add_service()` registers a `nats.micro` service (`nats micro ls` shows it) whose
   endpoints take a typed request and return a typed reply; an exception in a handler
   becomes an error reply and never kills the subscription that serves everyone else.
-  `Endpoint(inline=True)` serves from the connection's read loop (no queue, no task hop):
-  for quick handlers that never wait on a reply from the bus.
 - Subscriptions (micro endpoints included) come back by themselves after a reconnect;
   state a restarted nats-server lost (a JetStream stream, a consumer) does not:
   `on_reconnect(hook)` re-creates it after every reconnect.
+
+Only nats-py's public API is used (`Client.connect/subscribe/publish/new_inbox/flush/
+drain/close`, `nats.micro.add_service`, `Service.add_endpoint/stats/stop`, JetStream).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from nats.micro import ServiceConfig, add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service
 
-from libs.common.bus.client import FastClient, Replies
 from libs.common.config import redact_url
 from libs.common.log import get_logger
 from libs.common.messages.control import ErrorReply, Message, MessageError
@@ -72,11 +71,8 @@ class Endpoint:
     """One micro endpoint: `handler(request message) -> reply message`.
 
     `concurrent=True` runs each request in its own task, for handlers that wait on long
-    work; nats-py otherwise calls a subscription's handler one message at a time.
-    `inline=True` calls the handler from the connection's read loop, one message at a
-    time, without nats-py's queue and task: the handler must not await a bus reply
-    (`request`), which that same read loop would have to deliver. Concurrent endpoints
-    are dispatched inline always (they only start a task).
+    work; nats-py otherwise calls a subscription's handler one message at a time (each
+    endpoint is one subscription, served by its own task).
     """
 
     name: str
@@ -85,7 +81,6 @@ class Endpoint:
     handler: Callable[[Any], Awaitable[Message]]
     queue_group: str | None = None
     concurrent: bool = False
-    inline: bool = False
 
 
 class Bus:
@@ -94,15 +89,14 @@ class Bus:
     def __init__(self, url: str, name: str, connect_timeout: float, request_timeout: float):
         self.url, self.name = url, name
         self.connect_timeout, self.request_timeout = connect_timeout, request_timeout
-        self._nc: FastClient | None = None
-        self._replies: Replies | None = None
+        self._nc: Client | None = None
         self._services: list[Service] = []
         self._tasks: set[asyncio.Task] = set()
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._hook_tasks: set[asyncio.Task] = set()
 
     @property
-    def nc(self) -> FastClient:
+    def nc(self) -> Client:
         if self._nc is None:
             raise BusError("bus is not connected")
         return self._nc
@@ -112,7 +106,7 @@ class Bus:
         return self._nc is not None and self._nc.is_connected
 
     async def connect(self) -> None:
-        nc = FastClient()
+        nc = Client()
         try:
             await asyncio.wait_for(
                 nc.connect(
@@ -135,7 +129,7 @@ class Bus:
                 f"within {self.connect_timeout:g}s "
                 f"(is nats-server running there? set --nats-url): {e or type(e).__name__}"
             ) from None
-        self._nc, self._replies = nc, Replies(nc)
+        self._nc = nc
         log.info("nats connected", url=redact_url(self.url))
 
     async def _on_error(self, e: Exception) -> None:
@@ -186,7 +180,7 @@ class Bus:
         while True:
             left = deadline - asyncio.get_running_loop().time()
             try:
-                msg = await self._replier().request(subject, payload, max(left, 0.001))
+                msg = await self.nc.request(subject, payload, timeout=max(left, 0.001))
                 break
             except nats.errors.NoRespondersError:
                 # A responder may be (re)subscribing: a service restarting, a reconnect, or
@@ -207,11 +201,6 @@ class Bus:
             return reply_type.decode(msg.data)
         except MessageError as e:
             raise BusError(f"{subject}: bad reply: {e}") from None
-
-    def _replier(self) -> Replies:
-        if self._replies is None:
-            raise BusError("bus is not connected")
-        return self._replies
 
     async def subscribe(
         self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = ""
@@ -240,9 +229,6 @@ class Bus:
                     metadata={"request": ep.request_type.TYPE},
                 )
             )
-            if ep.inline or ep.concurrent:
-                added = service._endpoints[-1]  # nats.micro keeps no other handle on it
-                self.nc.dispatch_inline(added._subscription._id, added._handle_request)
         await self.nc.flush()  # the endpoints are subscribed on the server when this returns
         self._services.append(service)
         return service
@@ -295,9 +281,6 @@ class Bus:
         """Stop answering: unsubscribe every micro endpoint (in-flight work continues)."""
         services, self._services = self._services, []
         for service in services:
-            for endpoint in service._endpoints:
-                if endpoint._subscription is not None and self._nc is not None:
-                    self._nc.drop_inline(endpoint._subscription._id)
             try:
                 await asyncio.wait_for(service.stop(), timeout=5)
             except Exception as e:  # offline or half-started: must not block shutdown
@@ -317,7 +300,7 @@ class Bus:
         await self.stop_services()
         for task in list(self._hook_tasks):
             task.cancel()
-        nc, self._nc, self._replies = self._nc, None, None
+        nc, self._nc = self._nc, None
         if nc is None or nc.is_closed:
             return
         try:
