@@ -8,14 +8,15 @@ process, on one engine and one KV pool.
 
 It reports load as role "both" (`tandem.workers.both.<id>.load`); the router counts it as
 a decode worker that may prefill for itself and as a prefill worker for the others, and
-/health is ready with one `both` worker alone.
+/health is ready with one `both` worker alone. It composes this service's decode worker
+with the library's prefill worker (libs/common/worker/prefill.py), not services/prefill.
 """
 
 from __future__ import annotations
 
 from libs.common.bus.connection import Endpoint
+from libs.common.worker.prefill import PrefillService
 from services.decode.service import DecodeService
-from services.prefill.service import PrefillService
 
 
 class BothService(DecodeService, PrefillService):

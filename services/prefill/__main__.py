@@ -1,5 +1,5 @@
 from libs.common.service import main
+from libs.common.worker.prefill import PrefillService
 from services.prefill.config import PrefillConfig
-from services.prefill.service import PrefillService
 
 main(PrefillService, PrefillConfig)

@@ -4,7 +4,7 @@ import pytest
 
 from libs.common.transfer import create_engine
 from libs.common.worker.handoff import KvLayout
-from services.prefill.kv_sender import KvSender
+from libs.common.worker.kv_sender import KvSender
 
 LAYERS, SLICE = 2, 8  # tiny pages: 2 layers x (K, V) x 8 bytes
 

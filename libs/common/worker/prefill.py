@@ -1,5 +1,8 @@
 """The prefill worker: computes a prompt and writes its KV into a decode worker's pages.
 
+It lives in the library so that both processes that prefill compose it: the prefill
+service runs it alone, the `both` role (services/decode/both.py) beside a decode worker.
+
 prefill (tandem.prefill.<id>.prefill), from a decode worker:
   refuse to pair on a different model id / page size / KV dtype (409)
   read what the pool holds beyond this worker's prefix cache into that cache
@@ -30,9 +33,8 @@ from libs.common.messages.control import (
 )
 from libs.common.transfer import RegionDescriptor, TransferError
 from libs.common.worker.handoff import KvLayout, handoff_check
+from libs.common.worker.kv_sender import KvSender
 from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
-from services.prefill.config import PrefillConfig
-from services.prefill.kv_sender import KvSender
 
 log = get_logger(__name__)
 
@@ -42,10 +44,6 @@ class PrefillService(WorkerService):
 
     description = "Tandem prefill worker"
     role = "prefill"
-
-    def __init__(self, config: PrefillConfig):
-        super().__init__(config)
-        self.config: PrefillConfig = config
 
     def endpoints(self) -> list[Endpoint]:
         return [
