@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.common.log import get_logger, request_context
-from services.router import handlers, openapi
+from services.router import lifecycle, openapi
 from services.router import openai_format as fmt
 from services.router.errors import ApiError
 from services.router.state import STATE, RouterState
@@ -45,8 +45,8 @@ def build_app(state: RouterState) -> web.Application:
 def routes() -> list[tuple[str, str, Handler]]:
     """Every route of the API (the OpenAPI test compares this list with the document)."""
     return [
-        ("POST", "/v1/completions", handlers.completions),
-        ("POST", "/v1/chat/completions", handlers.chat_completions),
+        ("POST", "/v1/completions", lifecycle.completions),
+        ("POST", "/v1/chat/completions", lifecycle.chat_completions),
         ("GET", "/v1/models", _models),
         ("GET", "/health", _health),
         ("GET", "/metrics", _metrics),

@@ -135,6 +135,7 @@ class Dispatcher:
         workers: WorkerTable,
         request_timeout: float,
         queue_timeout: float,
+        *,
         on_accepted: Callable[[float], None] = lambda _s: None,
         lost_after: float = 3.0,
         router_id: str = "",

@@ -87,6 +87,7 @@ def choose(
     decodes: Sequence[Worker],
     prefills: Sequence[Worker],
     cfg: PolicyConfig,
+    *,
     rng: random.Random,
 ) -> Route | None:
     """Pick a decode worker and (maybe) a prefill worker; None when no decode worker."""

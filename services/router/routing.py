@@ -65,7 +65,7 @@ class RouteSelector:
                 keys_by_salt[salt] = self._hasher(salt).keys(token_ids)
             match = self.index.match(keys_by_salt[salt], [w.id for w in decodes + prefills])
             chosen = choose(
-                len(token_ids), page_size, match, decodes, prefills, self.policy, self.rng
+                len(token_ids), page_size, match, decodes, prefills, self.policy, rng=self.rng
             )
             if chosen is not None:
                 self._record(chosen, match)

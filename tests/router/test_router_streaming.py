@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from services.router.generation import run_all
+from services.router.lifecycle import run_all
 from services.router.streaming import DONE, parse_sse, sse
 
 
@@ -19,7 +19,7 @@ def test_done_terminates_the_stream_as_openai_does():
 
 
 async def _choice(items, delay=0.0, fail=None, closed=None):
-    """A choice runner as handlers build them: `runner(on_delta)`."""
+    """A run as the lifecycle builds them: `run(on_delta)`."""
 
     async def runner(on_delta):
         try:

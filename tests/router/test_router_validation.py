@@ -4,7 +4,7 @@ import pytest
 
 from libs.common.engine.load.source import load_tokenizer
 from services.router.errors import ApiError
-from services.router.generation import prepare
+from services.router.prompts import prepare
 from services.router.validation import parse_request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

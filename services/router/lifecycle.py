@@ -1,0 +1,334 @@
+"""One request's life in the router: POST /v1/completions and /v1/chat/completions.
+
+Read top to bottom, in the order a request lives it:
+
+  1. parse     the JSON body -> a validated `ApiRequest` (validation.py); the model name
+  2. prompts   tokenized, checked against the context, given their sampling (prompts.py)
+  3. admit     the bound on requests in flight (429) and a live decode worker (503)
+  4. choices   prompt x n: one `Choice` each, with id `<rid>` (or `<rid>-<i>` when several)
+  5. dispatch  every choice routed (routing.py) and run on the workers (dispatch.py); its
+               TokenChunks become `Delta`s, observed by the latency metrics
+  6. stream or collect  each Delta formatted and written as SSE events at once, inside the
+               bus's callback for its chunk (it never awaits); or merged into one body
+
+Leaving for any reason (the client went away, an error in one choice) cancels the choices
+still running, and each sends `CancelRequest` to the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from libs.common.log import get_logger
+from libs.common.messages.control import SamplingSpec, TokenChunk
+from services.router import openai_format as fmt
+from services.router.errors import ApiError, bad_request, no_workers
+from services.router.prompts import Prompt, prepare
+from services.router.state import STATE, RouterState
+from services.router.streaming import DONE, SseStream, sse
+from services.router.validation import ApiRequest, parse_request
+
+log = get_logger(__name__)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, "chat")
+
+
+async def serve(request: web.Request, endpoint: str) -> web.StreamResponse:
+    """The whole request; each step is one call, defined below in this order."""
+    state = request.app[STATE]
+    api = await parse(request, endpoint, state)
+    prompts = prepare(api, state.tokenizer, state.context_len())
+    admit(state)
+    state.pending += 1
+    state.metrics.running.labels(state.metrics.model).inc()
+    arrived = request["arrived"]
+    try:
+        choices = make_choices(request["request_id"], api, prompts, arrived)
+        prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
+        tally = Tally(state, api, prompts, prefix + request["request_id"])
+        if api.stream:
+            return await stream(request, tally, choices)
+        return await collect(tally, choices)
+    finally:
+        state.pending -= 1
+        state.metrics.running.labels(state.metrics.model).dec()
+        state.metrics.e2e.labels(state.metrics.model).observe(time.monotonic() - arrived)
+
+
+# --- 1. parse ----------------------------------------------------------------------------
+
+
+async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiRequest:
+    """The body as an ApiRequest for a model this router serves; 400 or 404 otherwise."""
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    api = parse_request(endpoint, body, state.config.max_n)
+    if api.model not in (state.config.model_name, state.model_id):
+        raise ApiError(
+            404,
+            f"The model '{api.model}' does not exist; this server serves "
+            f"'{state.config.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
+    return api
+
+
+# --- 2. prompts: prepare() in services/router/prompts.py ---------------------------------
+# --- 3. admit ----------------------------------------------------------------------------
+
+
+def admit(state: RouterState) -> None:
+    """Refuse when the router is at its bound (429) or no decode worker is live (503)."""
+    if state.pending >= state.config.max_pending:
+        raise ApiError(
+            429,
+            f"the router is at its bound of {state.config.max_pending} requests in flight",
+            code="too_many_requests",
+            headers={"Retry-After": "1"},
+        )
+    if not state.selector.eligible("decode"):
+        raise no_workers("no decode worker is live; retry shortly")
+
+
+# --- 4. choices --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One output of a request: sample `index % n` of prompt `prompt`, run on the workers
+    as `request_id`. `arrived` is when the HTTP request came (where TTFT starts)."""
+
+    request_id: str
+    index: int
+    prompt: int
+    token_ids: list[int]
+    sampling: SamplingSpec
+    arrived: float
+
+
+def make_choices(rid: str, api: ApiRequest, prompts: list[Prompt], arrived: float) -> list[Choice]:
+    choices = []
+    total = len(prompts) * api.n
+    for p, prompt in enumerate(prompts):
+        for j in range(api.n):
+            index = p * api.n + j
+            sampling = prompt.sampling
+            if sampling.seed is not None and j:  # n samples with one seed must still differ
+                sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + j) % 2**63)
+            sub_id = rid if total == 1 else f"{rid}-{index}"
+            choices.append(Choice(sub_id, index, p, prompt.token_ids, sampling, arrived))
+    return choices
+
+
+# --- 5. dispatch -------------------------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    """New output of one choice. The last one has `finish_reason` and the usage fields."""
+
+    index: int
+    prompt: int  # which prompt of the request this choice belongs to
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached: dict[str, int] = field(default_factory=dict)
+
+
+OnDelta = Callable[[Delta], None]
+
+
+async def dispatch(state: RouterState, choices: list[Choice], on_delta: OnDelta) -> None:
+    """Every choice to its end, its Deltas to `on_delta`. Raises ApiError when a choice
+    fails, or what `on_delta` raised (the stream stops there)."""
+    await run_all([functools.partial(run_choice, state, c) for c in choices], on_delta)
+
+
+async def run_choice(state: RouterState, choice: Choice, on_delta: OnDelta) -> None:
+    """One choice: route, dispatch, and hand its Deltas to `on_delta` until it finishes."""
+    route = state.selector.plan(choice.token_ids)
+    deltas = ChoiceDeltas(state, choice, on_delta)
+    timeout = state.config.generate_timeout
+    await state.dispatcher.run(
+        choice.request_id, choice.token_ids, choice.sampling, route, timeout, deltas.on_chunk
+    )
+
+
+async def run_all(runs: list[Callable[[OnDelta], Awaitable[None]]], on_delta: OnDelta) -> None:
+    """Every run to its end; the first failure cancels the others and is raised."""
+    if len(runs) == 1:  # the usual request: no task of its own
+        await runs[0](on_delta)
+        return
+    tasks = [asyncio.ensure_future(run(on_delta)) for run in runs]
+    try:
+        for next_done in asyncio.as_completed(tasks):
+            await next_done
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ChoiceDeltas:
+    """TokenChunks of one choice -> Deltas for `on_delta`, with the TTFT and ITL metrics.
+    Called inside the bus's callback for the chunk (dispatch.py): it never awaits."""
+
+    def __init__(self, state: RouterState, choice: Choice, on_delta: OnDelta):
+        metrics = state.metrics
+        self.index, self.prompt, self.arrived = choice.index, choice.prompt, choice.arrived
+        self.on_delta = on_delta
+        self.ttft = metrics.ttft.labels(metrics.model)
+        self.itl = metrics.itl.labels(metrics.model)
+        self.last: float | None = None
+        self.produced = 0
+
+    def on_chunk(self, chunk: TokenChunk) -> None:
+        n = len(chunk.token_ids)
+        if n:
+            now = time.monotonic()
+            if self.last is None:
+                self.ttft.observe(now - self.arrived)
+            else:
+                gap = (now - self.last) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
+            self.last = now
+        self.produced += n
+        delta = Delta(self.index, self.prompt, chunk.text, chunk.token_ids, chunk.logprobs)
+        if chunk.finish_reason is not None:
+            delta.finish_reason = chunk.finish_reason
+            usage = chunk.usage
+            delta.completion_tokens = usage.completion_tokens if usage else self.produced
+            delta.cached = dict(usage.cached_tokens) if usage else {}
+        self.on_delta(delta)
+
+
+# --- 6. stream or collect ----------------------------------------------------------------
+
+
+class Tally:
+    """One request's response while its Deltas arrive: per-choice output and usage."""
+
+    def __init__(self, state: RouterState, api: ApiRequest, prompts: list[Prompt], rid: str):
+        self.state, self.api, self.prompts, self.rid = state, api, prompts, rid
+        self.totals = fmt.Totals(prompt_tokens=sum(len(p.token_ids) for p in prompts))
+        n = len(prompts) * api.n
+        self.choices = [fmt.Choice(i) for i in range(n)]
+        self.offsets = [0] * n  # text offset per choice, for completions logprobs
+
+    def add(self, d: Delta) -> None:
+        c = self.choices[d.index]
+        c.text += d.text
+        c.token_ids += d.token_ids
+        c.logprobs += d.logprobs
+        if d.finish_reason is not None:
+            c.finish_reason = d.finish_reason
+            self.totals.completion_tokens += d.completion_tokens
+            prompt_len = len(self.prompts[d.prompt].token_ids)
+            if d.index % self.api.n == 0:  # a prompt counts once, as OpenAI bills it
+                self.totals.cached_tokens += min(prompt_len, sum(d.cached.values()))
+            self.state.metrics.finished(d.finish_reason, prompt_len, d.completion_tokens, d.cached)
+
+    def logprobs(self, index: int, entries: list[dict[str, Any]], text: str) -> Any:
+        if self.api.logprobs is None:
+            return None
+        if self.api.endpoint == "chat":
+            return fmt.chat_logprobs(entries, self.state.token_text)
+        out = fmt.completion_logprobs(entries, self.state.token_text, self.offsets[index])
+        self.offsets[index] += len(text)
+        return out
+
+
+async def collect(tally: Tally, choices: list[Choice]) -> web.Response:
+    """Run every choice, then answer with one JSON body."""
+    await dispatch(tally.state, choices, tally.add)
+    api, prompts = tally.api, tally.prompts
+    model, created = api.model, int(time.time())
+    if api.endpoint == "chat":
+        out = [
+            fmt.chat_choice(c, tally.logprobs(c.index, c.logprobs, c.text)) for c in tally.choices
+        ]
+        body = fmt.chat_body(tally.rid, created, model, out, tally.totals)
+    else:
+        out = []
+        for c in tally.choices:
+            if api.echo:
+                echoed = prompts[c.index // api.n].text
+                tally.offsets[c.index] = len(echoed)
+                c.text = echoed + c.text
+            out.append(fmt.completion_choice(c, tally.logprobs(c.index, c.logprobs, c.text)))
+        body = fmt.completion_body(tally.rid, created, model, out, tally.totals)
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> web.StreamResponse:
+    """Run every choice, writing each Delta's SSE events as it arrives."""
+    api, rid = tally.api, tally.rid
+    created, chat = int(time.time()), api.endpoint == "chat"
+    chunk = fmt.chat_chunk if chat else fmt.completion_chunk
+    out = SseStream(request, {"x-request-id": request["request_id"]})
+    started: set[int] = set()
+
+    def on_delta(d: Delta) -> None:  # in the bus's callback: formats and writes, never awaits
+        tally.add(d)
+        events = _events(d, tally, started)
+        # One write per delta (a send is a syscall that wakes the client).
+        out.send(b"".join(sse(chunk(rid, created, api.model, [e], None)) for e in events))
+
+    tail = [DONE]  # the last events go out with the end of the body: one send
+    try:
+        await dispatch(tally.state, choices, on_delta)
+        if api.include_usage:
+            tail.insert(0, sse(chunk(rid, created, api.model, [], tally.totals)))
+    except ApiError as e:
+        # Until the first output the HTTP status is still free: an error there (no room,
+        # no worker) is a plain 429/503 response, not an event inside a 200 stream.
+        if not out.started:
+            raise
+        log.warning("stream ended by an error", status=e.status, error=e.message)
+        metrics = tally.state.metrics
+        metrics.failure.labels(metrics.model, str(e.status)).inc()
+        tail.insert(0, sse(e.body()))
+    return await out.finish(b"".join(tail))
+
+
+def _events(d: Delta, tally: Tally, started: set[int]) -> list:
+    """The stream events of one delta: a choice's opening event first, then its text."""
+    api = tally.api
+    chat, events = api.endpoint == "chat", []
+    if d.index not in started:
+        started.add(d.index)
+        if chat:
+            role = {"role": "assistant", "content": ""}
+            events.append(fmt.chat_delta(d.index, role, None, None))
+        elif api.echo:
+            echoed = tally.prompts[d.prompt].text
+            tally.offsets[d.index] = len(echoed)
+            events.append(fmt.completion_delta(d.index, echoed, None, None))
+    lp = tally.logprobs(d.index, d.logprobs, d.text)
+    if chat:
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        events.append(fmt.chat_delta(d.index, delta, lp, d.finish_reason))
+    else:
+        events.append(fmt.completion_delta(d.index, d.text, lp, d.finish_reason))
+    return events

@@ -1,0 +1,77 @@
+"""Step 2 of a request (services/router/lifecycle.py): a validated ApiRequest -> its prompts.
+
+Each prompt is tokenized (through the chat template for chat), checked against the
+context length and the vocabulary, and given its wire sampling (`SamplingSpec`), whose
+fields and bounds are libs/common/engine/core/sampling_params.py's. Every refusal is a 400
+naming the parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.load.tokenizer import TextTokenizer
+from libs.common.messages.control import SamplingSpec
+from services.router.errors import bad_request
+from services.router.validation import ApiRequest
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its ids, its text (for echo) and its sampling."""
+
+    token_ids: list[int]
+    text: str
+    sampling: SamplingSpec
+
+
+def prepare(api: ApiRequest, tokenizer: TextTokenizer, max_model_len: int) -> list[Prompt]:
+    if api.endpoint == "chat":
+        try:
+            text = tokenizer.apply_chat_template(api.messages)
+        except Exception as e:  # a template may raise anything; the client sees why
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        sources: list[str | list[int]] = [text]
+    else:
+        sources = api.prompts
+    prompts = []
+    for source in sources:
+        if isinstance(source, str):
+            ids, text = tokenizer.encode(source), source
+        else:
+            if max(source) >= tokenizer.vocab_size:
+                raise bad_request(f"token id {max(source)} is outside the vocabulary", "prompt")
+            ids, text = source, tokenizer.decode(source) if api.echo else ""
+        if not ids:
+            raise bad_request("the prompt is empty after tokenization", "prompt")
+        prompts.append(Prompt(ids, text, _sampling(api, len(ids), max_model_len)))
+    return prompts
+
+
+def _sampling(api: ApiRequest, prompt_len: int, max_model_len: int) -> SamplingSpec:
+    param = "messages" if api.endpoint == "chat" else "prompt"
+    if api.max_tokens is None:
+        if prompt_len >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has {prompt_len} tokens, which leaves no room for a completion.",
+                param,
+            )
+        max_tokens = max_model_len - prompt_len
+    else:
+        max_tokens = api.max_tokens
+        if prompt_len + max_tokens > max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion). Shorten the prompt or max_tokens.",
+                param,
+            )
+    values = {**api.sampling, "max_tokens": max_tokens, "logprobs": api.logprobs}
+    try:
+        params = SamplingParams.from_dict(values)  # the engine's own checks, as a 400
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    wire = params.to_dict()
+    return SamplingSpec(**wire)
