@@ -31,6 +31,7 @@ from libs.common.bus.connection import Bus, Endpoint
 from libs.common.messages.pool import (
     PoolCount,
     PoolKeys,
+    PoolNewObject,
     PoolPutFinish,
     PoolPutStart,
     PoolPutStartReply,
@@ -170,11 +171,12 @@ async def bytes_floor(client: PoolClient, mem: LocalMemory, label: str, size: in
     """Transfer write and read of one `size` object at a place put_start gave (then
     revoked: nothing becomes visible), and its xxh3; measured back to back like a row."""
     data = mem.view[:size]
-    start = PoolPutStart([f"floor-{size}"], [size], [checksum(data)], 1)
+    start = PoolPutStart([PoolNewObject(f"floor-{size}", size, checksum(data))], 1)
     reply = await client._ask("put_start", start, PoolPutStartReply)
-    if reply.statuses != ["ok"]:
-        raise RuntimeError(f"bytes floor: put_start answered {reply.statuses}")
-    (store,), (offset,) = reply.stores[0], reply.offsets[0]
+    (slot,) = reply.slots
+    if slot.status != "ok":
+        raise RuntimeError(f"bytes floor: put_start answered {slot.status}")
+    ((store, offset),) = [(r.store, r.offset) for r in slot.replicas]
     remote = RegionDescriptor.from_dict(reply.segments[store])
     engine, dst = client.engine, mem.view.nbytes // 2
     try:
@@ -183,7 +185,8 @@ async def bytes_floor(client: PoolClient, mem: LocalMemory, label: str, size: in
         read = await timed(lambda i: engine.read(mem.region, remote, [(dst, offset, size)]),
                            args.seconds / 2, args.max_iters)  # fmt: skip
     finally:
-        await client._ask("put_revoke", PoolPutFinish(reply.put_id, start.keys), PoolCount)
+        keys = [o.key for o in start.objects]
+        await client._ask("put_revoke", PoolPutFinish(reply.put_id, keys), PoolCount)
     sums = timed_sync(lambda i: checksum(data), args.seconds / 4, args.max_iters)
     return [row("floor", "transfer write", label, size, 1, write),
             row("floor", "transfer read", label, size, 1, read),

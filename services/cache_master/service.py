@@ -19,16 +19,18 @@ from libs.common.log import get_logger
 from libs.common.messages.control import InfoRequest, KvEvent, Message
 from libs.common.messages.pool import (
     PoolCount,
+    PoolFound,
     PoolGetReply,
     PoolHeartbeatReply,
     PoolKeys,
-    PoolLocations,
     PoolMount,
     PoolMountReply,
     PoolPutFinish,
     PoolPutStart,
     PoolPutStartReply,
     PoolRecord,
+    PoolReplica,
+    PoolSlot,
     PoolStats,
     PoolStoreRef,
     PoolStoreUpdate,
@@ -117,7 +119,7 @@ class CacheMasterService(BaseService):
         except ValueError as e:
             raise HandlerError(400, f"segment: {e}") from None
         segment, rejected = self._call(
-            self.meta.mount, req.store_id, req.segment, req.records(), time.monotonic()
+            self.meta.mount, req.store_id, req.segment, req.records, time.monotonic()
         )
         records = []
         for key in sorted(segment.keys):
@@ -129,9 +131,7 @@ class CacheMasterService(BaseService):
                  capacity=segment.capacity)  # fmt: skip
         # The store takes `records` from this reply; events only, no index update.
         await self._publish(self.meta.take_changes(), update_stores=False)
-        reply = PoolMountReply(rejected=rejected, update_seq=segment.update_seq)
-        reply.set_records(records)
-        return reply
+        return PoolMountReply(records, rejected=rejected, update_seq=segment.update_seq)
 
     async def _unmount(self, req: PoolStoreRef) -> PoolCount:
         if not self.meta.unmount(req.store_id):
@@ -149,13 +149,12 @@ class CacheMasterService(BaseService):
     # --- objects -------------------------------------------------------------------------
 
     async def _put_start(self, req: PoolPutStart) -> PoolPutStartReply:
-        specs = [PutSpec(*s) for s in zip(req.keys, req.sizes, req.checksums, strict=True)]
+        specs = [PutSpec(o.key, o.size, o.checksum) for o in req.objects]
         put_id, results = self._call(self.meta.put_start, specs, req.replicas, time.monotonic())
         await self._publish(self.meta.take_changes())  # evictions made room
-        reply = PoolPutStartReply(put_id=put_id, put_timeout=self.config.put_timeout)
-        reply.statuses = [status for _, status, _ in results]
-        self._locate(reply, [replicas for _, _, replicas in results])
-        return reply
+        slots = [PoolSlot(status, _replicas(replicas)) for _, status, replicas in results]
+        segments = self._segments([replicas for _, _, replicas in results])
+        return PoolPutStartReply(put_id, slots, segments, self.config.put_timeout)
 
     async def _put_end(self, req: PoolPutFinish) -> PoolKeys:
         visible = self.meta.put_end(req.put_id, req.keys)
@@ -169,11 +168,12 @@ class CacheMasterService(BaseService):
 
     async def _get(self, req: PoolKeys) -> PoolGetReply:
         found = [obj for _, obj in self.meta.get(req.keys, time.monotonic())]
-        reply = PoolGetReply(lease_ttl=self.config.lease_ttl)
-        reply.sizes = [obj.size if obj else 0 for obj in found]
-        reply.checksums = [obj.checksum if obj else "" for obj in found]
-        self._locate(reply, [obj.replicas if obj else [] for obj in found])
-        return reply
+        objects = [
+            PoolFound(obj.size, obj.checksum, _replicas(obj.replicas)) if obj else PoolFound()
+            for obj in found
+        ]
+        segments = self._segments([obj.replicas for obj in found if obj])
+        return PoolGetReply(objects, segments, self.config.lease_ttl)
 
     async def _exists(self, req: PoolKeys) -> PoolCount:
         return PoolCount(self.meta.exists(req.keys))
@@ -194,12 +194,10 @@ class CacheMasterService(BaseService):
         except PoolRequestError as e:
             raise HandlerError(e.code, e.message) from None
 
-    def _locate(self, reply: PoolLocations, replicas: list[list[Replica]]) -> None:
-        """Fill the location columns; each segment descriptor goes once per reply."""
-        reply.stores = [[r.store_id for r in rs] for rs in replicas]
-        reply.offsets = [[r.offset for r in rs] for rs in replicas]
-        named = {sid for ids in reply.stores for sid in ids}
-        reply.segments = {sid: self.meta.segments[sid].descriptor for sid in named}
+    def _segments(self, replicas: list[list[Replica]]) -> dict[str, dict[str, Any]]:
+        """The descriptor of each store named: once per reply, however many replicas."""
+        named = {r.store_id for rs in replicas for r in rs}
+        return {sid: self.meta.segments[sid].descriptor for sid in named}
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -231,8 +229,8 @@ class CacheMasterService(BaseService):
             segment = self.meta.segments.get(store_id)
             if update_stores and segment is not None:
                 segment.update_seq += 1
-                update = PoolStoreUpdate(seq=segment.update_seq, removed=removed)
-                update.set_records([PoolRecord(*a) for a in added])
+                records = [PoolRecord(*a) for a in added]
+                update = PoolStoreUpdate(segment.update_seq, records, removed)
                 out.append((self.subject("pool", "store", store_id, "update"), update))
             subject = events_subject(self.config.subject_prefix, store_id)
             if removed:
@@ -250,3 +248,7 @@ class CacheMasterService(BaseService):
         seq = self._event_seq.get(store_id, time.time_ns() // 1000) + 1
         self._event_seq[store_id] = seq
         return KvEvent(store_id, seq, kind, "pool", keys, timestamp=time.time())
+
+
+def _replicas(replicas: list[Replica]) -> list[PoolReplica]:
+    return [PoolReplica(r.store_id, r.offset) for r in replicas]

@@ -151,14 +151,14 @@ class CacheStoreService(BaseService):
                 pass
 
     async def _mount(self) -> None:
-        request = PoolMount(store_id=self.config.service_id, segment=self.region.to_dict())
-        request.set_records(list(self.segment.index.values()))
+        request = PoolMount(self.config.service_id, self.region.to_dict(),
+                            list(self.segment.index.values()))  # fmt: skip
         reply = await self.bus.request(self.master("mount"), request, PoolMountReply)
         self._remount.clear()
-        self.segment.replace(reply.records())
+        self.segment.replace(reply.records)
         self._update_seq = reply.update_seq
         if not self.mounted:
-            log.info("segment mounted", objects=len(reply.keys), rejected=reply.rejected,
+            log.info("segment mounted", objects=len(reply.records), rejected=reply.rejected,
                      size=self.segment.size, endpoint=self.engine.endpoint)  # fmt: skip
         self.mounted = True
 
@@ -184,4 +184,4 @@ class CacheStoreService(BaseService):
             self._remount.set()
             return
         self._update_seq = update.seq
-        self.segment.apply(update.records(), update.removed)
+        self.segment.apply(update.records, update.removed)

@@ -2,8 +2,6 @@
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import ClassVar
 
 import pytest
 
@@ -12,15 +10,11 @@ from libs.common.messages.control import Message
 from scripts.nats_server import NatsServer
 
 
-@dataclass
-class Ping(Message):
-    TYPE: ClassVar[str] = "test_ping"
+class Ping(Message, tag="test_ping"):
     n: int
 
 
-@dataclass
-class Pong(Message):
-    TYPE: ClassVar[str] = "test_pong"
+class Pong(Message, tag="test_pong"):
     n: int
 
 

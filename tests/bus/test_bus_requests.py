@@ -2,8 +2,6 @@
 nats-server."""
 
 import asyncio
-from dataclasses import dataclass
-from typing import ClassVar
 
 import pytest
 from nats.aio.client import Client
@@ -12,9 +10,7 @@ from libs.common.bus.connection import Bus, BusError, Endpoint
 from libs.common.messages.control import Message
 
 
-@dataclass
-class Num(Message):
-    TYPE: ClassVar[str] = "test_num"
+class Num(Message, tag="test_num"):
     n: int
 
 

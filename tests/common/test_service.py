@@ -2,8 +2,6 @@
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import ClassVar
 
 from libs.common.bus.connection import Endpoint
 from libs.common.config import CommonConfig
@@ -11,9 +9,7 @@ from libs.common.messages.control import InfoRequest, Message, ServiceInfo
 from libs.common.service import BaseService
 
 
-@dataclass
-class Slow(Message):
-    TYPE: ClassVar[str] = "test_slow"
+class Slow(Message, tag="test_slow"):
     seconds: float
 
 

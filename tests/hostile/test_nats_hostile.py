@@ -37,6 +37,7 @@ from libs.common.messages.control import (
 from libs.common.messages.pool import (
     PoolKeys,
     PoolMount,
+    PoolNewObject,
     PoolPutFinish,
     PoolPutStart,
     PoolStoreRef,
@@ -71,12 +72,10 @@ REQUESTS = {
     "tandem.decode.d1.generate": _generate(),
     "tandem.prefill.p1.prefill": _prefill(),
     "tandem.prefill.p1.status": RequestStatus(request_id="hostile-none"),
-    "tandem.pool.master.mount": PoolMount(
-        keys=[], offsets=[], sizes=[], checksums=[], store_id="evil", segment={}
-    ),
+    "tandem.pool.master.mount": PoolMount(store_id="evil", segment={}),
     "tandem.pool.master.unmount": PoolStoreRef(store_id="evil"),
     "tandem.pool.master.heartbeat": PoolStoreRef(store_id="evil"),
-    "tandem.pool.master.put_start": PoolPutStart(keys=[KEY], sizes=[64], checksums=["0" * 16]),
+    "tandem.pool.master.put_start": PoolPutStart([PoolNewObject(KEY, 64, "0" * 16)]),
     "tandem.pool.master.put_end": PoolPutFinish(put_id="nope", keys=[KEY]),
     "tandem.pool.master.put_revoke": PoolPutFinish(put_id="nope", keys=[KEY]),
     "tandem.pool.master.get": PoolKeys(keys=[KEY]),
@@ -91,9 +90,7 @@ PUBLISHED = {
     "tandem.cancel": CancelRequest(request_id="hostile-none"),
     "tandem.workers.prefill.evil.load": None,
     "tandem.workers.decode.evil.load": None,
-    "tandem.pool.store.s1.update": PoolStoreUpdate(
-        keys=[], offsets=[], sizes=[], checksums=[], removed=[], seq=0
-    ),
+    "tandem.pool.store.s1.update": PoolStoreUpdate(seq=0),
     "tandem.kv.events.evil": KvEvent(
         source="evil", seq=1, kind="stored", tier="device", keys=[KEY]
     ),

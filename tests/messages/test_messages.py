@@ -1,15 +1,28 @@
-"""Messages: JSON with a schema version; bad input refused with the field named."""
+"""Messages: JSON with a schema version; bad input refused with the field named, in the same
+words whatever the message, wherever it is nested, whichever subject it came on."""
 
 import orjson
 import pytest
 
+from libs.common.messages import control, pool
 from libs.common.messages.control import (
     SCHEMA_VERSION,
     ErrorReply,
+    Message,
     MessageError,
+    RdmaConnect,
     ServiceInfo,
     TokenChunk,
     TokenChunkBatch,
+    encode_chunk_batch,
+)
+from libs.common.messages.pool import (
+    PoolCount,
+    PoolFound,
+    PoolGetReply,
+    PoolMount,
+    PoolPutStartReply,
+    PoolReplica,
 )
 
 
@@ -20,6 +33,17 @@ def _info() -> ServiceInfo:
     )  # fmt: skip
 
 
+def _error(kind: type[Message], obj: object) -> str:
+    with pytest.raises(MessageError) as e:
+        kind.decode(orjson.dumps(obj))
+    return str(e.value)
+
+
+def _chunk(**change) -> dict:
+    usual = {"request_id": "r1", "index": 3, "token_ids": [5, 6], "worker": "d0", "text": "hi"}
+    return {"v": SCHEMA_VERSION, "type": "token_chunk", **usual, **change}
+
+
 def test_round_trip_keeps_every_field():
     info = _info()
     assert ServiceInfo.decode(info.encode()) == info
@@ -28,72 +52,114 @@ def test_round_trip_keeps_every_field():
 def test_encoded_form_is_plain_json_with_version_and_type():
     obj = orjson.loads(_info().encode())
     assert obj["v"] == SCHEMA_VERSION and obj["type"] == "service_info"
+    assert obj == _info().to_dict()
 
 
-def test_unknown_schema_version_is_refused():
-    obj = _info().to_dict() | {"v": SCHEMA_VERSION + 1}
-    with pytest.raises(MessageError, match="schema version"):
-        ServiceInfo.from_dict(obj)
+def test_every_message_class_has_its_own_type_tag():
+    kinds = [k for m in (control, pool) for k in vars(m).values()
+             if isinstance(k, type) and issubclass(k, Message) and k is not Message]  # fmt: skip
+    tags = [k.TYPE for k in kinds]
+    assert len(kinds) > 20 and "message" not in tags
+    assert len(set(tags)) == len(tags)
+
+
+def test_unknown_schema_version_is_refused_at_any_depth():
+    text = _error(ServiceInfo, _info().to_dict() | {"v": SCHEMA_VERSION + 1})
+    assert text == f"service_info.v: schema version {SCHEMA_VERSION + 1} not supported (this " \
+        f"build speaks {SCHEMA_VERSION})"  # fmt: skip
+    batch = {"worker": "d0", "chunks": [_chunk(), _chunk(v=SCHEMA_VERSION + 1)]}
+    assert "token_chunk_batch.chunks[1].v: schema version" in _error(TokenChunkBatch, batch)
+
+
+def test_unknown_or_wrong_message_type_is_refused():
+    wrong = ErrorReply(code=1, message="m").encode()
+    with pytest.raises(MessageError, match="expected message type 'service_info', got 'error'"):
+        ServiceInfo.decode(wrong)
+    text = _error(TokenChunk, _chunk(type="no_such_type"))
+    assert text == "token_chunk.type: expected message type 'token_chunk', got 'no_such_type'"
+    batch = {"worker": "d0", "chunks": [_chunk(type="usage")]}
+    assert _error(TokenChunkBatch, batch).startswith("token_chunk_batch.chunks[0].type:")
 
 
 def test_missing_and_mistyped_fields_are_named():
     obj = _info().to_dict()
     del obj["service_id"]
-    with pytest.raises(MessageError, match="service_id"):
-        ServiceInfo.from_dict(obj)
-    with pytest.raises(MessageError, match="started_at"):
-        ServiceInfo.from_dict(_info().to_dict() | {"started_at": "yesterday"})
-    with pytest.raises(MessageError, match="code"):
-        ErrorReply.from_dict({"code": True, "message": "x"})
+    assert _error(ServiceInfo, obj) == "service_info.service_id: required field missing"
+    text = _error(ServiceInfo, _info().to_dict() | {"started_at": "yesterday"})
+    assert text.startswith("service_info.started_at: ")
+    assert _error(ErrorReply, {"code": True, "message": "x"}).startswith("error.code: ")
+
+
+def test_a_bad_field_reads_the_same_alone_and_nested():
+    # The same chunk, wrong in the same way, sent alone (stream subject) or in a batch
+    # (chunks subject): the same words after the path.
+    for change in ({"index": "3"}, {"index": True}, {"token_ids": [5, 1.5]}, {"usage": "x"},
+                   {"finish_reason": 3}, {"logprobs": {}}):  # fmt: skip
+        alone = _error(TokenChunk, _chunk(**change))
+        nested = _error(TokenChunkBatch, {"worker": "d0", "chunks": [_chunk(), _chunk(**change)]})
+        assert alone.startswith("token_chunk.")
+        assert nested == "token_chunk_batch.chunks[1]." + alone.removeprefix("token_chunk.")
+
+
+def test_the_same_wrong_type_reads_the_same_in_control_and_pool_messages():
+    # One decoder: an int field given a string says the same in every message.
+    control_text = _error(ErrorReply, {"code": "7", "message": "m"})
+    pool_text = _error(PoolCount, {"count": "7"})
+    assert control_text.removeprefix("error.code") == pool_text.removeprefix("pool_count.count")
+    missing = _error(PoolCount, {}), _error(ErrorReply, {"message": "m"})
+    assert missing == ("pool_count.count: required field missing",
+                       "error.code: required field missing")  # fmt: skip
+
+
+def test_decode_rejects_wrong_types_inside_nested_records():
+    segment = {"transport": "tcp"}
+    good = PoolGetReply([PoolFound(64, "0" * 16, [PoolReplica("s1", 0)])], {"s1": segment})
+    assert PoolGetReply.decode(good.encode()) == good
+    body = good.to_dict()
+    cases = {
+        "pool_get_reply.objects[0].size": {"size": "64"},
+        "pool_get_reply.objects[0].checksum": {"checksum": 5},
+        "pool_get_reply.objects[0].replicas[0].offset": {"replicas": [{"store": "s1",
+                                                                       "offset": True}]},
+        "pool_get_reply.objects[0].replicas[0].store": {"replicas": [{"offset": 0}]},
+        "pool_get_reply.objects[0].replicas": {"replicas": {"s1": 0}},
+    }  # fmt: skip
+    for path, change in cases.items():
+        bad = {**body, "objects": [{**body["objects"][0], **change}]}
+        assert _error(PoolGetReply, bad).startswith(path + ":"), change
+    records = {
+        "store_id": "s",
+        "segment": {},
+        "records": [{"key": "k", "offset": 0, "size": 1, "checksum": None}],
+    }
+    assert _error(PoolMount, records).startswith("pool_mount.records[0].checksum: ")
+
+
+def test_a_replica_on_a_store_without_a_segment_is_refused():
+    reply = {"put_id": "p", "slots": [{"status": "ok", "replicas": [{"store": "s9", "offset": 0}]}],
+             "segments": {}}  # fmt: skip
+    assert "store 's9' has no segment" in _error(PoolPutStartReply, reply)
 
 
 def test_garbage_bytes_raise_message_error_not_crash():
-    for data in (b"\x00\xff", b"[1,2]", b"null", b'{"type": "error"}'):
+    for data in (b"\x00\xff", b"[1,2]", b"null", b"", b"{", b'{"type": "error"}',
+                 b"[" * 100_000 + b"]" * 100_000, b'{"v": 1, "type": "\xff\xfe"}'):  # fmt: skip
         with pytest.raises(MessageError):
             ServiceInfo.decode(data)
+    deep = b'{"exchange": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"  # in an Any field
+    with pytest.raises(MessageError, match="nested too deeply"):
+        RdmaConnect.decode(deep)
 
 
-def test_wrong_message_type_is_refused():
-    with pytest.raises(MessageError, match="expected message type"):
-        ServiceInfo.decode(ErrorReply(code=1, message="m").encode())
+def test_a_chunk_batch_holds_the_chunks_as_sent():
+    chunks = [TokenChunk("r1", 0, [1], "d0", "a"), TokenChunk("r2", 4, [2, 3], "d0", "bc",
+                                                                finish_reason="stop")]  # fmt: skip
+    data = encode_chunk_batch("d0", [c.encode() for c in chunks])
+    assert TokenChunkBatch.decode(data) == TokenChunkBatch("d0", chunks)
+    assert orjson.loads(data)["chunks"][1] == orjson.loads(chunks[1].encode())
 
 
-def _chunk_variants() -> list[dict]:
-    usual = {"request_id": "r1", "index": 3, "token_ids": [5, 6], "worker": "d0", "text": "hi"}
-    changes = [
-        {}, {"text": None}, {"finish_reason": "stop"}, {"finish_reason": 3}, {"error": "x"},
-        {"error": 5}, {"index": "3"}, {"index": True}, {"index": 3.0}, {"token_ids": [5, True]},
-        {"token_ids": [5.0]}, {"token_ids": "56"}, {"worker": 5}, {"request_id": None},
-        {"logprobs": []}, {"logprobs": None}, {"logprobs": {}}, {"logprobs": ""}, {"logprobs": 0},
-        {"logprobs": [{"token": 5, "logprob": -0.5, "top": []}]}, {"usage": None},
-        {"usage": "x"}, {"usage": {"prompt_tokens": 4, "completion_tokens": 2}},
-        {"v": SCHEMA_VERSION, "type": "token_chunk", "extra": 1},
-    ]  # fmt: skip
-    variants = [usual | change for change in changes]
-    for name in ("request_id", "index", "token_ids", "worker", "text"):
-        variants.append({k: v for k, v in usual.items() if k != name})
-    return variants
-
-
-def test_the_token_chunk_shortcut_accepts_and_builds_what_the_checked_path_does(monkeypatch):
-    # The router decodes a TokenChunk per token per stream through TokenChunk.shortcut;
-    # it must never accept what the per-field checks refuse, nor build anything else.
-    def decode(obj: dict):
-        try:
-            return TokenChunk.from_dict(obj), TokenChunkBatch.from_dict(
-                {"worker": "d0", "chunks": [obj]}
-            )
-        except MessageError as e:
-            return type(e)
-
-    variants = _chunk_variants()
-    assert TokenChunk.shortcut(variants[0]) is not None  # the usual chunk takes it
-    fast = [decode(v) for v in variants]
-    monkeypatch.setattr(TokenChunk, "shortcut", classmethod(lambda cls, obj: None))
-    checked = [decode(v) for v in variants]
-    assert fast == checked
-    # Both outcomes occur, and the shortcut's result is a fresh, independent chunk.
-    assert MessageError in checked and any(c is not MessageError for c in checked)
-    a, b = (TokenChunk.from_dict(variants[0]) for _ in range(2))
+def test_decoded_defaults_are_fresh_per_message():
+    a, b = (TokenChunk.decode(orjson.dumps(_chunk())) for _ in range(2))
     a.logprobs.append({"token": 1})
     assert b.logprobs == []

@@ -61,7 +61,7 @@ async def test_corrupted_bytes_are_reported_as_a_miss_and_the_object_dropped(poo
     await pool.wait_stores(1)
     await _put_blobs(pool, ["cor"], 4096)
     reply = await pool.bus.request("tandem.pool.master.get", PoolKeys(["cor"]), PoolGetReply)
-    store, offset = reply.stores[0][0], reply.offsets[0][0]
+    ((store, offset),) = [(r.store, r.offset) for r in reply.objects[0].replicas]
     pool.fill(0, b"\xff" * 16)  # overwrite the stored copy through the transfer engine
     remote = RegionDescriptor.from_dict(reply.segments[store])
     await pool.engine.write(pool.mem.region, remote, [(0, offset, 16)])

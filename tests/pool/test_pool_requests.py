@@ -18,18 +18,23 @@ async def _master_still_serves(pool) -> None:
     assert (await pool.client.batch_put([key], pool.mem, [0], [4096]))[0].ok
 
 
+def _put(*objects: dict) -> bytes:
+    """A put_start body of `objects` (key "k" and a valid checksum unless they say)."""
+    return orjson.dumps({"objects": [{"key": "k", "checksum": "0123456789abcdef", **o}
+                                     for o in objects]})  # fmt: skip
+
+
 async def test_bad_requests_get_error_replies_and_the_master_keeps_serving(pool, nats_url):
     pool.procs.store("store-a", size="4MiB")
     await pool.wait_stores(1)
     nc = await nats.connect(nats_url)
     try:
-        ck = b'"checksums": ["0123456789abcdef"]'
         cases = [
             ("put_start", b"{not json", "400"),
-            ("put_start", b'{"keys": ["k"], "sizes": [-5], ' + ck + b"}", "400"),
-            ("put_start", b'{"keys": ["k"], "sizes": [1073741824], ' + ck + b"}", "413"),
-            ("put_start", b'{"keys": ["k", "j"], "sizes": [5], ' + ck + b"}", "400"),
-            ("put_start", b'{"keys": "many", "sizes": [], "checksums": []}', "400"),
+            ("put_start", _put({"size": -5}), "400"),
+            ("put_start", _put({"size": 1073741824}), "413"),
+            ("put_start", _put({"size": 5}, {"size": 5, "checksum": None}), "400"),
+            ("put_start", b'{"objects": "many"}', "400"),
             ("unmount", b'{"store_id": "no-such-store"}', "404"),
             ("mount", b'{"store_id": "x", "segment": {"length": 5}}', "400"),
             ("get", b'{"keys": [1, 2]}', "400"),
@@ -40,6 +45,21 @@ async def test_bad_requests_get_error_replies_and_the_master_keeps_serving(pool,
     finally:
         await nc.close()
     await _master_still_serves(pool)
+
+
+async def test_a_bad_field_gets_the_same_error_text_on_every_subject(pool, nats_url):
+    # One decoder: `keys` of the wrong type reads the same whichever endpoint decodes it.
+    await pool.wait_stores(0)  # the master answers
+    nc = await nats.connect(nats_url)
+    try:
+        texts = set()
+        for name in ("get", "exists", "remove"):
+            msg = await nc.request(f"tandem.pool.master.{name}", b'{"keys": ["k", 7]}', timeout=5)
+            assert msg.headers["Nats-Service-Error-Code"] == "400"
+            texts.add(msg.headers["Nats-Service-Error"])
+    finally:
+        await nc.close()
+    assert texts == {"pool_keys.keys[1]: Expected `str`, got `int`"}
 
 
 async def test_oversized_put_raises_remote_error_413_from_the_client(pool):

@@ -38,7 +38,8 @@ async def test_replicas_land_on_distinct_stores(pool):
     from libs.common.messages.pool import PoolGetReply, PoolKeys
 
     reply = await pool.bus.request("tandem.pool.master.get", PoolKeys(keys), PoolGetReply)
-    for stores in reply.stores:
+    for found in reply.objects:
+        stores = [r.store for r in found.replicas]
         assert len(stores) == 2 and len(set(stores)) == 2
 
 

@@ -37,7 +37,7 @@ async def test_store_drops_an_object_whose_bytes_changed_while_it_was_down(pool,
     from libs.common.messages.pool import PoolGetReply, PoolKeys
 
     reply = await pool.bus.request("tandem.pool.master.get", PoolKeys(["spoil"]), PoolGetReply)
-    offset = reply.offsets[0][0]
+    offset = reply.objects[0].replicas[0].offset
     assert pool.procs.stop("store-b") == 0
     _spoil(seg, offset)  # bit rot while the store was down
     pool.procs.store("store-b", "--segment-file", str(seg), size="1MiB")

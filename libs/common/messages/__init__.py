@@ -4,6 +4,6 @@ Owns the envelope (schema version, type tag), the field checks and the decode of
 type: control messages (generate, prefill, reserve, token streams, load reports, KV events,
 service info) in `control`, the pool's messages (master RPCs, mounts, heartbeats) in `pool`.
 
-May import: the standard library and orjson only, so any process (and any tool) can read
+May import: the standard library and msgspec only, so any process (and any tool) can read
 the whole protocol without loading anything else.
 """

@@ -1,26 +1,26 @@
 """Every message that crosses a process boundary over NATS, in one place.
 
-Each message is a dataclass encoded as one JSON object (orjson) with two envelope fields:
+Each message is a msgspec Struct (libs/common/messages/schema.py) encoded as one JSON
+object with two envelope fields:
 
-    {"v": 1, "type": "service_info", ...fields...}
+    {"type": "service_info", ...fields..., "v": 1}
 
 `v` is the schema version: a receiver refuses a version it does not know, with an error
 that says both versions. Unknown fields are ignored (a newer sender may add optional
 fields without a version bump); missing required fields and wrong types are refused with
-`MessageError` naming the field. Nothing is pickled or evaluated: decoding is
-`orjson.loads` plus type checks against the dataclass annotations.
+`MessageError` naming the field. Nothing is pickled or evaluated: every message, and every
+message nested in another, goes through the one decoder in schema.py.
 
 Subjects and which message travels on each are listed in docs/protocol.md; the KV pool's
-columnar messages are in libs/common/messages/pool.py, the envelope and decoder in
-libs/common/messages/schema.py.
+messages are in libs/common/messages/pool.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-import orjson
+import msgspec
+from msgspec import field
 
 # The envelope and decoder live in schema.py; these names stay importable here.
 from libs.common.messages.schema import SCHEMA_VERSION as SCHEMA_VERSION
@@ -31,31 +31,24 @@ from libs.common.messages.schema import MessageError as MessageError
 # --- generic replies --------------------------------------------------------------------
 
 
-@dataclass
-class ErrorReply(Message):
+class ErrorReply(Message, tag="error"):
     """Body of an error reply (the `Nats-Service-Error[-Code]` headers say the same)."""
 
-    TYPE: ClassVar[str] = "error"
     code: int
     message: str
 
 
-@dataclass
-class InfoRequest(Message):
+class InfoRequest(Message, tag="info_request"):
     """Asks a service for its `ServiceInfo`. Empty today; a body is optional."""
 
-    TYPE: ClassVar[str] = "info_request"
 
-
-@dataclass
-class ServiceInfo(Message):
+class ServiceInfo(Message, tag="service_info"):
     """Reply of every service's `info` endpoint.
 
     `details` holds what is specific to a role (model id, page size, kv dtype, transport…),
     as plain strings, numbers and booleans.
     """
 
-    TYPE: ClassVar[str] = "service_info"
     service: str
     service_id: str
     version: str
@@ -81,11 +74,9 @@ class ServiceInfo(Message):
 # messages per connection only, so the router reorders by index.
 
 
-@dataclass
-class SamplingSpec(Message):
+class SamplingSpec(Message, tag="sampling"):
     """Sampling parameters on the wire; the engine's SamplingParams validates them."""
 
-    TYPE: ClassVar[str] = "sampling"
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -101,8 +92,7 @@ class SamplingSpec(Message):
     logprobs: int | None = None
 
 
-@dataclass
-class GenerateRequest(Message):
+class GenerateRequest(Message, tag="generate"):
     """Router -> decode worker: generate a completion for `token_ids`.
 
     `prefill_worker` names the prefill worker to compute the prompt, or is empty when the
@@ -110,7 +100,6 @@ class GenerateRequest(Message):
     `timeout` bounds the whole request in seconds; past it every worker frees its pages.
     """
 
-    TYPE: ClassVar[str] = "generate"
     request_id: str
     token_ids: list[int]
     sampling: SamplingSpec
@@ -123,19 +112,16 @@ class GenerateRequest(Message):
     batch_subject: str = ""
 
 
-@dataclass
-class GenerateAccepted(Message):
+class GenerateAccepted(Message, tag="generate_accepted"):
     """Decode worker -> router: the request holds its pages and is queued."""
 
-    TYPE: ClassVar[str] = "generate_accepted"
     request_id: str
     decode_worker: str
     num_reserved_pages: int
     num_held_pages: int = 0  # reserved pages this worker's cache already filled: not sent
 
 
-@dataclass
-class PrefillRequest(Message):
+class PrefillRequest(Message, tag="prefill"):
     """Decode -> prefill worker: compute `token_ids` and write their KV into my pages.
 
     `kv_region` is the decode worker's KV-pool region descriptor (transfer engine, plain
@@ -144,7 +130,6 @@ class PrefillRequest(Message):
     `page_size` and `kv_dtype` must equal the prefill worker's, or it refuses to pair.
     """
 
-    TYPE: ClassVar[str] = "prefill"
     request_id: str
     token_ids: list[int]
     sampling: SamplingSpec
@@ -160,8 +145,7 @@ class PrefillRequest(Message):
     timeout: float = 600.0
 
 
-@dataclass
-class PrefillResult(Message):
+class PrefillResult(Message, tag="prefill_result"):
     """Prefill -> decode worker: the prompt's KV is in place.
 
     `check` is a digest over the prompt's token ids, the written page indices and the first
@@ -172,7 +156,6 @@ class PrefillResult(Message):
     final chunk itself and the decode worker just frees its reservation.
     """
 
-    TYPE: ClassVar[str] = "prefill_result"
     request_id: str
     first_token: int
     check: str
@@ -180,35 +163,28 @@ class PrefillResult(Message):
     finish_reason: str | None = None  # set when the first token already ends the request
 
 
-@dataclass
-class RequestStatus(Message):
+class RequestStatus(Message, tag="request_status"):
     """Decode worker -> the prefill worker it waits on (`tandem.prefill.<id>.status`): is
     this request still in flight there? "No" while the PrefillResult has not come means
     the reply was lost (e.g. in a NATS restart): the decode worker stops waiting."""
 
-    TYPE: ClassVar[str] = "request_status"
     request_id: str
 
 
-@dataclass
-class RequestStatusReply(Message):
-    TYPE: ClassVar[str] = "request_status_reply"
+class RequestStatusReply(Message, tag="request_status_reply"):
     request_id: str
     active: bool
 
 
-@dataclass
-class Usage(Message):
+class Usage(Message, tag="usage"):
     """Exact token counts of one request, as the router reports them to the client."""
 
-    TYPE: ClassVar[str] = "usage"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class TokenChunk(Message):
+class TokenChunk(Message, tag="token_chunk"):
     """Worker -> router on `stream_subject`: tokens `index .. index + len(token_ids) - 1`.
 
     `text` is the detokenized delta of these tokens, by the engine that sampled them: it
@@ -219,7 +195,6 @@ class TokenChunk(Message):
     `logprobs[i]` (when asked) is `{"token": id, "logprob": x, "top": [[id, x], ...]}`.
     """
 
-    TYPE: ClassVar[str] = "token_chunk"
     request_id: str
     index: int
     token_ids: list[int]
@@ -230,26 +205,8 @@ class TokenChunk(Message):
     error: str | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
-    @classmethod
-    def shortcut(cls, obj: dict) -> TokenChunk | None:
-        # The usual chunk (no usage, no logprobs): the router decodes one per token per
-        # stream, and the per-field checks were most of a 64-stream step's decode.
-        get = obj.get
-        rid, index, ids, worker = get("request_id"), get("index"), get("token_ids"), get("worker")
-        text, finish, error = get("text", ""), get("finish_reason"), get("error")
-        logprobs = get("logprobs", [])
-        if (
-            type(rid) is str and type(index) is int and type(worker) is str
-            and type(text) is str and type(ids) is list and all(type(t) is int for t in ids)
-            and (finish is None or type(finish) is str) and (error is None or type(error) is str)
-            and get("usage") is None and type(logprobs) is list and not logprobs
-        ):  # fmt: skip
-            return cls(rid, index, ids, worker, text, finish, None, error)
-        return None
 
-
-@dataclass
-class TokenChunkBatch(Message):
+class TokenChunkBatch(Message, tag="token_chunk_batch"):
     """Decode worker -> router on `batch_subject`: the chunks one engine step produced for
     every request of that router, in one message. Each chunk is exactly the TokenChunk that
     would otherwise go on its request's `stream_subject` (`request_id` says which).
@@ -259,7 +216,6 @@ class TokenChunkBatch(Message):
     `encode_chunk_batch` (a batch is split to stay under the bus's payload limit).
     """
 
-    TYPE: ClassVar[str] = "token_chunk_batch"
     worker: str
     chunks: list[TokenChunk]
 
@@ -267,43 +223,36 @@ class TokenChunkBatch(Message):
 def encode_chunk_batch(worker: str, encoded_chunks: list[bytes]) -> bytes:
     """The bytes of a TokenChunkBatch holding already-encoded TokenChunks (no re-encode:
     the sender measures each chunk's size to split batches under the payload limit)."""
-    chunks = [orjson.Fragment(c) for c in encoded_chunks]
-    body = {"v": SCHEMA_VERSION, "type": TokenChunkBatch.TYPE, "worker": worker, "chunks": chunks}
-    return orjson.dumps(body)
+    raw = [msgspec.Raw(c) for c in encoded_chunks]  # written as they are
+    return TokenChunkBatch(worker, raw).encode()  # type: ignore[arg-type]
 
 
-@dataclass
-class CancelRequest(Message):
+class CancelRequest(Message, tag="cancel"):
     """Router -> every worker (published on `tandem.cancel`): drop this request, free pages."""
 
-    TYPE: ClassVar[str] = "cancel"
     request_id: str
     reason: str = "client disconnected"
 
 
-@dataclass
-class RdmaConnect(Message):
+class RdmaConnect(Message, tag="rdma_connect"):
     """The rdma transport's queue-pair exchange, request and reply alike, on
     `tandem.transfer.<engine-id>.connect` (libs/common/transfer/rdma/exchange.py).
 
     `exchange` is a QpExchange dict (libs/common/transfer/rdma/link.py), validated there.
     """
 
-    TYPE: ClassVar[str] = "rdma_connect"
     exchange: dict[str, Any]
 
 
 # --- cluster state: load reports and KV events --------------------------------------------
 
 
-@dataclass
-class LoadReport(Message):
+class LoadReport(Message, tag="load"):
     """Each worker, every few hundred ms, on `tandem.workers.<role>.<id>.load`.
 
     The router drops a worker whose reports stop (out of rotation within 3 s).
     """
 
-    TYPE: ClassVar[str] = "load"
     worker: str
     role: str  # "prefill", "decode" or "both"
     model_id: str
@@ -319,8 +268,7 @@ class LoadReport(Message):
     timestamp: float
 
 
-@dataclass
-class KvEvent(Message):
+class KvEvent(Message, tag="kv_event"):
     """A tier change of pages, on `tandem.kv.events.<worker-or-store-id>` (JetStream kept).
 
     `kind` is `stored` (keys in prefix order, `parent_key` the key before the first, or
@@ -328,7 +276,6 @@ class KvEvent(Message):
     `device`, `host` or `pool`. `seq` increases per source so a reader can spot gaps.
     """
 
-    TYPE: ClassVar[str] = "kv_event"
     source: str
     seq: int
     kind: str

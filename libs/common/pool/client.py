@@ -39,9 +39,11 @@ from libs.common.messages.pool import (
     PoolCount,
     PoolGetReply,
     PoolKeys,
+    PoolNewObject,
     PoolPutFinish,
     PoolPutStart,
     PoolPutStartReply,
+    PoolReplica,
     PoolStats,
 )
 from libs.common.transfer import RegionDescriptor, TransferEngine, TransferError
@@ -168,25 +170,27 @@ class PoolClient:
         loop = asyncio.get_running_loop()
         sent = loop.time()
         reply = await self._ask("get", PoolKeys(list(keys)), PoolGetReply)
-        if len(reply.sizes) != len(keys):
-            raise BusError(f"{self._subject('get')}: {len(reply.sizes)} answers, {len(keys)} keys")
+        found = reply.objects
+        if len(found) != len(keys):
+            raise BusError(f"{self._subject('get')}: {len(found)} answers, {len(keys)} keys")
         deadline = sent + reply.lease_ttl  # the master's lease began after `sent`
         results: list[GetResult | None] = [None] * len(keys)
-        todo: dict[int, list[tuple[str, int]]] = {}  # index -> replicas left to try
-        for i, size in enumerate(reply.sizes):
-            if not reply.stores[i]:
+        todo: dict[int, list[PoolReplica]] = {}  # index -> replicas left to try
+        for i, obj in enumerate(found):
+            if not obj.replicas:
                 results[i] = GetResult(keys[i], 0, "missing")
-            elif size > caps[i]:
-                results[i] = GetResult(keys[i], size, "too_large")
+            elif obj.size > caps[i]:
+                results[i] = GetResult(keys[i], obj.size, "too_large")
             else:
-                todo[i] = list(zip(reply.stores[i], reply.offsets[i], strict=True))
+                todo[i] = list(obj.replicas)
         while todo:  # each round reads every pending key from its next replica
             groups: dict[str, list[int]] = {}
             for i, replicas in todo.items():
-                groups.setdefault(replicas[0][0], []).append(i)
+                groups.setdefault(replicas[0].store, []).append(i)
             reads = [
                 self._transfer("read", memory, reply.segments[store],
-                               [(offsets[i], todo[i][0][1], reply.sizes[i]) for i in group], store)
+                               [(offsets[i], todo[i][0].offset, found[i].size) for i in group],
+                               store)
                 for store, group in groups.items()
             ]  # fmt: skip
             outcomes = await _all(reads)
@@ -195,7 +199,7 @@ class PoolClient:
                     todo[i].pop(0)
                     if ok or not todo[i]:
                         del todo[i]
-                        results[i] = GetResult(keys[i], reply.sizes[i], "" if ok else "unreachable")
+                        results[i] = GetResult(keys[i], found[i].size, "" if ok else "unreachable")
         if loop.time() > deadline:
             log.error("pool read outlived its lease; bytes refused", keys=len(keys),
                       lease_ttl=reply.lease_ttl)  # fmt: skip
@@ -230,7 +234,7 @@ class PoolClient:
         for i, result in enumerate(results):
             if result.ok:
                 data = memory.view[offsets[i] : offsets[i] + result.size]
-                if checksum(data) != reply.checksums[i]:
+                if checksum(data) != reply.objects[i].checksum:
                     bad.append(result.key)
                     result = GetResult(result.key, result.size, "checksum")
             out.append(result)
@@ -275,17 +279,17 @@ class PoolClient:
             if off < 0 or size < 0 or off + size > view.nbytes:
                 raise ValueError(f"offsets/sizes: {off}+{size} outside local memory")
         sums = [checksum(view[o : o + n]) for o, n in zip(offsets, sizes, strict=True)]
-        request = PoolPutStart(list(keys), list(sizes), sums, replicas)
-        reply = await self._ask("put_start", request, PoolPutStartReply)
-        if len(reply.statuses) != len(keys):
+        objects = [PoolNewObject(*o) for o in zip(keys, sizes, sums, strict=True)]
+        reply = await self._ask("put_start", PoolPutStart(objects, replicas), PoolPutStartReply)
+        if len(reply.slots) != len(keys):
             raise BusError(f"{self._subject('put_start')}: answers do not match the keys")
-        errors = {i: s for i, s in enumerate(reply.statuses) if s != "ok"}
+        errors = {i: slot.status for i, slot in enumerate(reply.slots) if slot.status != "ok"}
         by_store: dict[str, tuple[list[tuple[int, int, int]], list[int]]] = {}
-        for i in range(len(keys)):
-            for store, remote_off in zip(reply.stores[i], reply.offsets[i], strict=True):
-                if i not in errors:
-                    entry = by_store.setdefault(store, ([], []))
-                    entry[0].append((offsets[i], remote_off, sizes[i]))
+        for i, slot in enumerate(reply.slots):
+            if i not in errors:
+                for replica in slot.replicas:
+                    entry = by_store.setdefault(replica.store, ([], []))
+                    entry[0].append((offsets[i], replica.offset, sizes[i]))
                     entry[1].append(i)
         writes = [self._transfer("write", memory, reply.segments[store], ops, store)
                   for store, (ops, _) in by_store.items()]  # fmt: skip
