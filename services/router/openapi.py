@@ -10,22 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 from libs.common import __version__
-from services.router.validation import (
-    CHAT_SPECS,
-    COMPLETION_SPECS,
+from libs.common.engine.core.sampling_params import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_IDS,
-    ROLES,
-    Spec,
+    MAX_TOKEN_ID,
 )
+from services.router.validation import CHAT_SPECS, COMPLETION_SPECS, ROLES, Spec
 
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": props}
 
 
-_ID = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _IDS = {"type": "array", "items": _ID, "minItems": 1}
 _STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 _TEXT_PARTS = {
@@ -82,10 +80,11 @@ def _schema(specs: tuple[Spec, ...]) -> dict[str, Any]:
     props: dict[str, Any] = {}
     for s in specs:
         prop = {**_KINDS[s.kind], "description": s.help}
-        if s.lo is not None:
-            prop["exclusiveMinimum" if s.lo_open else "minimum"] = s.lo
-        if s.hi is not None:
-            prop["maximum"] = s.hi
+        b = s.bound
+        if b is not None and b.lo is not None:
+            prop["exclusiveMinimum" if b.lo_open else "minimum"] = b.lo
+        if b is not None and b.hi is not None:
+            prop["maximum"] = b.hi
         props[s.name] = prop
     names = {s.name for s in specs}
     needs = {

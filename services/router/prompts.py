@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.core.sampling_params import SamplingError, SamplingParams
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
 from services.router.errors import bad_request
@@ -70,8 +70,8 @@ def _sampling(api: ApiRequest, prompt_len: int, max_model_len: int) -> SamplingS
             )
     values = {**api.sampling, "max_tokens": max_tokens, "logprobs": api.logprobs}
     try:
-        params = SamplingParams.from_dict(values)  # the engine's own checks, as a 400
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-    wire = params.to_dict()
-    return SamplingSpec(**wire)
+        # Normalized as the engine will see them (top_k -1 -> 0, floats), checked again
+        # against the bounds the API validation used.
+        return SamplingSpec(**SamplingParams(**values).to_dict())
+    except SamplingError as e:
+        raise bad_request(str(e), e.field) from None

@@ -1,9 +1,11 @@
 """Request bodies of /v1/completions and /v1/chat/completions -> a typed `ApiRequest`.
 
 One table of `Spec`s per endpoint is the single truth about what the API accepts: the
-parser checks bodies against it and `openapi.py` renders it into /openapi.json. Any bad
-value becomes a 400 naming the parameter; unknown fields are ignored (as OpenAI's API and
-vLLM do), so newer clients keep working.
+parser checks bodies against it and `openapi.py` renders it into /openapi.json. The
+sampling fields' bounds and stop limits are not defined here but taken from
+libs/common/engine/core/sampling_params.py, which the wire message and the engine check
+too. Any bad value becomes a 400 naming the parameter; unknown fields are ignored (as
+OpenAI's API and vLLM do), so newer clients keep working.
 """
 
 from __future__ import annotations
@@ -12,60 +14,64 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from libs.common.engine.core.sampling_params import (
+    BOUNDS,
+    Bound,
+    SamplingError,
+    check_stop,
+    check_token_ids,
+)
 from services.router.errors import bad_request
-
-MAX_LOGPROBS = 20  # the engine's cap (libs/common/engine/core/sampling_params.py)
-MAX_STOP = 16
-# Bounds that keep one choice's GenerateRequest well under NATS's 1 MiB max payload
-# (the prompt itself is bounded by the context length).
-MAX_STOP_CHARS = 4096
-MAX_STOP_IDS = 1024
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One accepted field: JSON kind, bounds (`lo_open`: the lower bound is excluded)."""
+    """One accepted field: JSON kind, and the `bound` of a number."""
 
     name: str
     kind: str  # integer, number, boolean, string, stop, ids, prompt, messages, object
     help: str
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
+    bound: Bound | None = None
     required: bool = False
+
+
+def _sampling_spec(name: str, bound: str | None = None, help: str = "") -> Spec:
+    """A number bounded by the sampling table (`bound`: its entry, when named otherwise)."""
+    b = BOUNDS[bound or name]
+    return Spec(name, "integer" if b.kind is int else "number", help or b.help, bound=b)
 
 
 _SAMPLING = (
     Spec("model", "string", "model name, as listed by GET /v1/models", required=True),
-    Spec("n", "integer", "choices per prompt", lo=1),
+    Spec("n", "integer", "choices per prompt", bound=Bound(int, "choices per prompt", lo=1)),
     Spec("stream", "boolean", "stream Server-Sent Events"),
     Spec("stream_options", "object", "`{include_usage: bool}` for streams"),
-    Spec("max_tokens", "integer", "tokens to generate at most", lo=1),
-    Spec("temperature", "number", "0 is greedy", lo=0, hi=2),
-    Spec("top_p", "number", "nucleus sampling", lo=0, hi=1, lo_open=True),
-    Spec("top_k", "integer", "keep the k likeliest tokens (0 or -1: off)", lo=-1),
-    Spec("min_p", "number", "drop tokens below min_p x the top probability", lo=0, hi=1),
-    Spec("seed", "integer", "reproducible sampling", lo=0, hi=2**63 - 1),
+    _sampling_spec("max_tokens"),
+    _sampling_spec("temperature"),
+    _sampling_spec("top_p"),
+    _sampling_spec("top_k"),
+    _sampling_spec("min_p"),
+    _sampling_spec("seed"),
     Spec("stop", "stop", "string or list of strings that end the completion"),
     Spec("stop_token_ids", "ids", "token ids that end the completion"),
     Spec("ignore_eos", "boolean", "keep generating past end-of-sequence"),
-    Spec("presence_penalty", "number", "additive, on generated tokens", lo=-2, hi=2),
-    Spec("frequency_penalty", "number", "additive, per occurrence", lo=-2, hi=2),
-    Spec("repetition_penalty", "number", "multiplicative, 1 is off", lo=0, lo_open=True),
+    _sampling_spec("presence_penalty"),
+    _sampling_spec("frequency_penalty"),
+    _sampling_spec("repetition_penalty"),
     Spec("user", "string", "end-user id (logged)"),
 )
 COMPLETION_SPECS = (
     Spec("prompt", "prompt", "string, list of strings, token ids or lists of ids", required=True),
     *_SAMPLING,
-    Spec("logprobs", "integer", "log probabilities of the top n tokens", lo=0, hi=MAX_LOGPROBS),
+    _sampling_spec("logprobs"),
     Spec("echo", "boolean", "prepend the prompt to the completion"),
 )
 CHAT_SPECS = (
     Spec("messages", "messages", "the conversation: [{role, content}]", required=True),
     *_SAMPLING,
-    Spec("max_completion_tokens", "integer", "tokens to generate at most", lo=1),
+    _sampling_spec("max_completion_tokens", "max_tokens"),
     Spec("logprobs", "boolean", "return log probabilities of the output tokens"),
-    Spec("top_logprobs", "integer", "alternatives per token", lo=0, hi=MAX_LOGPROBS),
+    _sampling_spec("top_logprobs", "logprobs", "alternatives per token"),
 )
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
 _NEUTRAL = {
@@ -179,30 +185,26 @@ def _check(spec: Spec, value: Any) -> Any:
     elif kind == "object" and not isinstance(value, dict):
         raise bad_request(f"'{name}' must be an object, got {_show(value)}", name)
     elif kind == "stop":
-        items = [value] if isinstance(value, str) else value
-        ok = isinstance(items, list) and all(isinstance(s, str) and s for s in items)
-        if not ok or len(items) > MAX_STOP:
-            raise bad_request(f"'{name}' must be a string or up to {MAX_STOP} strings", name)
-        if any(len(s) > MAX_STOP_CHARS for s in items):
-            raise bad_request(f"'{name}': a stop string is at most {MAX_STOP_CHARS} characters",
-                              name)  # fmt: skip
+        _sampling_check(check_stop, name, value)
     elif kind == "ids":
         value = _ids(value)
         if value is None:
             raise bad_request(f"'{name}' must be a list of non-negative integers", name)
-        if len(value) > MAX_STOP_IDS:
-            raise bad_request(f"'{name}' takes at most {MAX_STOP_IDS} token ids", name)
+        _sampling_check(check_token_ids, name, value)
     return value
 
 
 def _bounds(spec: Spec, value: float) -> None:
-    low_bad = spec.lo is not None and (value <= spec.lo if spec.lo_open else value < spec.lo)
-    high_bad = spec.hi is not None and value > spec.hi
-    if low_bad or high_bad:
-        lo = "(" if spec.lo_open else "["
-        lo += "-inf" if spec.lo is None else f"{spec.lo:g}"
-        hi = "inf)" if spec.hi is None else f"{spec.hi:g}]"
-        raise bad_request(f"'{spec.name}' must be in {lo}, {hi}, got {value}", spec.name)
+    if spec.bound is not None:
+        _sampling_check(spec.bound.check, spec.name, value)
+
+
+def _sampling_check(check: Any, name: str, value: Any) -> None:
+    """A check of sampling_params.py, its SamplingError as the API's 400 naming `name`."""
+    try:
+        check(name, value)
+    except SamplingError as e:
+        raise bad_request(str(e), name) from None
 
 
 def _ids(value: Any) -> list[int] | None:

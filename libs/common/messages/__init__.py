@@ -5,5 +5,6 @@ type: control messages (generate, prefill, reserve, token streams, load reports,
 service info) in `control`, the pool's messages (master RPCs, mounts, heartbeats) in `pool`.
 
 May import: the standard library and msgspec only, so any process (and any tool) can read
-the whole protocol without loading anything else.
+the whole protocol without loading anything else; and the sampling fields' bounds from
+engine/core/sampling_params.py (standard library only), which the wire checks too.
 """

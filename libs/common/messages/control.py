@@ -22,6 +22,8 @@ from typing import Any
 import msgspec
 from msgspec import field
 
+from libs.common.engine.core.sampling_params import check_sampling
+
 # The envelope and decoder live in schema.py; these names stay importable here.
 from libs.common.messages.schema import SCHEMA_VERSION as SCHEMA_VERSION
 from libs.common.messages.schema import M as M
@@ -75,7 +77,8 @@ class ServiceInfo(Message, tag="service_info"):
 
 
 class SamplingSpec(Message, tag="sampling"):
-    """Sampling parameters on the wire; the engine's SamplingParams validates them."""
+    """Sampling parameters on the wire, checked when built or decoded against the one table
+    of fields and bounds (libs/common/engine/core/sampling_params.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -90,6 +93,9 @@ class SamplingSpec(Message, tag="sampling"):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        check_sampling(self)  # a bad value raises ValueError naming the field
 
 
 class GenerateRequest(Message, tag="generate"):

@@ -1,4 +1,12 @@
-"""How one request samples its tokens; validated when built, JSON on the wire."""
+"""How one request samples its tokens: every field and its bounds, defined once.
+
+`BOUNDS` and the stop limits below are the one truth about which values are accepted, with
+OpenAI's bounds where OpenAI documents one (docs/api.md). Three places check against them:
+the router's API validation (a 400 naming the parameter, services/router/validation.py),
+the wire's `SamplingSpec` (libs/common/messages/control.py, a MessageError on decode) and
+the engine's `SamplingParams` here (a ValueError naming the field). Standard library only:
+the router and the messages package import it without the engine.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,113 @@ from typing import Any
 
 # vLLM's default cap on top-n logprobs: enough for any UI, bounded work per token.
 MAX_LOGPROBS = 20
+# Stop conditions per request; they also keep a GenerateRequest well under NATS's 1 MiB max
+# payload (the prompt itself is bounded by the context length).
+MAX_STOP = 16
+MAX_STOP_CHARS = 4096
+MAX_STOP_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class SamplingError(ValueError):
+    """A sampling value out of its bounds; `field` names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bound:
+    """The numbers one field accepts: `kind` (int or float) in [lo, hi], `lo_open` excluding
+    lo, None unbounded on that side. `help` is the field's one line in the API's document."""
+
+    kind: type
+    help: str
+    lo: int | float | None = None
+    hi: int | float | None = None
+    lo_open: bool = False
+
+    def check(self, name: str, value: Any) -> int | float:
+        """`value` as this kind (ints stay ints, numbers become floats); SamplingError else."""
+        if self.kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SamplingError(name, f"'{name}' must be an integer, got {value!r}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise SamplingError(name, f"'{name}' must be a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise SamplingError(name, f"'{name}' must be finite, got {value}")
+        low = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
+        if low or (self.hi is not None and value > self.hi):
+            raise SamplingError(name, f"'{name}' must be in {self.interval}, got {value}")
+        return value
+
+    @property
+    def interval(self) -> str:
+        lo = ("(" if self.lo_open else "[") + ("-inf" if self.lo is None else _num(self.lo))
+        return f"{lo}, " + ("inf)" if self.hi is None else f"{_num(self.hi)}]")
+
+
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound(int, "tokens to generate at most", lo=1),
+    "temperature": Bound(float, "0 is greedy", lo=0, hi=2),
+    "top_p": Bound(float, "nucleus sampling", lo=0, hi=1, lo_open=True),
+    "top_k": Bound(int, "keep the k likeliest tokens (0 or -1: off)", lo=-1),
+    "min_p": Bound(float, "drop tokens below min_p x the top probability", lo=0, hi=1),
+    "seed": Bound(int, "reproducible sampling", lo=0, hi=2**63 - 1),
+    "repetition_penalty": Bound(float, "multiplicative, 1 is off", lo=0, lo_open=True),
+    "frequency_penalty": Bound(float, "additive, per occurrence", lo=-2, hi=2),
+    "presence_penalty": Bound(float, "additive, on generated tokens", lo=-2, hi=2),
+    "logprobs": Bound(int, "log probabilities of the top n tokens", lo=0, hi=MAX_LOGPROBS),
+}
+_OPTIONAL = ("seed", "logprobs")  # None: not set
+
+
+def check_stop(name: str, value: Any) -> tuple[str, ...]:
+    """One string or a list of up to MAX_STOP non-empty strings (OpenAI's two shapes)."""
+    items = (value,) if isinstance(value, str) else value
+    if items is None:
+        return ()
+    ok = isinstance(items, list | tuple) and all(isinstance(s, str) and s for s in items)
+    if not ok or len(items) > MAX_STOP:
+        raise SamplingError(name, f"'{name}' must be a string or up to {MAX_STOP} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise SamplingError(name, f"'{name}': a stop string is at most {MAX_STOP_CHARS} chars")
+    return tuple(items)
+
+
+def check_token_ids(name: str, value: Any) -> tuple[int, ...]:
+    """Up to MAX_STOP_IDS token ids, each in [0, MAX_TOKEN_ID]."""
+    if value is None:
+        return ()
+    ok = isinstance(value, list | tuple) and all(
+        not isinstance(t, bool) and isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID for t in value
+    )
+    if not ok:
+        raise SamplingError(name, f"'{name}' must be a list of token ids (integers >= 0)")
+    if len(value) > MAX_STOP_IDS:
+        raise SamplingError(name, f"'{name}' takes at most {MAX_STOP_IDS} token ids")
+    return tuple(value)
+
+
+def check_sampling(obj: Any) -> dict[str, Any]:
+    """Every sampling field of `obj` (attributes named as SamplingParams's fields) checked,
+    as normalized values; SamplingError (a ValueError) naming the first bad field."""
+    out: dict[str, Any] = {}
+    for name, bound in BOUNDS.items():
+        value = getattr(obj, name)
+        out[name] = None if value is None and name in _OPTIONAL else bound.check(name, value)
+    out["stop"] = check_stop("stop", obj.stop)
+    out["stop_token_ids"] = check_token_ids("stop_token_ids", obj.stop_token_ids)
+    if not isinstance(obj.ignore_eos, bool):
+        raise SamplingError("ignore_eos", f"'ignore_eos' must be a boolean, got {obj.ignore_eos!r}")
+    return out
+
+
+def _num(x: int | float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,30 +161,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # frozen: normalized values go in through object.__setattr__.
-        def put(name: str, value: Any) -> None:
+        for name, value in check_sampling(self).items():
             object.__setattr__(self, name, value)
-
-        put("max_tokens", _int("max_tokens", self.max_tokens, lo=1))
-        put("temperature", _float("temperature", self.temperature, lo=0.0))
-        put("top_p", _float("top_p", self.top_p, lo=0.0, hi=1.0))
-        if self.top_p == 0.0:
-            raise ValueError("top_p must be in (0, 1], got 0")
-        top_k = _int("top_k", self.top_k, lo=-1)
-        put("top_k", 0 if top_k == -1 else top_k)
-        put("min_p", _float("min_p", self.min_p, lo=0.0, hi=1.0))
-        if self.seed is not None:
-            put("seed", _int("seed", self.seed, lo=0, hi=2**64 - 1))
-        put("repetition_penalty", _float("repetition_penalty", self.repetition_penalty))
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        put("frequency_penalty", _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
-        put("presence_penalty", _float("presence_penalty", self.presence_penalty, -2.0, 2.0))
-        put("stop", _stop_strings(self.stop))
-        put("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            put("logprobs", _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
 
     @property
     def greedy(self) -> bool:
@@ -90,51 +185,3 @@ class SamplingParams:
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         return out
-
-
-def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be {_bounds(lo, hi)}, got {value}")
-    return value
-
-
-def _float(name: str, value: Any, lo: float | None = None, hi: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be {_bounds(lo, hi)}, got {value}")
-    return value
-
-
-def _bounds(lo: float | None, hi: float | None) -> str:
-    if hi is None:
-        return f">= {lo}"
-    if lo is None:
-        return f"<= {hi}"
-    return f"in [{lo}, {hi}]"
-
-
-def _stop_strings(value: Any) -> tuple[str, ...]:
-    # OpenAI's API takes one string or a list of them.
-    items = (value,) if isinstance(value, str) else value
-    if items is None:
-        return ()
-    if not isinstance(items, list | tuple):
-        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
-    for s in items:
-        if not isinstance(s, str) or not s:
-            raise ValueError(f"stop must hold non-empty strings, got {s!r}")
-    return tuple(items)
-
-
-def _token_ids(name: str, value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list | tuple):
-        raise ValueError(f"{name} must be a list of ints, got {value!r}")
-    return tuple(_int(name, t, lo=0) for t in value)
