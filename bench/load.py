@@ -187,7 +187,7 @@ async def one_request(
 
 
 async def client_loop(
-    http, url: str, model: str, a: argparse.Namespace, rng: random.Random, end: float,
+    http, url: str, model: str, a: argparse.Namespace, *, rng: random.Random, end: float,
     budget: list[int], tally: Tally,
 ) -> None:  # fmt: skip
     while time.monotonic() < end and budget[0] > 0:
@@ -213,7 +213,14 @@ async def run_load(url: str, a: argparse.Namespace, pids: dict[str, int]) -> dic
             model = a.model or (await r.json())["data"][0]["id"]
         clients = [
             client_loop(
-                http, url, model, a, random.Random(a.seed * 100_003 + i), end, budget, tally
+                http,
+                url,
+                model,
+                a,
+                rng=random.Random(a.seed * 100_003 + i),
+                end=end,
+                budget=budget,
+                tally=tally,
             )
             for i in range(a.clients)
         ]

@@ -47,6 +47,7 @@ class NatsServer:
     def __init__(
         self,
         workdir: Path,
+        *,
         port: int = -1,
         host: str = "127.0.0.1",
         monitor_port: int | None = -1,

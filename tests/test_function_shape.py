@@ -22,8 +22,6 @@ KNOWN = {
     "services/prefill/kv_sender.py:__init__",
     "services/decode/service.py:_pump",
     "services/decode/stream.py:__init__",
-    "bench/load.py:client_loop",
-    "scripts/nats_server.py:__init__",
 }
 
 
