@@ -19,7 +19,6 @@ KNOWN = {
     "libs/common/transfer/tcp/server.py:__init__",
     "libs/common/transfer/tcp/server.py:_apply",
     "libs/common/worker/kv_sender.py:__init__",
-    "services/prefill/kv_sender.py:__init__",
     "services/decode/service.py:_pump",
     "services/decode/stream.py:__init__",
 }
