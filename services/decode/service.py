@@ -292,7 +292,7 @@ class DecodeService(WorkerService):
         return reply.active
 
     async def _pump(
-        self, req, stream, outputs, prompt_done, skip_first, prefilled=None, pool_tokens=0
+        self, req, stream, outputs, *, prompt_done, skip_first, prefilled=None, pool_tokens=0
     ) -> None:
         """Publish a request's outputs; the last chunk carries usage. `prefilled` is the
         prefill worker's cached-token count by tier; without one the prompt ran here, with

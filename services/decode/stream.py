@@ -72,6 +72,7 @@ class TokenStream:
         request_id: str,
         worker: str,
         next_index: int,
+        *,
         batcher: ChunkBatcher | None = None,
         batch_subject: str = "",
     ):

@@ -114,7 +114,16 @@ async def test_random_frames_without_the_token_change_and_leak_nothing(server):
     print(f"transfer port: {FRAMES} hostile frames, {answers.count(KIND_ERR)} ERR replies")
 
     # Control: with the token, a write lands exactly in its range and nowhere else.
-    good = pack_request(KIND_WRITE, FLAG_LAST, 0, 7, a.region_id, 100, 50, a.token_bytes)
+    good = pack_request(
+        KIND_WRITE,
+        FLAG_LAST,
+        0,
+        7,
+        region_id=a.region_id,
+        offset=100,
+        length=50,
+        token=a.token_bytes,
+    )
     answer = await asyncio.to_thread(_exchange, a.endpoint, good + b"\xab" * 50)
     assert _kinds(answer) == [KIND_ACK]
     changed = PAGE + 100

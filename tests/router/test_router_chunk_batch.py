@@ -67,8 +67,12 @@ async def test_one_step_of_many_streams_is_one_message_fanned_out_in_order(nats_
         await router.nc.subscribe(table.batch_subject, cb=count)
         await router.nc.flush()
         batcher = ChunkBatcher(worker, "w")
-        streams = [TokenStream(worker, opened[r][1], r, "w", 0, batcher, table.batch_subject)
-                   for r in ("r1", "r2", "r3")]  # fmt: skip
+        streams = [
+            TokenStream(
+                worker, opened[r][1], r, "w", 0, batcher=batcher, batch_subject=table.batch_subject
+            )
+            for r in ("r1", "r2", "r3")
+        ]
         for step in range(2):  # an engine step: every request adds in the same loop turn
             for s in streams:
                 await s.add([10 + step], "t", [])

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from libs.common.transfer import TransferError, rdma
+from libs.common.transfer import TransferError
 from libs.common.transfer.descriptor import RegionDescriptor
+from libs.common.transfer.rdma import engine as rdma
 from libs.common.transfer.rdma.engine import RdmaTransferEngine
 from tests.transfer.fake_verbs import make_verbs
 

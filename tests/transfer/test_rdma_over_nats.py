@@ -12,8 +12,9 @@ import pytest
 
 from libs.common.bus.connection import Bus, RemoteError
 from libs.common.messages.control import RdmaConnect
-from libs.common.transfer import TransferError, create_engine, rdma
+from libs.common.transfer import TransferError, create_engine
 from libs.common.transfer.descriptor import RegionDescriptor
+from libs.common.transfer.rdma import engine as rdma
 from libs.common.transfer.rdma.exchange import connect_subject, engine_options, serve_connect
 from tests.transfer.fake_verbs import make_verbs
 

@@ -63,8 +63,18 @@ async def test_oversized_frame_is_refused_without_reading_it(tcp_pair) -> None:
     d_dst = b.register(bytearray(64))
     with structlog.testing.capture_logs() as logs:
         sock = connect_raw(d_dst.endpoint)
-        sock.sendall(pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 0, 1 << 62,
-                                  d_dst.token_bytes))  # fmt: skip
+        sock.sendall(
+            pack_request(
+                KIND_WRITE,
+                1,
+                0,
+                1,
+                region_id=d_dst.region_id,
+                offset=0,
+                length=1 << 62,
+                token=d_dst.token_bytes,
+            )
+        )
         assert await asyncio.to_thread(_recv_all, sock) == b""
         sock.close()
         await _events_until(logs, "transfer refused oversized frame")
@@ -76,7 +86,16 @@ async def test_wrong_token_on_the_wire_gets_err_and_payload_is_discarded(tcp_pai
     d_dst = b.register(dst)
     with structlog.testing.capture_logs() as logs:
         sock = connect_raw(d_dst.endpoint)
-        header = pack_request(KIND_WRITE, 1, 3, 9, d_dst.region_id, 0, 4096, os.urandom(16))
+        header = pack_request(
+            KIND_WRITE,
+            1,
+            3,
+            9,
+            region_id=d_dst.region_id,
+            offset=0,
+            length=4096,
+            token=os.urandom(16),
+        )
         sock.sendall(header + b"\xee" * 4096)
         reply = await asyncio.to_thread(sock.recv, RESPONSE.size, socket.MSG_WAITALL)
         _, _, kind, _, op_index, _, batch_id, length = RESPONSE.unpack(reply)
@@ -96,7 +115,16 @@ async def test_disconnect_mid_payload_writes_only_inside_the_range(tcp_pair) -> 
     d_dst = b.register(dst)
     with structlog.testing.capture_logs() as logs:
         sock = connect_raw(d_dst.endpoint)
-        header = pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 1024, 4096, d_dst.token_bytes)
+        header = pack_request(
+            KIND_WRITE,
+            1,
+            0,
+            1,
+            region_id=d_dst.region_id,
+            offset=1024,
+            length=4096,
+            token=d_dst.token_bytes,
+        )
         sock.sendall(header + b"\x22" * 1000)  # promises 4096 bytes, sends 1000
         sock.close()
         await _events_until(logs, "transfer peer disconnected mid-payload")
@@ -122,7 +150,9 @@ async def test_header_split_across_the_busy_poll_is_still_served(tcp_pair) -> No
     dst = bytearray(64)
     d_dst = b.register(dst)
     sock = connect_raw(d_dst.endpoint)
-    header = pack_request(KIND_WRITE, 1, 0, 7, d_dst.region_id, 8, 16, d_dst.token_bytes)
+    header = pack_request(
+        KIND_WRITE, 1, 0, 7, region_id=d_dst.region_id, offset=8, length=16, token=d_dst.token_bytes
+    )
     sock.sendall(header[:20])
     await asyncio.sleep(0.05)  # far past the 50 µs poll budget
     sock.sendall(header[20:] + b"\x33" * 16)
@@ -139,8 +169,19 @@ async def test_overflowing_offset_on_the_wire_is_refused_and_nothing_is_written(
     sock = connect_raw(d_dst.endpoint)
     # offset + length wraps a u64 to 8: a C-style `offset + length <= size` would pass.
     offset = (1 << 64) - 8
-    sock.sendall(pack_request(KIND_WRITE, 1, 3, 1, d_dst.region_id, offset, 16,
-                              d_dst.token_bytes) + b"\x55" * 16)  # fmt: skip
+    sock.sendall(
+        pack_request(
+            KIND_WRITE,
+            1,
+            3,
+            1,
+            region_id=d_dst.region_id,
+            offset=offset,
+            length=16,
+            token=d_dst.token_bytes,
+        )
+        + b"\x55" * 16
+    )
     sock.settimeout(0.5)  # the ERR, then the server waits for this batch's next op
     answer = await asyncio.to_thread(_recv_all, sock)
     sock.close()
@@ -156,10 +197,19 @@ async def test_a_pipelined_batch_is_acknowledged_once(tcp_pair) -> None:
     d_dst = b.register(dst)
     sock = connect_raw(d_dst.endpoint)
     ops = [
-        pack_request(KIND_WRITE, FLAG_LAST if i == 7 else 0, i, 42, d_dst.region_id, i * 512,
-                     512, d_dst.token_bytes) + bytes([i + 1]) * 512
+        pack_request(
+            KIND_WRITE,
+            FLAG_LAST if i == 7 else 0,
+            i,
+            42,
+            region_id=d_dst.region_id,
+            offset=i * 512,
+            length=512,
+            token=d_dst.token_bytes,
+        )
+        + bytes([i + 1]) * 512
         for i in range(8)
-    ]  # fmt: skip
+    ]
     sock.sendall(b"".join(ops))  # eight ops, no round trip between them
     sock.settimeout(0.5)  # past the ACK: anything more would arrive in this time
     answer = await asyncio.to_thread(_recv_all, sock)  # everything the server sends back

@@ -34,7 +34,16 @@ async def test_tcp_unregister_cuts_a_write_in_progress_and_nothing_lands_after(
     d_dst = b.register(dst)
     region = b._regions.get(d_dst.region_id)
     sock = connect_raw(d_dst.endpoint)
-    header = pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 0, 4096, d_dst.token_bytes)
+    header = pack_request(
+        KIND_WRITE,
+        1,
+        0,
+        1,
+        region_id=d_dst.region_id,
+        offset=0,
+        length=4096,
+        token=d_dst.token_bytes,
+    )
     sock.sendall(header + b"\x22" * 100)  # admitted, then the peer stalls mid-payload
     await _until(lambda: bool(region.users) and dst[99] == 0x22)
     with structlog.testing.capture_logs() as logs:
@@ -56,8 +65,19 @@ async def test_tcp_op_admitted_after_unregister_is_refused(tcp_pair) -> None:
     d_dst = b.register(dst)
     b.unregister(d_dst)
     sock = connect_raw(d_dst.endpoint)
-    sock.sendall(pack_request(KIND_WRITE, 1, 0, 1, d_dst.region_id, 0, 16, d_dst.token_bytes)
-                 + b"\x44" * 16)  # fmt: skip
+    sock.sendall(
+        pack_request(
+            KIND_WRITE,
+            1,
+            0,
+            1,
+            region_id=d_dst.region_id,
+            offset=0,
+            length=16,
+            token=d_dst.token_bytes,
+        )
+        + b"\x44" * 16
+    )
     answer = await asyncio.to_thread(sock.recv, RESPONSE.size)
     sock.close()
     assert RESPONSE.unpack(answer)[2] == KIND_ERR

@@ -25,6 +25,7 @@ class KvSender:
         local: KvLayout,
         remote_region: RegionDescriptor,
         remote: KvLayout,
+        *,
         num_prompt_pages: int,
         skip: int,
         remote_pages: list[int],

@@ -38,6 +38,7 @@ class KVCache:
         page_size: int,
         num_kv_heads: int,
         head_dim: int,
+        *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         allocate: Callable[[int], Any] | None = None,

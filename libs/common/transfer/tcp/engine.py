@@ -110,8 +110,8 @@ class TcpTransferEngine(TransferEngine):
         self._thread_bytes = thread_send_bytes
         self._executor: ThreadPoolExecutor | None = None
         self._server = TcpTransferServer(
-            self._regions, host, port, max_server_connections, self._log, stall_timeout_s,
-            self._poll_s,
+            self._regions, host, port, max_server_connections, self._log, stall_s=stall_timeout_s,
+            poll_s=self._poll_s,
         )  # fmt: skip
         self._peers: dict[str, list[Connection]] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
@@ -314,7 +314,9 @@ class TcpTransferEngine(TransferEngine):
         if rest is None and poll and self._poll_s:
             conn.poll(future, self._poll_s)
         if rest is not None or not future.done():
-            return self._finish_part(kind, conn, future, rest, remote.endpoint, ops, lane)
+            return self._finish_part(
+                kind, conn, future, rest, peer=remote.endpoint, ops=ops, lane=lane
+            )
         failure = future.exception()
         if failure is not None:
             self._raise_failure(kind, remote.endpoint, ops, [failure], [(conn, lane)])
@@ -326,6 +328,7 @@ class TcpTransferEngine(TransferEngine):
         conn: Connection,
         future: asyncio.Future[None],
         rest: list[memoryview] | None,
+        *,
         peer: str,
         ops: list[Op],
         lane: list,

@@ -65,6 +65,7 @@ def pack_request(
     flags: int,
     op_index: int,
     batch_id: int,
+    *,
     region_id: int,
     offset: int,
     length: int,

@@ -127,6 +127,7 @@ class TcpTransferServer:
         port: int,
         max_connections: int,
         log: Any,
+        *,
         stall_s: float = 10.0,
         poll_s: float = 0.0,
     ) -> None:
@@ -254,8 +255,17 @@ class TcpTransferServer:
             if failed_batch == batch_id:
                 if kind == KIND_WRITE and not self._drain(sock, length, peer):
                     return
-            elif not self._apply(sock, peer, region, cut, kind, op_index, batch_id, offset,
-                                 length):  # fmt: skip
+            elif not self._apply(
+                sock,
+                peer,
+                region,
+                cut,
+                kind=kind,
+                op_index=op_index,
+                batch_id=batch_id,
+                offset=offset,
+                length=length,
+            ):
                 return
             if flags & FLAG_LAST:
                 if failed_batch != batch_id:
@@ -263,7 +273,7 @@ class TcpTransferServer:
                 failed_batch = None
 
     def _apply(
-        self, sock: socket.socket, peer: str, region: Region, cut: _OpFence,
+        self, sock: socket.socket, peer: str, region: Region, cut: _OpFence, *,
         kind: int, op_index: int, batch_id: int, offset: int, length: int,
     ) -> bool:  # fmt: skip
         """Move one admitted op's bytes (region entered by `_serve_frames`); False when
