@@ -186,7 +186,7 @@ class Bus:
                 # A responder may be (re)subscribing: a service restarting, a reconnect, or
                 # a nats-server in its first moments (seen: a fresh server answers
                 # "no responders" once to an interest it already has). Retry until the
-                # deadline rather than fail a request that would succeed 20 ms later.
+                # deadline rather than fail a request that would succeed moments later.
                 if give_up - asyncio.get_running_loop().time() <= pause:
                     raise BusError(f"{subject}: no service is listening") from None
                 await asyncio.sleep(pause)
