@@ -17,12 +17,14 @@ messages are in libs/common/messages/pool.py.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any
 
 import msgspec
 from msgspec import field
 
-from libs.common.engine.core.sampling_params import check_sampling
+from libs.common.engine.core.sampling_params import SamplingParams, check_sampling
 
 # The envelope and decoder live in schema.py; these names stay importable here.
 from libs.common.messages.schema import SCHEMA_VERSION as SCHEMA_VERSION
@@ -76,26 +78,29 @@ class ServiceInfo(Message, tag="service_info"):
 # messages per connection only, so the router reorders by index.
 
 
-class SamplingSpec(Message, tag="sampling"):
-    """Sampling parameters on the wire, checked when built or decoded against the one table
-    of fields and bounds (libs/common/engine/core/sampling_params.py)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
+def _wire_form_of_sampling_params() -> type[Message]:
+    """`SamplingSpec`: SamplingParams's fields, types and defaults as a wire message (its
+    tuples travel as JSON arrays), checked when built or decoded against the same table."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields = []
+    for f in dataclasses.fields(SamplingParams):
+        if f.default is not dataclasses.MISSING:
+            fields.append((f.name, hints[f.name], f.default))
+        else:
+            fields.append((f.name, hints[f.name], msgspec.field(default_factory=f.default_factory)))
 
     def __post_init__(self) -> None:
         check_sampling(self)  # a bad value raises ValueError naming the field
+
+    return msgspec.defstruct(
+        "SamplingSpec", fields, bases=(Message,), tag="sampling",
+        module=__name__, namespace={"__post_init__": __post_init__},
+    )  # fmt: skip
+
+
+# Sampling parameters on the wire: the fields are SamplingParams's (defined once, in
+# libs/common/engine/core/sampling_params.py, with their bounds).
+SamplingSpec = _wire_form_of_sampling_params()
 
 
 class GenerateRequest(Message, tag="generate"):

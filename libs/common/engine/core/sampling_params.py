@@ -4,7 +4,8 @@
 OpenAI's bounds where OpenAI documents one (docs/api.md). Three places check against them:
 the router's API validation (a 400 naming the parameter, services/router/validation.py),
 the wire's `SamplingSpec` (libs/common/messages/control.py, a MessageError on decode) and
-the engine's `SamplingParams` here (a ValueError naming the field). Standard library only:
+the engine's `SamplingParams` here (a ValueError naming the field). The fields themselves
+are SamplingParams's: the wire message is derived from it, field by field. Standard library only:
 the router and the messages package import it without the engine.
 """
 
