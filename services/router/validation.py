@@ -74,12 +74,19 @@ CHAT_SPECS = (
     _sampling_spec("top_logprobs", "logprobs", "alternatives per token"),
 )
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
+# Constrained output (response_format, SGLang's regex/ebnf) and tool calls are not
+# enforced yet, so asking for them is a 400 rather than an unconstrained answer.
 _NEUTRAL = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
     "functions": (None, []),
+    "function_call": (None, "none"),
     "best_of": (None, 1),
+    "response_format": (None, {"type": "text"}),
+    "regex": (None,),
+    "ebnf": (None,),
 }
 _SAMPLING_KEYS = (
     "temperature",

@@ -59,6 +59,24 @@ def test_body_that_is_not_an_object_is_400(body):
     bad("completions", body, None)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("regex", "[0-9]+"), ("ebnf", "root ::= \"a\""), ("tool_choice", "auto"),
+    ],
+)  # fmt: skip
+def test_constraints_not_enforced_are_refused_never_ignored(field, value):
+    for endpoint, body in (("chat", CHAT), ("completions", COMP)):
+        err = bad(endpoint, {**body, field: value}, field)
+        assert "not supported" in err.message
+
+
+def test_neutral_response_format_and_tool_choice_are_accepted():
+    parse_request("chat", {**CHAT, "response_format": {"type": "text"}, "tool_choice": "none"}, 4)
+
+
 @pytest.mark.parametrize("prompt", [[], [[]], [1, "a"], [[1], "a"], {"a": 1}, [2**31]])
 def test_prompt_of_the_wrong_shape_is_400(prompt):
     bad("completions", {**COMP, "prompt": prompt}, "prompt")
