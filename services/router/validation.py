@@ -88,17 +88,9 @@ _NEUTRAL = {
     "regex": (None,),
     "ebnf": (None,),
 }
-_SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-)
+# The sampling fields copied from the body as they are (max_tokens and logprobs have API
+# aliases and defaults of their own, set per endpoint below).
+_SAMPLING_KEYS = (*(k for k in BOUNDS if k not in ("max_tokens", "logprobs")), "ignore_eos")
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
