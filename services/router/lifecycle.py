@@ -2,7 +2,8 @@
 
 Read top to bottom, in the order a request lives it:
 
-  1. parse     the JSON body -> a validated `ApiRequest` (validation.py); the model name
+  1. parse     the JSON body -> a validated `ApiRequest` (validation.py); the model name;
+               a grammar (response_format, regex, ebnf, forced tools) compiled (structured.py)
   2. prompts   tokenized, checked against the context, given their sampling (prompts.py)
   3. admit     the bound on requests in flight (429) and a live decode worker (503)
   4. choices   prompt x n: one `Choice` each, with id `<rid>` (or `<rid>-<i>` when several)
@@ -31,6 +32,7 @@ from aiohttp import web
 from libs.common.log import get_logger
 from libs.common.messages.control import SamplingSpec, TokenChunk
 from services.router import openai_format as fmt
+from services.router import structured
 from services.router.errors import ApiError, bad_request, no_workers
 from services.router.prompts import Prompt, prepare
 from services.router.state import STATE, RouterState
@@ -88,6 +90,8 @@ async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiR
             param="model",
             code="model_not_found",
         )
+    if api.grammar is not None:  # compiled off the loop, once per distinct grammar
+        await structured.check(api.grammar, state.grammars)
     return api
 
 

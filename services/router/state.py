@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from aiohttp import web
 
 from libs.common.bus.connection import Bus
 from libs.common.engine.load.tokenizer import TextTokenizer
+from libs.common.grammar.compiler import GrammarCompiler
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.kv_index import KvIndex
@@ -36,6 +38,12 @@ class RouterState:
     created: int = field(default_factory=lambda: int(time.time()))
     pending: int = 0
     replayed: Callable[[], bool] = lambda: False  # the KV index has read the stream
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar cache for this model's tokenizer (built on the first grammar)."""
+        tok = self.tokenizer
+        return GrammarCompiler(tok.tokenizer.to_str(), tok.vocab_size, tok.eos_token_ids)
 
     def context_len(self) -> int:
         """The smallest context of the live workers (they may be configured below the

@@ -21,7 +21,9 @@ from libs.common.engine.core.sampling_params import (
     check_stop,
     check_token_ids,
 )
+from services.router import structured
 from services.router.errors import bad_request
+from services.router.structured import Grammar
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ _SAMPLING = (
     _sampling_spec("frequency_penalty"),
     _sampling_spec("repetition_penalty"),
     Spec("user", "string", "end-user id (logged)"),
+    Spec("response_format", "object", "text, json_object or json_schema: output enforced"),
+    Spec("regex", "string", "the output fully matches this regular expression"),
+    Spec("ebnf", "string", "the output follows this grammar (GBNF or Lark)"),
 )
 COMPLETION_SPECS = (
     Spec("prompt", "prompt", "string, list of strings, token ids or lists of ids", required=True),
@@ -74,8 +79,6 @@ CHAT_SPECS = (
     _sampling_spec("top_logprobs", "logprobs", "alternatives per token"),
 )
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
-# Constrained output (response_format, SGLang's regex/ebnf) and tool calls are not
-# enforced yet, so asking for them is a 400 rather than an unconstrained answer.
 _NEUTRAL = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
@@ -84,9 +87,6 @@ _NEUTRAL = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}),
-    "regex": (None,),
-    "ebnf": (None,),
 }
 # The sampling fields copied from the body as they are (max_tokens and logprobs have API
 # aliases and defaults of their own, set per endpoint below).
@@ -111,6 +111,7 @@ class ApiRequest:
     echo: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
     user: str = ""
+    grammar: Grammar | None = None  # what the output must follow (structured.py)
 
 
 def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
@@ -138,6 +139,9 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
     sampling = {k: v[k] for k in _SAMPLING_KEYS if v[k] is not None}
     sampling["stop"] = [v["stop"]] if isinstance(v["stop"], str) else list(v["stop"] or [])
     sampling["stop_token_ids"] = list(v["stop_token_ids"] or [])
+    req.grammar = structured.from_body(body)
+    if req.grammar is not None:
+        sampling["grammar"] = req.grammar.text
     req.sampling = sampling
     if endpoint == "completions":
         req.prompts = _prompts(v["prompt"])

@@ -64,13 +64,38 @@ def test_body_that_is_not_an_object_is_400(body):
     [
         ("response_format", {"type": "json_object"}),
         ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-        ("regex", "[0-9]+"), ("ebnf", "root ::= \"a\""), ("tool_choice", "auto"),
+        ("regex", "[0-9]+"), ("ebnf", "root ::= \"a\""),
     ],
 )  # fmt: skip
-def test_constraints_not_enforced_are_refused_never_ignored(field, value):
+def test_a_grammar_field_becomes_the_requests_grammar_on_both_endpoints(field, value):
     for endpoint, body in (("chat", CHAT), ("completions", COMP)):
-        err = bad(endpoint, {**body, field: value}, field)
-        assert "not supported" in err.message
+        req = parse_request(endpoint, {**body, field: value}, 4)
+        assert req.grammar is not None and req.grammar.param == field
+        assert req.sampling["grammar"] == req.grammar.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"regex": "a", "ebnf": "root ::= \"a\""}, "ebnf"),
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": 3}}}, "response_format"),
+        ({"regex": ""}, "regex"),
+        ({"regex": 5}, "regex"),
+        ({"ebnf": " "}, "ebnf"),
+    ],
+)  # fmt: skip
+def test_a_malformed_or_second_grammar_is_400_naming_the_field(extra, param):
+    bad("chat", {**CHAT, **extra}, param)
+
+
+def test_tool_choice_other_than_none_is_refused_until_enforced():
+    err = bad("chat", {**CHAT, "tool_choice": "auto"}, "tool_choice")
+    assert "not supported" in err.message
 
 
 def test_neutral_response_format_and_tool_choice_are_accepted():

@@ -7,5 +7,6 @@ Layers, each a package, lowest first:
   model/  tensors: the model, its layers, attention backends, KV buffer, sampler, runner
 The modules here (engine, engine_core, config, cache_io, __main__) compose them.
 
-May import: libs.common.log and its own packages. Never the bus, transfer or a service.
+May import: libs.common.log, libs.common.grammar (grammar matchers) and its own packages.
+Never the bus, transfer or a service.
 """

@@ -123,6 +123,7 @@ class Engine:
         """Run a request; yields its outputs. See the class contract."""
         core = self._require()
         request_id = request_id or f"req-{next(self._ids)}"
+        matcher = await self._matcher(sampling)
         queue = self._open(request_id)
         try:
             async with self._lock:
@@ -132,6 +133,7 @@ class Engine:
                     sampling,
                     prefill_only=prefill_only,
                     keep_pages=keep_pages,
+                    matcher=matcher,
                 )
                 self._flush_events()
             self._wake.set()
@@ -144,16 +146,20 @@ class Engine:
         self, request_id: str, token_ids: list[int], sampling: SamplingParams
     ) -> list[int] | None:
         """Reserve pages for a prompt whose KV a peer will write; None when full."""
+        matcher = await self._matcher(sampling)
         async with self._lock:
-            return self._require().reserve(request_id, list(token_ids), sampling)
+            return self._require().reserve(
+                request_id, list(token_ids), sampling, False, matcher
+            )
 
     async def reserve_reusing_prefix(
         self, request_id: str, token_ids: list[int], sampling: SamplingParams
     ) -> tuple[list[int], int] | None:
         """As `reserve`, reusing this pool's cached prefix: (pages, n) where the first n
         pages already hold the prompt's KV, so a peer writes only pages[n:]."""
+        matcher = await self._matcher(sampling)
         async with self._lock:
-            return self._require().reserve(request_id, list(token_ids), sampling, True)
+            return self._require().reserve(request_id, list(token_ids), sampling, True, matcher)
 
     async def decode_imported(
         self, request_id: str, first_token_id: int
@@ -216,6 +222,14 @@ class Engine:
         if self.core is None:
             raise RuntimeError("engine is not started")
         return self.core
+
+    async def _matcher(self, sampling: SamplingParams) -> Any:
+        """The request's grammar matcher, compiled (or found in the cache) off the event
+        loop and outside the engine's lock; None without a grammar. ValueError
+        (GrammarError) when the grammar does not compile."""
+        if not sampling.grammar:
+            return None
+        return await self._require().grammars.matcher_async(sampling.grammar)
 
     def _open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
         if request_id in self._streams:

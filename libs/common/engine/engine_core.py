@@ -27,10 +27,12 @@ from libs.common.engine.core.stop import StopChecker
 from libs.common.engine.load.source import load_model
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.engine.model.attention import backend_class
+from libs.common.engine.model.grammar_mask import GrammarMasks
 from libs.common.engine.model.kv_cache import KVCache
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.model.runner import ModelRunner
 from libs.common.engine.model.sampler import SamplingRow
+from libs.common.grammar.compiler import GrammarCompiler
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +43,8 @@ class _Request:
     seed: int
     stop: StopChecker
     penalized: bool
-    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    matcher: Any = None  # an llguidance matcher when the request has a grammar
+    grammar_done: bool = False  # the matcher is complete (or refused a token): stop
 
 
 class EngineCore:
@@ -105,6 +108,8 @@ class EngineCore:
             eos_token_ids=c.eos_token_ids,
         )
         self._requests: dict[str, _Request] = {}
+        self._grammars: GrammarCompiler | None = None
+        self._masks: GrammarMasks | None = None
         log.info(
             "engine.ready",
             model_id=model.model_id,
@@ -123,26 +128,32 @@ class EngineCore:
         *,
         prefill_only: bool = False,
         keep_pages: bool = False,
+        matcher: Any = None,
     ) -> None:
-        """Queue a request. ValueError for a duplicate id, empty or oversized prompt."""
+        """Queue a request. ValueError for a duplicate id, empty or oversized prompt, or a
+        grammar that does not compile. `matcher`: the grammar's, compiled already
+        (Engine compiles off the event loop), else it is compiled here."""
         self._check_ids(token_ids)
+        matcher = matcher or self._matcher_for(params)
         seq = Sequence(
             request_id, token_ids, params, prefill_only=prefill_only, keep_pages=keep_pages
         )
         self.scheduler.add(seq)
-        self._track(seq)
+        self._track(seq, matcher)
 
     def reserve(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
-        reuse_prefix: bool = False,
+        reuse_prefix: bool = False, matcher: Any = None,
     ):  # fmt: skip
         """Pages for the prompt's KV, to be filled by a peer; None when the pool is full.
-        With `reuse_prefix`, returns (pages, n): the first n pages are cached here already."""
+        With `reuse_prefix`, returns (pages, n): the first n pages are cached here already.
+        `matcher` as for `add`: it replays the first token when the KV arrives."""
         self._check_ids(token_ids)
+        matcher = matcher or self._matcher_for(params)
         seq = Sequence(request_id, token_ids, params)
         pages = self.scheduler.reserve(seq, reuse_prefix)
         if pages is not None:
-            self._track(seq)
+            self._track(seq, matcher)
         if reuse_prefix:
             return None if pages is None else (pages, seq.num_committed_pages)
         return pages
@@ -150,9 +161,12 @@ class EngineCore:
     def add_imported(self, request_id: str, first_token_id: int) -> RequestOutput:
         """The reserved request's prompt KV is in place: decode on from its first token.
 
-        Returns the output for the first token (finished when it already stops)."""
+        Returns the output for the first token (finished when it already stops). A grammar's
+        matcher replays that token: it was sampled under the same grammar, never twice."""
         self.scheduler.add_imported(request_id, first_token_id)
-        return self._output(self._requests[request_id], first_token_id, None)
+        req = self._requests[request_id]
+        self._advance_grammar(req, first_token_id)
+        return self._output(req, first_token_id, None)
 
     def abort(self, request_id: str, retire_pages: bool = False) -> RequestOutput | None:
         req = self._requests.pop(request_id, None)
@@ -178,6 +192,19 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """This engine's grammar compiler and cache (built on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("a grammar needs the model's tokenizer")
+            self._grammars = GrammarCompiler(
+                self.tokenizer.tokenizer.to_str(),
+                self.model.config.vocab_size,
+                tuple(self.model.config.eos_token_ids),
+            )
+        return self._grammars
+
     def take_events(self) -> list[CacheEvent]:
         events, self._events[:] = list(self._events), []
         return events
@@ -197,17 +224,22 @@ class EngineCore:
         if out.is_empty:
             return []
         sampling = [item for item in out.scheduled if item.sample]
-        rows = [self._row(self._requests[item.seq.request_id]) for item in sampling]
-        result = self.runner.run(out.scheduled, rows)
+        reqs = [self._requests[item.seq.request_id] for item in sampling]
+        rows = [self._row(req) for req in reqs]
+        allowed = None
+        if any(req.matcher is not None for req in reqs):
+            allowed = self._mask_maker().start([req.matcher for req in reqs])
+        result = self.runner.run(out.scheduled, rows, allowed)
         sampled = {
             item.seq.request_id: tok for item, tok in zip(sampling, result.token_ids, strict=True)
         }
         self.scheduler.postprocess(out, sampled)
         outputs = [self._progress(item.seq) for item in out.scheduled
                    if not item.sample and item.seq.prefill_only]  # fmt: skip
-        for item, lp in zip(sampling, result.logprobs, strict=True):
-            req = self._requests[item.seq.request_id]
-            outputs.append(self._output(req, sampled[item.seq.request_id], lp))
+        for req, lp in zip(reqs, result.logprobs, strict=True):
+            token = sampled[req.seq.request_id]
+            self._advance_grammar(req, token)
+            outputs.append(self._output(req, token, lp))
         return outputs
 
     def _progress(self, seq: Sequence) -> RequestOutput:
@@ -232,13 +264,34 @@ class EngineCore:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"token_ids must be in [0, {vocab})")
 
-    def _track(self, seq: Sequence) -> None:
+    def _track(self, seq: Sequence, matcher: Any) -> None:
         p = seq.sampling_params
         seed = p.seed if p.seed is not None else secrets.randbits(63)
         penalized = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) != (1, 0, 0)
         self._requests[seq.request_id] = _Request(
-            seq, seed, StopChecker(p, self.tokenizer), penalized
+            seq, seed, StopChecker(p, self.tokenizer), penalized, matcher
         )
+
+    def _matcher_for(self, params: SamplingParams) -> Any:
+        return self.grammars.matcher(params.grammar) if params.grammar else None
+
+    def _mask_maker(self) -> GrammarMasks:
+        if self._masks is None:
+            self._masks = GrammarMasks(self.model.config.vocab_size, self.config.num_threads)
+        return self._masks
+
+    def _advance_grammar(self, req: _Request, token: int) -> None:
+        """The grammar's matcher takes the sampled token; a complete grammar ends the
+        request ("stop"). A token it refuses (never sampled under its mask) ends it too."""
+        seq, matcher = req.seq, req.matcher
+        if matcher is None or seq.prefill_only:
+            return  # a prefill-only request samples one token: its matcher has no future
+        if not matcher.consume_token(token):
+            log.error("grammar.refused_token", request_id=seq.request_id, token=token,
+                      error=matcher.get_error())  # fmt: skip
+            req.grammar_done = True
+        elif matcher.is_stopped():
+            req.grammar_done = True
 
     def _row(self, req: _Request) -> SamplingRow:
         seq = req.seq
@@ -255,7 +308,9 @@ class EngineCore:
     def _output(self, req: _Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         seq = req.seq
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        delta, hit = req.stop.step(token, reason)
+        by_grammar = req.grammar_done and reason is None
+        delta, hit = req.stop.step(token, reason, final=by_grammar)
+        hit = hit or by_grammar
         if hit and not seq.is_finished:
             self.scheduler.finish(seq.request_id, FinishReason.STOP)
             reason = FinishReason.STOP.value

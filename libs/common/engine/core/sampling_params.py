@@ -24,6 +24,8 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 4096
 MAX_STOP_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
+# A grammar (libs/common/grammar) travels in the generate request: bounded like the stops.
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 class SamplingError(ValueError):
@@ -120,6 +122,8 @@ def check_sampling(obj: Any) -> dict[str, Any]:
     out["stop_token_ids"] = check_token_ids("stop_token_ids", obj.stop_token_ids)
     if not isinstance(obj.ignore_eos, bool):
         raise SamplingError("ignore_eos", f"'ignore_eos' must be a boolean, got {obj.ignore_eos!r}")
+    if not isinstance(obj.grammar, str) or len(obj.grammar) > MAX_GRAMMAR_CHARS:
+        raise SamplingError("grammar", f"'grammar' must be a string, <= {MAX_GRAMMAR_CHARS} chars")
     return out
 
 
@@ -140,7 +144,9 @@ class SamplingParams:
       ignore_eos, or when the text ends with one of `stop` (strings, checked by
       the detokenizing side, not the scheduler);
     - logprobs: None for none, n >= 0 for the sampled token's logprob plus the
-      top n alternatives.
+      top n alternatives (of the constrained distribution when there is a grammar);
+    - grammar: "" for none, else a grammar in llguidance's format (libs/common/grammar)
+      that every sampled token must follow; generation stops when it is complete.
 
     `n` is deliberately absent: the router fans a request with n > 1 out into
     n engine requests. A bad value raises ValueError naming the field.
@@ -159,6 +165,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         # frozen: normalized values go in through object.__setattr__.

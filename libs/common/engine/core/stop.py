@@ -20,7 +20,9 @@ class StopChecker:
     when a stop string appeared. The text ends just before the first stop
     string; text that could still be the start of one is held back until it
     can't, so a stream never shows part of a stop string. A stop token's own
-    text (e.g. <|im_end|>) is not part of the output.
+    text (e.g. <|im_end|>) is not part of the output. `final` says the request
+    ends on this token although it is text (a grammar just completed): it is
+    kept and everything held back goes out.
     """
 
     def __init__(self, params: SamplingParams, tokenizer: TextTokenizer | None) -> None:
@@ -30,12 +32,14 @@ class StopChecker:
         self._sent = 0
         self.text = ""
 
-    def step(self, token_id: int, finish_reason: str | None) -> tuple[str, bool]:
+    def step(
+        self, token_id: int, finish_reason: str | None, final: bool = False
+    ) -> tuple[str, bool]:
         if self._detok is None:
             return "", False
         if finish_reason != "stop":
             self._detok.push([token_id])
-        if finish_reason is not None:
+        if finish_reason is not None or final:
             self._detok.flush()
         full = self._detok.text
         hit = False
@@ -44,7 +48,7 @@ class StopChecker:
             found = [i for s in self._stops if (i := full.find(s, start)) >= 0]
             if found:
                 full, hit = full[: min(found)], True
-        done = hit or finish_reason is not None
+        done = hit or finish_reason is not None or final
         end = len(full) if done else max(self._sent, len(full) - self._hold)
         delta = full[self._sent : end]
         self._sent = end

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import torch
 
 from libs.common.engine.core.scheduler import ScheduledSeq
@@ -16,7 +18,9 @@ class ModelRunner:
     Contract: `run(items, rows)` computes every item's chunk (writing its KV
     into the item's pages) and samples one token for each item whose chunk
     ends its known tokens (`item.sample`); `rows` holds the SamplingRow of
-    those items in order. Returns the sampler's output for them, in order.
+    those items in order; `allowed`, when given, resolves to their grammar masks
+    (GrammarMasks.start, computed while the forward pass runs). Returns the sampler's
+    output for them, in order.
     """
 
     def __init__(self, model: LlamaModel, attention: AttentionBackend) -> None:
@@ -52,9 +56,15 @@ class ModelRunner:
         return hidden.index_select(0, torch.tensor(last_rows, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
-    def run(self, items: list[ScheduledSeq], rows: list[SamplingRow]) -> SamplerOutput:
+    def run(
+        self,
+        items: list[ScheduledSeq],
+        rows: list[SamplingRow],
+        allowed: concurrent.futures.Future[torch.Tensor | None] | None = None,
+    ) -> SamplerOutput:
         hidden = self.forward(items)
         if not rows:
             return SamplerOutput([], [])
         logits = self.model.logits(hidden)
-        return self.sampler(logits.cpu(), rows)
+        mask = allowed.result() if allowed is not None else None
+        return self.sampler(logits.cpu(), rows, mask)

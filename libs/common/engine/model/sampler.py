@@ -1,6 +1,6 @@
 """Batched, vectorized token sampling over one step's logits.
 
-Per row: penalties -> (logprobs) -> greedy argmax, or temperature -> top-k ->
+Per row: penalties -> grammar mask -> (logprobs) -> greedy argmax, or temperature -> top-k ->
 top-p -> min-p -> a draw. The draw is Gumbel-max style: argmax(p / E) with E
 ~ Exp(1) drawn from a generator seeded by (request seed, output index), so a
 seeded request samples the same tokens whatever else is in the batch, after a
@@ -46,16 +46,21 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row; see the module docstring for the order of steps.
 
-    Logprobs are those of the model's distribution after penalties and before
-    temperature and filtering (what vLLM reports by default).
+    Logprobs are those of the model's distribution after penalties and the grammar mask,
+    before temperature and filtering (what vLLM reports by default). `allowed` ([rows,
+    vocab] bool, from GrammarMasks) leaves only a grammar's tokens to every sampling mode.
     """
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], allowed: torch.Tensor | None = None
+    ) -> SamplerOutput:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         logits = logits.float()
         if any(_has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits.clone(), rows)
+        if allowed is not None:
+            logits = _apply_mask(logits, allowed)
         want_lp = [r.params.logprobs is not None for r in rows]
         logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         tokens = torch.argmax(logits, dim=-1)
@@ -75,6 +80,16 @@ class Sampler:
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens to -inf (columns past the mask's width too). A row that allows
+    nothing (a grammar in error) keeps its logits: the engine ends that request."""
+    width = min(allowed.shape[1], logits.shape[1])
+    keep = torch.zeros(logits.shape, dtype=torch.bool)
+    keep[:, :width] = allowed[:, :width]
+    keep |= ~keep.any(dim=1, keepdim=True)
+    return logits.masked_fill(~keep, _MASK)
 
 
 def _counts(ids: list[list[int]], vocab: int) -> torch.Tensor:
@@ -138,8 +153,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 def _token_logprobs(lp: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
+    """The alternatives are the top n that can be sampled: a grammar may allow fewer."""
     top: list[tuple[int, float]] = []
     if n:
         vals, ids = torch.topk(lp, n)
-        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+        top = [(i, v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True) if v > _MASK]
     return TokenLogprobs(token_id, float(lp[token_id]), top)
