@@ -92,6 +92,8 @@ _NEUTRAL = {
 # aliases and defaults of their own, set per endpoint below).
 _SAMPLING_KEYS = (*(k for k in BOUNDS if k not in ("max_tokens", "logprobs")), "ignore_eos")
 ROLES = ("system", "user", "assistant", "developer", "tool")
+# Tool fields a message keeps for the chat template: an assistant's calls, a tool's answer.
+_TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 
 @dataclass
@@ -102,7 +104,7 @@ class ApiRequest:
     endpoint: str  # "completions" or "chat"
     model: str
     prompts: list[str | list[int]] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -243,7 +245,7 @@ def _prompts(value: Any) -> list[str | list[int]]:
     )
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' must be a non-empty list", "messages")
     out = []
@@ -267,9 +269,11 @@ def _messages(value: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise bad_request(f"'{where}.content' must be a string or text parts", "messages")
-        out.append(
-            {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
-        )
+        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        for key in _TOOL_KEYS.get(m["role"], ()):  # checked with the tools (tools.py)
+            if m.get(key) is not None:
+                message[key] = m[key]
+        out.append(message)
     return out
 
 
