@@ -4,6 +4,8 @@ import os
 from dataclasses import dataclass, field
 
 from libs.common.config import CommonConfig, flag_name, require_positive, require_range
+from libs.common.engine.core.sampling_params import BOUNDS, SamplingError
+from libs.common.engine.load.generation_config import FIELDS as DEFAULT_FIELDS
 
 
 @dataclass
@@ -69,6 +71,23 @@ class RouterConfig(CommonConfig):
     kv_stream_max_mb: int = field(
         default=256, metadata={"help": "megabytes the KV events stream keeps"}
     )
+    # Defaults for sampling fields a request leaves out, over the model's own
+    # (services/router/defaults.py has the order). None: not given.
+    default_temperature: float | None = field(
+        default=None, metadata={"help": "temperature of requests that set none"}
+    )
+    default_top_p: float | None = field(
+        default=None, metadata={"help": "top_p of requests that set none"}
+    )
+    default_top_k: int | None = field(
+        default=None, metadata={"help": "top_k of requests that set none"}
+    )
+    default_min_p: float | None = field(
+        default=None, metadata={"help": "min_p of requests that set none"}
+    )
+    default_repetition_penalty: float | None = field(
+        default=None, metadata={"help": "repetition_penalty of requests that set none"}
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -95,7 +114,18 @@ class RouterConfig(CommonConfig):
             raise ValueError("--model: must not be empty")
         if self.api_keys_file and not os.path.isfile(self.api_keys_file):
             raise ValueError(f"--api-keys-file: no such file: {self.api_keys_file!r}")
+        for name, value in self.sampling_flags.items():
+            if value is not None:
+                try:
+                    BOUNDS[name].check(name, value)
+                except SamplingError as e:
+                    raise ValueError(f"{flag_name(f'default_{name}')}: {e}") from None
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def sampling_flags(self) -> dict[str, int | float | None]:
+        """The --default-* flags by sampling field name (None: not given)."""
+        return {name: getattr(self, f"default_{name}") for name in DEFAULT_FIELDS}

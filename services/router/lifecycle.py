@@ -54,7 +54,7 @@ async def serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     """The whole request; each step is one call, defined below in this order."""
     state = request.app[STATE]
     api = await parse(request, endpoint, state)
-    prompts = prepare(api, state.tokenizer, state.context_len())
+    prompts = prepare(api, state.tokenizer, state.context_len(), state.sampling_defaults)
     admit(state)
     state.pending += 1
     state.metrics.running.labels(state.metrics.model).inc()

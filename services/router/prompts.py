@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from libs.common.engine.core.sampling_params import SamplingError, SamplingParams
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
+from services.router.defaults import NO_DEFAULTS, SamplingDefaults
 from services.router.errors import bad_request
 from services.router.validation import ApiRequest
 
@@ -26,7 +27,12 @@ class Prompt:
     sampling: SamplingSpec
 
 
-def prepare(api: ApiRequest, tokenizer: TextTokenizer, max_model_len: int) -> list[Prompt]:
+def prepare(
+    api: ApiRequest,
+    tokenizer: TextTokenizer,
+    max_model_len: int,
+    defaults: SamplingDefaults = NO_DEFAULTS,
+) -> list[Prompt]:
     if api.endpoint == "chat":
         try:
             text = tokenizer.apply_chat_template(api.messages)
@@ -45,11 +51,13 @@ def prepare(api: ApiRequest, tokenizer: TextTokenizer, max_model_len: int) -> li
             ids, text = source, tokenizer.decode(source) if api.echo else ""
         if not ids:
             raise bad_request("the prompt is empty after tokenization", "prompt")
-        prompts.append(Prompt(ids, text, _sampling(api, len(ids), max_model_len)))
+        prompts.append(Prompt(ids, text, _sampling(api, len(ids), max_model_len, defaults)))
     return prompts
 
 
-def _sampling(api: ApiRequest, prompt_len: int, max_model_len: int) -> SamplingSpec:
+def _sampling(
+    api: ApiRequest, prompt_len: int, max_model_len: int, defaults: SamplingDefaults
+) -> SamplingSpec:
     param = "messages" if api.endpoint == "chat" else "prompt"
     if api.max_tokens is None:
         if prompt_len >= max_model_len:
@@ -68,7 +76,8 @@ def _sampling(api: ApiRequest, prompt_len: int, max_model_len: int) -> SamplingS
                 f"{max_tokens} for the completion). Shorten the prompt or max_tokens.",
                 param,
             )
-    values = {**api.sampling, "max_tokens": max_tokens, "logprobs": api.logprobs}
+    # The fields the request left out take the deployment's defaults (defaults.py).
+    values = {**defaults.fill(api.sampling), "max_tokens": max_tokens, "logprobs": api.logprobs}
     try:
         # Normalized as the engine will see them (top_k -1 -> 0, floats), checked again
         # against the bounds the API validation used.

@@ -22,6 +22,7 @@ from libs.common.messages.control import LoadReport, MessageError
 from libs.common.service import BaseService
 from services.router.app import build_app
 from services.router.config import RouterConfig
+from services.router.defaults import load_defaults
 from services.router.dispatch import Dispatcher
 from services.router.kv_feed import KvFeed
 from services.router.kv_index import KvIndex
@@ -62,6 +63,7 @@ class RouterService(BaseService):
         cfg = self.config
         loop = asyncio.get_running_loop()
         tokenizer, model_id, max_len = await loop.run_in_executor(None, load_tokenizer, cfg.model)
+        defaults = await loop.run_in_executor(None, load_defaults, cfg.model, cfg.sampling_flags)
         workers = WorkerTable(cfg.worker_timeout)
         index = KvIndex(cfg.kv_index_max_keys)
         metrics = RouterMetrics(cfg.model_name)
@@ -94,6 +96,7 @@ class RouterService(BaseService):
             ),
             metrics=metrics,
             api_keys=_api_keys(cfg),
+            sampling_defaults=defaults,
         )
         # The grammar cache's tokenizer (~0.2 s to build) is made before the first request.
         await loop.run_in_executor(None, lambda: self.state.grammars)

@@ -13,6 +13,7 @@ from libs.common.bus.connection import Bus
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.grammar.compiler import GrammarCompiler
 from services.router.config import RouterConfig
+from services.router.defaults import SamplingDefaults
 from services.router.dispatch import Dispatcher
 from services.router.kv_index import KvIndex
 from services.router.metrics import RouterMetrics
@@ -35,6 +36,7 @@ class RouterState:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     api_keys: frozenset[str] = frozenset()
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     pending: int = 0
     replayed: Callable[[], bool] = lambda: False  # the KV index has read the stream

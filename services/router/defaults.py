@@ -1,0 +1,73 @@
+"""Sampling defaults: the value a field gets when a request leaves it out.
+
+For each field, the first that sets it wins:
+
+  1. the request itself (never overridden; prompts.py fills only what it left out)
+  2. the operator's --default-* flag (an explicit choice for this deployment)
+  3. the model's own recommendation (an HF folder's generation_config.json, a GGUF's
+     general.sampling.* metadata, or the default model's card: engine/load/generation_config.py)
+  4. SamplingParams's own defaults (temperature 1, top_p 1, top_k 0, min_p 0, penalty 1)
+
+docs/api.md ("Defaults") says the same to clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.common.config import flag_name
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.load.generation_config import FIELDS, model_sampling_defaults
+from libs.common.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Values for the fields that have a default above SamplingParams's, and where each
+    came from (a flag name, a file, the default model's card)."""
+
+    values: dict[str, int | float] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def fill(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
+        """`sampling` (the fields a request set) with the defaults for those it did not."""
+        return {**self.values, **sampling}
+
+
+NO_DEFAULTS = SamplingDefaults()  # SamplingParams's own defaults only
+
+
+def merge_defaults(
+    model: Mapping[str, int | float], model_source: str, flags: Mapping[str, int | float | None]
+) -> SamplingDefaults:
+    """The flags (None: not given) over the model's defaults, which came from `model_source`."""
+    values: dict[str, int | float] = {}
+    sources: dict[str, str] = {}
+    for name in FIELDS:
+        if flags.get(name) is not None:
+            values[name], sources[name] = flags[name], flag_name(f"default_{name}")
+        elif model.get(name) is not None:
+            values[name], sources[name] = model[name], model_source
+    return SamplingDefaults(values, sources)
+
+
+def load_defaults(model: str, flags: Mapping[str, int | float | None]) -> SamplingDefaults:
+    """The defaults for `model` (a --model value) under `flags`, logged once with the source
+    of each field (reads the model's metadata: run it off the event loop)."""
+    stored, source = model_sampling_defaults(model)
+    defaults = merge_defaults(stored, source, flags)
+    engine = SamplingParams()
+    log.info(
+        "sampling defaults",
+        **{
+            name: f"{defaults.values[name]} ({defaults.sources[name]})"
+            if name in defaults.values
+            else f"{getattr(engine, name)} (engine default)"
+            for name in FIELDS
+        },
+    )
+    return defaults
