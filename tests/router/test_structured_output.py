@@ -1,0 +1,554 @@
+"""Constrained decoding end to end: response_format, regex, ebnf and tool calls through a
+real cluster (two prefill workers, one decode worker, the default model, nats-server).
+
+Every answer is sampled at temperature 1 with a seed, so only an enforced grammar makes
+it valid; every prompt is long (a ~300-token system prompt behind a per-request tag), so
+the router disaggregates it: the prefill worker samples the first token under the grammar
+and the decode worker goes on from it. Tests named `test_tools_*` need tool calls
+(services/router/tools.py); the others need only response_format, regex and ebnf.
+
+Slow (the workers load the model): marked `slow`. Requests within a test run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import re
+from typing import Any, Literal
+
+import aiohttp
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.router.conftest import router_port
+from tests.router.e2e_cluster import WORKER_ARGS, E2ECluster, metric, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+RULES = " ".join(
+    f"Rule {i}: answer with exactly the requested format and keep every value short."
+    for i in range(20)
+)
+_tags = itertools.count()
+
+
+def long_messages(ask: str) -> list[dict[str, str]]:
+    """A chat whose prompt is past the router's disaggregation threshold (128 tokens) and
+    shares no page with any other request's (the tag is in the first page)."""
+    return [
+        {"role": "system", "content": f"Session {next(_tags)}. {RULES}"},
+        {"role": "user", "content": ask},
+    ]
+
+
+def long_prompt(ask: str) -> str:
+    return f"Session {next(_tags)}. {RULES}\n{ask}\n"
+
+
+def schema_format(schema: dict[str, Any], name: str = "answer") -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+# -- a deterministic generator of JSON schemas whose every valid value is short ------------
+
+_WORDS = ("name", "city", "color", "score", "tags", "size", "owner", "kind", "level", "note")
+_PATTERNS = ("^[A-Z][a-z]{1,8}$", "^[0-9]{3}-[0-9]{4}$", "^(red|green|blue)$",
+             "^[a-z]{2,5}_[0-9]{1,3}$")  # fmt: skip
+
+
+def _value_schema(rng: random.Random, depth: int) -> dict[str, Any]:
+    kinds = ["string", "pattern", "enum", "integer", "number", "boolean", "array"]
+    if depth < 2:
+        kinds.append("object")
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "minLength": 1, "maxLength": rng.randint(4, 16)}
+    if kind == "pattern":
+        return {"type": "string", "pattern": rng.choice(_PATTERNS)}
+    if kind == "enum":
+        return {"enum": rng.sample(["alpha", "beta", "gamma", "delta", 1, 2, 3, True], 3)}
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 100)}
+    if kind == "number":
+        return {"type": "number", "minimum": -10.5, "maximum": rng.choice([0.5, 7, 99.25])}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "array":
+        low = rng.randint(0, 2)
+        items = _value_schema(rng, 2)  # scalars only: arrays stay short
+        return {"type": "array", "items": items, "minItems": low,
+                "maxItems": low + rng.randint(1, 2)}  # fmt: skip
+    return object_schema(rng, depth + 1)
+
+
+def object_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """An object schema: 2-4 properties, some required, no others allowed."""
+    names = rng.sample(_WORDS, rng.randint(2, 4 if depth == 0 else 3))
+    props = {n: _value_schema(rng, depth) for n in names}
+    required = sorted(rng.sample(names, rng.randint(1, len(names))))
+    return {"type": "object", "properties": props, "required": required,
+            "additionalProperties": False}  # fmt: skip
+
+
+def generated_schemas(count: int, seed: int = 2024) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [object_schema(rng) for _ in range(count)]
+
+
+def schema_errors(text: str | None, schema: dict[str, Any]) -> str:
+    """Why `text` is not a JSON value valid against `schema` ("" when it is)."""
+    try:
+        value = json.loads(text or "")
+    except ValueError as e:
+        return f"not JSON ({e}): {text!r}"
+    errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(value)]
+    return f"{errors} in {text!r}" if errors else ""
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.(com|org)$"},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 16},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1,
+                 "maxItems": 3},
+    },
+    "required": ["name", "age", "address", "tags"],
+    "additionalProperties": False,
+}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}
+            },
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+
+
+# -- the cluster ---------------------------------------------------------------------------
+
+
+class StructuredCluster(E2ECluster):
+    """E2ECluster with a decode KV pool that holds every concurrent answer of a test at once
+    (the default 128 MB is ~2,800 tokens of the default model; a test sends ~16 x 400)."""
+
+    DECODE_KV_MB = "512"
+
+    def start(self, timeout: float = 240.0) -> None:
+        for role, sid in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1")):
+            extra = ("--kv-cache-mb", self.DECODE_KV_MB) if role == "decode" else ()
+            self.cluster.start_one(role, "--service-id", sid, *WORKER_ARGS, *extra)
+            self.cluster.procs[sid] = self.cluster.procs.pop(role)
+        self.cluster.start_one("router", "--service-id", "router-e2e", "--port", "0",
+                               *self.router_args)  # fmt: skip
+        port = asyncio.run(router_port(self.nats_url, "router-e2e", timeout))
+        self.url = f"http://127.0.0.1:{port}"
+        procs = self.cluster.procs
+        asyncio.run(wait_healthy(self.url, {"prefill": 2, "decode": 1}, timeout, procs))
+
+
+@pytest.fixture(scope="module")
+def cluster(module_nats, tmp_path_factory):
+    c = StructuredCluster(module_nats.url, tmp_path_factory.mktemp("structured-logs"), [])
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+async def c(cluster):
+    """The official client, without its own retries (they would hide errors)."""
+    async with openai.AsyncOpenAI(
+        base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=240
+    ) as client:
+        yield client
+
+
+async def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http, http.post(f"{url}{path}", json=body) as r:
+        return r.status, await r.json()
+
+
+async def prefill_routes(url: str) -> float:
+    return await metric(url, "tandem:router_decisions_total", role="prefill")
+
+
+# -- response_format, regex, ebnf ----------------------------------------------------------
+
+
+async def test_a_long_constrained_prompt_is_prefilled_by_a_prefill_worker(cluster, c):
+    before = await prefill_routes(cluster.url)
+    r = await c.chat.completions.create(
+        model="default", messages=long_messages("Describe a person."), max_tokens=300,
+        temperature=1.0, seed=1, response_format=schema_format(PERSON),
+    )  # fmt: skip
+    assert r.usage.prompt_tokens > 256
+    assert await prefill_routes(cluster.url) - before == 1
+    assert not schema_errors(r.choices[0].message.content, PERSON)
+
+
+async def test_every_generated_schema_is_followed_and_ends_with_stop(cluster, c):
+    schemas = generated_schemas(16)
+
+    async def one(i: int, schema: dict[str, Any]) -> str:
+        try:
+            r = await c.chat.completions.create(
+                model="default", messages=long_messages("Fill in the record."), max_tokens=500,
+                temperature=1.0, seed=100 + i, response_format=schema_format(schema, f"s{i}"),
+            )  # fmt: skip
+        except openai.APIError as e:  # reported with the others, not instead of them
+            return f"schema {i}: {e!r}"
+        choice = r.choices[0]
+        why = schema_errors(choice.message.content, schema)
+        if choice.finish_reason != "stop":
+            why += f" finish_reason={choice.finish_reason}"
+        return f"schema {i} {json.dumps(schema)}: {why}" if why else ""
+
+    failures = await asyncio.gather(*(one(i, s) for i, s in enumerate(schemas)))
+    assert not [f for f in failures if f], "\n".join(f for f in failures if f)
+
+
+@pytest.mark.parametrize(
+    "pattern, ask",
+    [
+        ("[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", "Give a date."),
+        (r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", "Give a phone number."),
+        ("(yes|no)", "Is the sky green?"),
+        ("[a-z]{1,8}@[a-z]{1,8}\\.(com|org|net)", "Give an email address."),
+    ],
+)
+async def test_regex_output_fully_matches(cluster, c, pattern, ask):
+    async def one(seed: int) -> str:
+        r = await c.chat.completions.create(
+            model="default", messages=long_messages(ask), max_tokens=40, temperature=1.0,
+            seed=seed, extra_body={"regex": pattern},
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "stop"
+        return r.choices[0].message.content
+
+    outputs = await asyncio.gather(*(one(seed) for seed in range(3)))
+    assert all(re.fullmatch(pattern, text) for text in outputs), outputs
+
+
+async def test_regex_on_the_completions_endpoint_fully_matches(cluster, c):
+    pattern = "[0-9]{2}:[0-9]{2} (am|pm)"
+    r = await c.completions.create(model="default", prompt=long_prompt("What time is it?"),
+                                   max_tokens=20, temperature=1.0, seed=3,
+                                   extra_body={"regex": pattern})  # fmt: skip
+    assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
+    assert r.choices[0].finish_reason == "stop"
+
+
+async def test_json_object_gives_a_json_object(cluster, c):
+    async def one(seed: int) -> Any:
+        r = await c.chat.completions.create(
+            model="default", messages=long_messages("Give a tiny JSON object with one key."),
+            max_tokens=400, temperature=1.0, seed=seed,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+        return json.loads(r.choices[0].message.content)
+
+    values = await asyncio.gather(*(one(seed) for seed in range(3)))
+    assert all(isinstance(v, dict) for v in values), values
+
+
+@pytest.mark.parametrize(
+    "grammar, equivalent",
+    [
+        ('root ::= greeting " " name " " num\n'
+         'greeting ::= "hello" | "hi"\n'
+         'name ::= "alice" | "bob" | "carol"\n'
+         "num ::= [0-9] [0-9]?",
+         "(hello|hi) (alice|bob|carol) [0-9][0-9]?"),
+        ('root ::= "(" item ("," item)? ")"\nitem ::= [a-c] | "x" [0-9]',
+         r"\(([a-c]|x[0-9])(,([a-c]|x[0-9]))?\)"),
+        ('start: ANIMAL " says " SOUND\nANIMAL: "cat" | "dog"\nSOUND: "meow" | "woof"',
+         "(cat|dog) says (meow|woof)"),
+    ],
+    ids=["gbnf", "gbnf-nested", "lark"],
+)  # fmt: skip
+async def test_ebnf_output_follows_the_grammar(cluster, c, grammar, equivalent):
+    async def one(seed: int) -> str:
+        r = await c.chat.completions.create(
+            model="default", messages=long_messages("Say something."), max_tokens=30,
+            temperature=1.0, seed=seed, extra_body={"ebnf": grammar},
+        )  # fmt: skip
+        return r.choices[0].message.content
+
+    outputs = await asyncio.gather(*(one(seed) for seed in range(3)))
+    assert all(re.fullmatch(equivalent, text) for text in outputs), outputs
+
+
+async def test_streamed_deltas_concatenate_to_json_valid_against_the_schema(cluster, c):
+    stream = await c.chat.completions.create(
+        model="default", messages=long_messages("Describe a person."), max_tokens=300,
+        temperature=1.0, seed=11, response_format=schema_format(PERSON), stream=True,
+    )  # fmt: skip
+    pieces, finish = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop"
+    assert not schema_errors("".join(pieces), PERSON)
+
+
+async def test_every_one_of_n_choices_is_valid_against_the_schema(cluster, c):
+    r = await c.chat.completions.create(
+        model="default", messages=long_messages("Describe a person."), max_tokens=300,
+        temperature=1.0, seed=5, n=3, response_format=schema_format(PERSON),
+    )  # fmt: skip
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2]
+    errors = [schema_errors(ch.message.content, PERSON) for ch in r.choices]
+    assert not any(errors), errors
+    assert all(ch.finish_reason == "stop" for ch in r.choices)
+
+
+async def test_a_schema_that_cannot_finish_in_max_tokens_ends_with_length(cluster, c):
+    schema = {"type": "array", "items": {"type": "string", "minLength": 5, "maxLength": 10},
+              "minItems": 30}  # fmt: skip
+    r = await c.chat.completions.create(
+        model="default", messages=long_messages("List words."), max_tokens=8,
+        temperature=1.0, seed=2, response_format=schema_format(schema),
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.choices[0].message.content.startswith('["')
+
+
+async def test_a_constrained_request_on_a_cached_prefix_matches_the_cold_one(cluster, c):
+    kwargs = dict(model="default", messages=long_messages("Describe a person."),
+                  max_tokens=300, temperature=0, response_format=schema_format(PERSON))  # fmt: skip
+    cold = await c.chat.completions.create(**kwargs)
+    await asyncio.sleep(1.0)  # the holders' KV events reach the router
+    warm = await c.chat.completions.create(**kwargs)
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert not schema_errors(cold.choices[0].message.content, PERSON)
+
+
+_SCHEMA_FOO = {"response_format": schema_format({"type": "foo"})}
+_UNIQUE = {"response_format": schema_format({"type": "array", "uniqueItems": True})}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(
+    "extra, params",
+    [
+        (_SCHEMA_FOO, {"response_format"}),
+        (_UNIQUE, {"response_format"}),
+        ({"response_format": {"type": "xml"}}, {"response_format"}),
+        ({"response_format": {"type": "json_schema"}}, {"response_format"}),
+        ({"regex": "[a-"}, {"regex"}),
+        ({"regex": "(?=a)b"}, {"regex"}),
+        ({"ebnf": "root ::= ("}, {"ebnf"}),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, {"regex", "ebnf"}),
+        ({"response_format": {"type": "json_object"}, "regex": "a"},
+         {"response_format", "regex"}),
+    ],
+    ids=["invalid-type", "unsupported-keyword", "unknown-format", "no-json-schema",
+         "bad-regex", "lookaround", "bad-ebnf", "regex-and-ebnf", "json-and-regex"],
+)  # fmt: skip
+async def test_bad_grammar_input_is_a_400_naming_the_field(cluster, path, extra, params):
+    body: dict[str, Any] = {"model": "default", "max_tokens": 4, **extra}
+    if path == "/v1/completions":
+        body["prompt"] = "Hello"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hello"}]
+    status, reply = await post(cluster.url, path, body)
+    assert status == 400, reply
+    assert reply["error"]["param"] in params, reply
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(min_length=1, max_length=16)
+    zip: str = pydantic.Field(pattern="^[0-9]{5}$")
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(min_length=1, max_length=20)
+    age: int = pydantic.Field(ge=0, le=120)
+    role: Literal["admin", "user", "guest"]
+    address: Address
+
+
+async def test_openai_parse_with_a_pydantic_model_returns_the_parsed_object(cluster, c):
+    r = await c.chat.completions.parse(
+        model="default", messages=long_messages("Describe a user."), max_tokens=200,
+        temperature=1.0, seed=4, response_format=Person,
+    )  # fmt: skip
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Person) and 0 <= parsed.age <= 120
+    assert r.choices[0].finish_reason == "stop"
+
+
+# -- tool calls (services/router/tools.py) -------------------------------------------------
+
+
+def tool_call_errors(calls: list[Any]) -> list[str]:
+    """Why each of `calls` (name, arguments) is not a call of one of TOOLS."""
+    errors = []
+    for name, arguments in calls:
+        if name not in TOOLS:
+            errors.append(f"unknown function {name!r}")
+        elif why := schema_errors(arguments, TOOLS[name]):
+            errors.append(f"{name}: {why}")
+    return errors
+
+
+async def test_tools_required_gives_valid_tool_calls(cluster, c):
+    async def one(seed: int) -> list[str]:
+        r = await c.chat.completions.create(
+            model="default", messages=long_messages("What is the weather in Paris?"),
+            max_tokens=300, temperature=1.0, seed=seed, tools=[WEATHER, CLOCK],
+            tool_choice="required",
+        )  # fmt: skip
+        choice = r.choices[0]
+        calls = choice.message.tool_calls or []
+        errors = tool_call_errors([(t.function.name, t.function.arguments) for t in calls])
+        if (
+            not calls
+            or choice.finish_reason != "tool_calls"
+            or len({t.id for t in calls}) != len(calls)
+        ):
+            errors.append(f"finish={choice.finish_reason} calls={calls}")
+        return errors
+
+    errors = await asyncio.gather(*(one(seed) for seed in range(3)))
+    assert not any(errors), errors
+
+
+async def test_tools_required_without_parallel_calls_gives_exactly_one(cluster, c):
+    r = await c.chat.completions.create(
+        model="default", messages=long_messages("Weather in Rome and the time in Tokyo?"),
+        max_tokens=300, temperature=1.0, seed=8, tools=[WEATHER, CLOCK],
+        tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    calls = r.choices[0].message.tool_calls or []
+    assert len(calls) == 1, calls
+    assert not tool_call_errors([(calls[0].function.name, calls[0].function.arguments)])
+
+
+async def test_tools_named_choice_calls_that_function_with_valid_arguments(cluster, c):
+    r = await c.chat.completions.create(
+        model="default", messages=long_messages("What time is it in Japan?"), max_tokens=200,
+        temperature=1.0, seed=9, tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )  # fmt: skip
+    calls = r.choices[0].message.tool_calls or []
+    assert [t.function.name for t in calls] == ["get_time"], r.choices[0].message
+    assert not tool_call_errors([("get_time", calls[0].function.arguments)])
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+async def test_tools_choice_none_answers_in_text_without_tool_calls(cluster, c):
+    r = await c.chat.completions.create(
+        model="default", messages=long_messages("What is the weather in Paris?"),
+        max_tokens=16, temperature=1.0, seed=2, tools=[WEATHER], tool_choice="none",
+    )  # fmt: skip
+    assert not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_tools_streamed_tool_call_deltas_assemble_to_valid_calls(cluster, c):
+    stream = await c.chat.completions.create(
+        model="default", messages=long_messages("What is the weather in Oslo?"),
+        max_tokens=300, temperature=1.0, seed=12, tools=[WEATHER, CLOCK],
+        tool_choice="required", stream=True,
+    )  # fmt: skip
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += d.id or ""
+            if d.function:
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert calls and all(call["id"] for call in calls.values()), calls
+    assert not tool_call_errors([(x["name"], x["arguments"]) for x in calls.values()])
+
+
+async def test_tools_a_conversation_with_a_tool_result_is_accepted(cluster, c):
+    messages = [
+        *long_messages("What is the weather in Paris?"),
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]  # fmt: skip
+    r = await c.chat.completions.create(model="default", messages=messages, max_tokens=24,
+                                        temperature=1.0, seed=6, tools=[WEATHER],
+                                        tool_choice="auto")  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    calls = choice.message.tool_calls or []
+    assert not tool_call_errors([(t.function.name, t.function.arguments) for t in calls])
+
+
+@pytest.mark.parametrize(
+    "extra, params",
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         {"tool_choice"}),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, {"tool_choice"}),
+        ({"tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "foo"}}}], "tool_choice": "required"}, {"tools"}),
+        ({"tools": [WEATHER], "tool_choice": "required",
+          "response_format": schema_format(PERSON)}, {"response_format", "tools", "tool_choice"}),
+    ],
+    ids=["unknown-function", "unknown-choice", "bad-parameters", "tools-and-schema"],
+)  # fmt: skip
+async def test_tools_bad_input_is_a_400_naming_the_field(cluster, extra, params):
+    body = {"model": "default", "max_tokens": 4, **extra,
+            "messages": [{"role": "user", "content": "Hello"}]}  # fmt: skip
+    status, reply = await post(cluster.url, "/v1/chat/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["param"] in params, reply
