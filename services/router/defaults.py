@@ -5,7 +5,8 @@ For each field, the first that sets it wins:
   1. the request itself (never overridden; prompts.py fills only what it left out)
   2. the operator's --default-* flag (an explicit choice for this deployment)
   3. the model's own recommendation (an HF folder's generation_config.json, a GGUF's
-     general.sampling.* metadata, or the default model's card: engine/load/generation_config.py)
+     general.sampling.* metadata, or the default model's built-in ones:
+     libs/common/engine/load/generation_config.py)
   4. SamplingParams's own defaults (temperature 1, top_p 1, top_k 0, min_p 0, penalty 1)
 
 docs/api.md ("Defaults") says the same to clients.
@@ -28,7 +29,7 @@ log = get_logger(__name__)
 @dataclass(frozen=True)
 class SamplingDefaults:
     """Values for the fields that have a default above SamplingParams's, and where each
-    came from (a flag name, a file, the default model's card)."""
+    came from (a flag name, a file, the default model's built-in ones)."""
 
     values: dict[str, int | float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)

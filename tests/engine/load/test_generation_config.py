@@ -1,5 +1,5 @@
 """A model's sampling defaults: read from generation_config.json or GGUF metadata, checked
-against the API's bounds, the default model's card where its file has none."""
+against the API's bounds; the default model, whose file has none, gets built-in ones."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from libs.common.engine.load.generation_config import (
     DEFAULT_MODEL_SAMPLING,
+    DEFAULT_MODEL_SOURCE,
     model_sampling_defaults,
     read_generation_config,
 )
@@ -98,9 +99,9 @@ def test_a_bad_gguf_sampling_value_names_the_metadata_key(tmp_path):
         read_generation_config(path)
 
 
-def test_the_default_model_gets_its_cards_settings_and_a_folder_its_own(tmp_path):
+def test_the_default_model_gets_built_in_defaults_and_a_folder_its_own(tmp_path):
     assert model_sampling_defaults("default") == (
-        DEFAULT_MODEL_SAMPLING, "the default model's card",
+        DEFAULT_MODEL_SAMPLING, DEFAULT_MODEL_SOURCE,
     )  # fmt: skip
     folder = hf_folder(tmp_path, {"top_k": 5})
     assert model_sampling_defaults(folder) == ({"top_k": 5}, f"{folder}/generation_config.json")

@@ -6,9 +6,9 @@ checks requests against (engine.core.sampling_params, standard library only), so
 stops the process at start-up with the file and the key named, not each request later.
 
 The packaged default model (SmolLM2-135M-Instruct) has neither: its generation_config.json
-on Hugging Face holds token ids only. It gets the settings its model card generates with
-(`DEFAULT_MODEL_SAMPLING`); at temperature 1 this 135M model mostly answers nonsense
-(docs/api.md, "Defaults", has the measurement).
+on Hugging Face holds token ids only. It gets `DEFAULT_MODEL_SAMPLING` instead: at
+temperature 1 this 135M model mostly answers nonsense (docs/api.md, "Defaults", has the
+measurement behind each value).
 
 No torch (the router reads this): the standard library, gguf, and the model source.
 """
@@ -27,8 +27,15 @@ from libs.common.engine.load.source import resolve_model_path
 # The sampling fields a model may recommend (SamplingParams's names).
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
-# SmolLM2-135M-Instruct's model card samples with temperature 0.2 and top_p 0.9.
-DEFAULT_MODEL_SAMPLING: dict[str, int | float] = {"temperature": 0.2, "top_p": 0.9}
+# temperature and top_p: what SmolLM2-135M-Instruct's model card samples with; the
+# repetition penalty keeps it out of the loops it otherwise falls into, which run to the
+# context limit when a request sets no max_tokens (docs/api.md, "Defaults").
+DEFAULT_MODEL_SAMPLING: dict[str, int | float] = {
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+}
+DEFAULT_MODEL_SOURCE = "built-in defaults of the default model"
 
 _GGUF_KEYS = {
     gguf.Keys.General.SAMPLING_TEMP: "temperature",
@@ -63,7 +70,7 @@ def model_sampling_defaults(model: str) -> tuple[dict[str, int | float], str]:
     path = resolve_model_path(model)
     stored = read_generation_config(path)
     if model == "default" and not stored:
-        return dict(DEFAULT_MODEL_SAMPLING), "the default model's card"
+        return dict(DEFAULT_MODEL_SAMPLING), DEFAULT_MODEL_SOURCE
     if path.endswith(".gguf"):
         return stored, f"{pathlib.Path(path).name} general.sampling metadata"
     return stored, str(pathlib.Path(path) / "generation_config.json")
