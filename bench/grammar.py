@@ -4,14 +4,15 @@
 
 On the engine directly (EngineCore, the default model, no router), in one process:
 - decode cost per token at each stream count (1 and 32 by default): the same prompts,
-  greedy, `--new-tokens` each, once unconstrained and once under a JSON schema, the two
-  alternated `--rounds` times so that drifting noise hits both alike. The schema is an
+  greedy, `--new-tokens` each, unconstrained on one engine and under a JSON schema on a
+  second one, their steps alternated (one step of each in turn, the order flipping every
+  time) so that the machine's noise hits both alike; `--rounds` such runs. The schema is an
   array of at least 64 person objects (name, age, email, an address, tags): a typical
   object, repeated so that no stream can finish before `--new-tokens`, so both modes
   generate exactly the same number of tokens (unconstrained runs ignore EOS; constrained
   ones need not: EOS is masked until the array is complete). Only steps after every
   stream has its first token count (the decode phase); tok/s is their tokens over their
-  time, the median over rounds. `ratio` = constrained / unconstrained tok/s.
+  time, pooled over the rounds. `ratio` = constrained / unconstrained tok/s.
 - compile time of the person schema (libs/common/grammar/compiler.py): building a compiler
   (its tokenizer: once per process), the first compile on a fresh compiler, a cold compile
   (a schema not seen before, on a compiler that has compiled others) and the first mask of
@@ -99,51 +100,86 @@ def prompts(n: int, length: int, text_ids: list[int]) -> list[list[int]]:
     return [(text_ids + tail)[:length] for tail in tails]
 
 
-def run_once(core, batch: list[list[int]], params) -> dict[str, float]:
-    """One batch to the end; the decode phase's tokens and seconds."""
-    tag = time.perf_counter_ns()
-    for i, ids in enumerate(batch):
-        core.add(f"g{tag}-{i}", ids, params)
-    started: set[str] = set()
-    decode_tokens, decode_s, lengths = 0, 0.0, []
-    while core.has_work():
-        decoding = len(started) == len(batch)  # every stream has its first token
+class Side:
+    """One mode's batch on an engine of its own, advanced one step at a time, so that the
+    two modes' steps can alternate; counts the decode phase's tokens and seconds."""
+
+    def __init__(self, core, params) -> None:
+        self.core, self.params = core, params
+        self.runs: list[dict[str, float]] = []
+
+    def start(self, batch: list[list[int]], params=None) -> None:
+        tag = time.perf_counter_ns()
+        for i, ids in enumerate(batch):
+            self.core.add(f"g{tag}-{i}", ids, params or self.params)
+        self.streams, self.started = len(batch), set()
+        self.tokens, self.seconds, self.lengths = 0, 0.0, []
+        self.first, self.text = f"g{tag}-0", ""  # stream 0's text: shows what was generated
+
+    @property
+    def done(self) -> bool:
+        return not self.core.has_work()
+
+    def step(self) -> None:
+        if self.done:
+            return
+        decoding = len(self.started) == self.streams  # every stream has its first token
         start = time.perf_counter()
-        outputs = core.step()
+        outputs = self.core.step()
         took = time.perf_counter() - start
         if decoding:
-            decode_tokens += sum(len(o.token_ids) for o in outputs)
-            decode_s += took
-        started.update(o.request_id for o in outputs if o.token_ids)
-        lengths += [o.num_output_tokens for o in outputs if o.finished]
-    return {"decode_tokens": decode_tokens, "decode_s": decode_s,
-            "output_tokens": sum(lengths)}  # fmt: skip
+            self.tokens += sum(len(o.token_ids) for o in outputs)
+            self.seconds += took
+        self.started.update(o.request_id for o in outputs if o.token_ids)
+        self.lengths += [o.num_output_tokens for o in outputs if o.finished]
+        self.text += "".join(o.text for o in outputs if o.request_id == self.first)
+
+    def record(self) -> None:
+        self.runs.append({"decode_tokens": self.tokens, "decode_s": self.seconds,
+                          "output_tokens": sum(self.lengths), "text": self.text})  # fmt: skip
+
+
+def run_together(sides: list[Side], batch: list[list[int]], params=None) -> None:
+    """Every side's batch to the end, their steps alternated (the order flips each time:
+    a slow moment of the machine falls on both modes alike)."""
+    for side in sides:
+        side.start(batch, params)
+    flip = False
+    while not all(side.done for side in sides):
+        for side in reversed(sides) if flip else sides:
+            side.step()
+        flip = not flip
 
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, Any]:
-    rates = [r["decode_tokens"] / max(r["decode_s"], 1e-9) for r in runs]
-    tok_s = statistics.median(rates)
+    """Pooled over the rounds: all decode tokens over all their seconds."""
+    tokens = sum(r["decode_tokens"] for r in runs)
+    tok_s = tokens / max(sum(r["decode_s"] for r in runs), 1e-9)
     return {
         "tok_s": round(tok_s, 2),
         "per_token_ms": round(1e3 / tok_s, 3),
-        "tok_s_rounds": [round(x, 2) for x in rates],
+        "tok_s_rounds": [round(r["decode_tokens"] / max(r["decode_s"], 1e-9), 2) for r in runs],
         "output_tokens": runs[0]["output_tokens"],
         "decode_tokens": runs[0]["decode_tokens"],
+        "stream_0_text": runs[-1]["text"][:120],
     }
 
 
-def measure_decode(core, batch: list[list[int]], modes: dict[str, Any], rounds: int) -> dict:
-    """Each mode of `modes` (name -> SamplingParams) run `rounds` times, alternated."""
-    runs: dict[str, list] = {name: [] for name in modes}
-    for r in range(rounds):
-        order = list(modes) if r % 2 == 0 else list(reversed(modes))
-        for name in order:
-            runs[name].append(run_once(core, batch, modes[name]))
-    entry = {name: summarize(rs) for name, rs in runs.items()}
-    same = entry["constrained"]["decode_tokens"] == entry["unconstrained"]["decode_tokens"]
-    entry["same_token_counts"] = same
-    entry["ratio"] = round(entry["constrained"]["tok_s"] / entry["unconstrained"]["tok_s"], 3)
+def measure_decode(sides: dict[str, Side], batch: list[list[int]], rounds: int) -> dict:
+    """`rounds` runs of the batch in both modes at once, steps alternated."""
+    for side in sides.values():
+        side.runs.clear()
+    for _ in range(rounds):
+        run_together(list(sides.values()), batch)
+        for side in sides.values():
+            side.record()
+    entry = {name: summarize(side.runs) for name, side in sides.items()}
+    free, bound = entry["unconstrained"], entry["constrained"]
+    entry["same_token_counts"] = free["decode_tokens"] == bound["decode_tokens"]
+    entry["ratio"] = round(bound["tok_s"] / free["tok_s"], 3)
     entry["slowdown"] = round(1 - entry["ratio"], 3)
+    pairs = zip(bound["tok_s_rounds"], free["tok_s_rounds"], strict=True)
+    entry["ratio_rounds"] = [round(c / u, 3) for c, u in pairs]
     return entry
 
 
@@ -220,30 +256,30 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     most = max(streams)
     budget = most * (args.prompt_tokens + args.new_tokens + 16)
-    core = EngineCore(EngineConfig(model=args.model, num_threads=args.threads,
-                                   max_num_seqs=most,
-                                   max_num_batched_tokens=max(2048, most * args.prompt_tokens),
-                                   kv_cache_mb=max(256, budget * 47 // 1024 + 64),
-                                   enable_prefix_cache=False))  # fmt: skip
+    config = EngineConfig(model=args.model, num_threads=args.threads, max_num_seqs=most,
+                          max_num_batched_tokens=max(2048, most * args.prompt_tokens),
+                          kv_cache_mb=max(256, budget * 47 // 1024 + 64),
+                          enable_prefix_cache=False)  # fmt: skip
+    free, bound = EngineCore(config), EngineCore(config)  # one engine per mode
     grammar = build.json_schema(people_schema())
-    core.grammars.check(grammar)  # compiled once, before any timing
-    modes = {
-        "unconstrained": SamplingParams(max_tokens=args.new_tokens, temperature=0,
-                                        ignore_eos=True),
-        "constrained": SamplingParams(max_tokens=args.new_tokens, temperature=0,
-                                      grammar=grammar),
+    bound.grammars.check(grammar)  # compiled once, before any timing
+    sides = {
+        "unconstrained": Side(free, SamplingParams(max_tokens=args.new_tokens, temperature=0,
+                                                   ignore_eos=True)),
+        "constrained": Side(bound, SamplingParams(max_tokens=args.new_tokens, temperature=0,
+                                                  grammar=grammar)),
     }  # fmt: skip
-    text_ids = core.tokenizer.encode("A list of people as JSON, with their addresses:\n")
+    text_ids = free.tokenizer.encode("A list of people as JSON, with their addresses:\n")
     for n in streams:
         batch = prompts(n, args.prompt_tokens, text_ids)
-        for params in modes.values():  # warm-up: oneDNN builds kernels per shape
-            run_once(core, batch, dataclasses.replace(params, max_tokens=2))
+        for side in sides.values():  # warm-up: oneDNN builds kernels per shape
+            run_together([side], batch, dataclasses.replace(side.params, max_tokens=3))
         print(f"streams_{n}: {args.rounds} rounds of both modes ...", file=sys.stderr)
-        entry = measure_decode(core, batch, modes, args.rounds)
+        entry = measure_decode(sides, batch, args.rounds)
         report[f"streams_{n}"] = entry
         print(f"streams_{n}: {orjson.dumps(entry).decode()}", file=sys.stderr)
     print("compile ...", file=sys.stderr)
-    report["compile"] = measure_compile(core, args.compile_iters)
+    report["compile"] = measure_compile(bound, args.compile_iters)
     print(f"compile: {orjson.dumps(report['compile']).decode()}", file=sys.stderr)
     report["verdicts"] = {
         f"streams_{most}_at_most_10pct_slower": report[f"streams_{most}"]["slowdown"] <= 0.10

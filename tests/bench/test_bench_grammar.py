@@ -33,6 +33,7 @@ def test_both_modes_make_the_same_tokens_and_every_figure_is_reported(capsys) ->
             figures = entry[mode]
             assert figures["output_tokens"] == 4 * n and figures["decode_tokens"] == 3 * n
             assert figures["tok_s"] > 0 and len(figures["tok_s_rounds"]) == 2
+        assert entry["constrained"]["stream_0_text"].startswith('[{"')  # the schema held
     compile_ = report["compile"]
     assert compile_["cold_compile_ms"] > compile_["cache_hit_check_ms"] > 0
     for key in ("compiler_setup_ms", "first_compile_ms", "cold_first_mask_ms",
