@@ -1,11 +1,12 @@
 """Constrained decoding end to end: response_format, regex, ebnf and tool calls through a
 real cluster (two prefill workers, one decode worker, the default model, nats-server).
 
-Every answer is sampled at temperature 1 with a seed, so only an enforced grammar makes
-it valid; every prompt is long (a ~300-token system prompt behind a per-request tag), so
-the router disaggregates it: the prefill worker samples the first token under the grammar
-and the decode worker goes on from it. Tests named `test_tools_*` need tool calls
-(services/router/tools.py); the others need only response_format, regex and ebnf.
+Answers are sampled at temperature 1 with a seed (the cached-prefix test excepted: it is
+greedy), so only an enforced grammar makes them valid. Every prompt is long (a ~300-token
+system prompt behind a per-request tag), so the router disaggregates it: the prefill
+worker samples the first token under the grammar and the decode worker goes on from it.
+Tests named `test_tools_*` need tool calls (services/router/tools.py); the others need
+only response_format, regex and ebnf.
 
 Slow (the workers load the model): marked `slow`. Requests within a test run concurrently.
 """
@@ -282,13 +283,22 @@ async def test_regex_on_the_completions_endpoint_fully_matches(cluster, c):
     assert r.choices[0].finish_reason == "stop"
 
 
+async def test_a_schema_on_the_completions_endpoint_is_followed(cluster, c):
+    r = await c.completions.create(
+        model="default", prompt=long_prompt("A person as JSON:"), max_tokens=300,
+        temperature=1.0, seed=21, extra_body={"response_format": schema_format(PERSON)},
+    )  # fmt: skip
+    assert not schema_errors(r.choices[0].text, PERSON)
+    assert r.choices[0].finish_reason == "stop"
+
+
 async def test_json_object_answers_are_json_objects_or_a_prefix_cut_by_max_tokens(cluster, c):
     # Any object at all: nothing bounds its strings, so at temperature 1 about one answer in
     # eight runs on to max_tokens; those must still be the start of an object.
     async def one(seed: int) -> tuple[str, str]:
         r = await c.chat.completions.create(
             model="default", messages=long_messages("Give a tiny JSON object with one key."),
-            max_tokens=200, temperature=1.0, seed=seed,
+            max_tokens=120, temperature=1.0, seed=seed,
             response_format={"type": "json_object"},
         )  # fmt: skip
         return r.choices[0].finish_reason, r.choices[0].message.content
