@@ -96,10 +96,14 @@ class PrefillService(WorkerService):
             except TransferError as e:
                 raise HandlerError(502, f"KV transfer to {req.decode_worker} failed: {e}") from None
             finally:
-                self._active.pop(req.request_id, None)
                 self.queued_prompt_tokens -= len(req.token_ids)
-                if self.engine is not None:  # frees its pages; full ones stay cached
-                    await self.engine.abort(req.request_id)
+                try:
+                    if self.engine is not None:  # frees its pages; full ones stay cached
+                        await self.engine.abort(req.request_id)
+                finally:
+                    # Active until the reply goes: the abort waits for the engine's lock (a
+                    # step), and a status probe meanwhile must not call the request lost.
+                    self._active.pop(req.request_id, None)
 
     def _sender(self, req: PrefillRequest, remote: RegionDescriptor) -> KvSender:
         kv = self.engine.core.kv_cache
