@@ -1,0 +1,486 @@
+"""OpenAI tool calling: `tools`, `tool_choice`, `parallel_tool_calls` in; tool calls out.
+
+    req = parse_tools(body)                       # ToolRequest | None; 400s name the field
+    check_tool_messages(body["messages"])         # assistant tool_calls, tool_call_id
+    messages, kwargs = render_messages(messages, req, template_has_tools(template))
+    grammar = tool_grammar(req)                   # "required" / a named function only
+    check_tool_grammar(req, compiler)             # a schema that cannot be enforced: 400
+    content, calls = parse_tool_calls(text, req)  # or ToolCallStream(req).feed(delta)
+
+The model calls a tool in the Hermes format that Qwen's and Hermes's chat templates
+teach, one block per call, blocks separated by "\\n":
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Templates that render `tools` themselves get the OpenAI tool dicts as the `tools` keyword
+and the history as given, except that an assistant's `function.arguments` goes to the
+template parsed (a dict): Hugging Face templates apply `tojson` to it, which would
+quote a JSON string a second time.
+
+Fallback, for templates that do not mention `tools` (plain ChatML such as SmolLM2's):
+  - tools_prompt() goes before the content of the first message when it is a system
+    message, or becomes a new first system message (replacing the template's default one);
+  - an assistant's tool_calls become "<tool_call>\\n{json}\\n</tool_call>" blocks after its
+    content, in the exact format the model is asked to write;
+  - "tool" messages become "user" messages whose content is
+    "<tool_response>\\n...\\n</tool_response>"; consecutive ones merge into one user turn,
+    in call order. A user turn renders through every template (some refuse unknown roles)
+    and is where Qwen's own template puts tool responses; a model never trained on a
+    "tool" role reads a user turn sensibly.
+Template messages keep only string `role` and `content`. With no tools or tool_choice
+"none", no tools prompt is added; a history with tool calls still renders.
+
+Parsing takes a block as a call when its JSON is an object with a "name" among the tools
+and "arguments" an object; anything else stays in the content. With parallel_tool_calls
+false only the first call counts (later blocks stay content), and with tool_choice "none"
+nothing is parsed. Content is stripped of surrounding whitespace, streamed or not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any
+
+from libs.common.engine.core.sampling_params import MAX_GRAMMAR_CHARS
+from libs.common.grammar import build
+from libs.common.grammar.build import GrammarError
+from libs.common.grammar.compiler import GrammarCompiler
+from services.router.errors import bad_request
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CHOICES = ("none", "auto", "required")
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# A parameters schema must describe an object: a known JSON type other than it is refused
+# here; an unknown one is left to the compiler (check_tool_grammar).
+_NOT_OBJECT = ("string", "number", "integer", "boolean", "array", "null")
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+_JINJA_TAG = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.DOTALL)
+_ID_CHARS = string.ascii_letters + string.digits
+# OpenAI's deprecated fields, their neutral value (accepted) and what replaced them.
+_LEGACY = (("functions", [], "tools"), ("function_call", "none", "tool_choice"))
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str  # ^[a-zA-Z0-9_-]{1,64}$ as OpenAI requires
+    description: str
+    parameters: dict  # a JSON schema; {"type": "object", "properties": {}} when absent
+    strict: bool = False
+
+    def openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's request shape (what chat templates expect)."""
+        function = {"name": self.name, "description": self.description}
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: tuple[Tool, ...]
+    choice: str  # "none" | "auto" | "required" | "function"
+    function: str | None  # the forced function's name when choice == "function"
+    parallel: bool  # parallel_tool_calls (default True)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tools)
+
+
+@dataclass
+class ToolCall:
+    id: str  # "call_" + 24 random alphanumerics
+    name: str
+    arguments: str  # JSON text
+
+    def delta(self, index: int) -> dict[str, Any]:
+        """The call as one streaming `tool_calls` delta (also the non-streaming shape,
+        without `index`)."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": index, "id": self.id, "type": "function", "function": function}
+
+
+def new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+
+
+# --- the request ------------------------------------------------------------------------
+
+
+def parse_tools(body: dict) -> ToolRequest | None:
+    """The tool request in a chat body, or None when it asks for no tools; 400s name the
+    offending field."""
+    for legacy, neutral, instead in _LEGACY:
+        if body.get(legacy) not in (None, neutral):
+            raise bad_request(
+                f"'{legacy}' is deprecated and not supported; use '{instead}'", legacy
+            )
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    tools = _tools(body.get("tools"))
+    choice, function = _choice(body.get("tool_choice"), tools)
+    if not tools and choice in ("none", "auto"):
+        return None
+    return ToolRequest(tools, choice, function, parallel)
+
+
+def _tools(value: Any) -> tuple[Tool, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be a list", "tools")
+    tools: list[Tool] = []
+    for i, item in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(item, dict) or item.get("type") != "function":
+            raise bad_request(
+                f"'{where}' must be {{'type': 'function', 'function': {{...}}}}", "tools"
+            )
+        spec = item.get("function")
+        if not isinstance(spec, dict):
+            raise bad_request(f"'{where}.function' must be an object", "tools")
+        name = spec.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise bad_request(
+                f"'{where}.function.name' must be 1-64 of a-z, A-Z, 0-9, _ and -", "tools"
+            )
+        if any(t.name == name for t in tools):
+            raise bad_request(f"'{where}.function.name': {name!r} is given twice", "tools")
+        description = spec.get("description", "")
+        if not isinstance(description, str | None):
+            raise bad_request(f"'{where}.function.description' must be a string", "tools")
+        parameters = spec.get("parameters")
+        if parameters is None:
+            parameters = dict(_EMPTY_PARAMETERS)
+        if not isinstance(parameters, dict) or parameters.get("type") in _NOT_OBJECT:
+            raise bad_request(
+                f"'{where}.function.parameters' must be a JSON schema of an object", "tools"
+            )
+        strict = spec.get("strict", False)
+        if not isinstance(strict, bool | None):
+            raise bad_request(f"'{where}.function.strict' must be a boolean", "tools")
+        tools.append(Tool(name, description or "", parameters, bool(strict)))
+    return tuple(tools)
+
+
+def _choice(value: Any, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
+    param = "tool_choice"
+    if value is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(value, str) and value in CHOICES:
+        if value == "required" and not tools:
+            raise bad_request("'tool_choice' 'required' needs 'tools'", param)
+        return value, None
+    spec = value.get("function") if isinstance(value, dict) else None
+    name = spec.get("name") if isinstance(spec, dict) else None
+    if not isinstance(name, str) or value.get("type") != "function":
+        raise bad_request(
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}",
+            param,
+        )
+    if not any(t.name == name for t in tools):
+        raise bad_request(f"'tool_choice' names function {name!r}, which is not in 'tools'", param)
+    return "function", name
+
+
+def check_tool_messages(messages: list) -> None:
+    """The tool fields of a conversation: an assistant's `tool_calls` and a tool message's
+    `tool_call_id`; a 400 (param "messages") naming the message. Other fields are checked
+    elsewhere (validation.py); non-dict items are left to those checks."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        where = f"messages[{i}]"
+        if m.get("role") == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise bad_request(f"'{where}.tool_call_id' must be a string", "messages")
+        calls = m.get("tool_calls")
+        if m.get("role") != "assistant" or calls is None:
+            continue
+        if not isinstance(calls, list):
+            raise bad_request(f"'{where}.tool_calls' must be a list", "messages")
+        for j, call in enumerate(calls):
+            _check_call(call, f"{where}.tool_calls[{j}]")
+
+
+def _check_call(call: Any, where: str) -> None:
+    if not isinstance(call, dict) or not isinstance(call.get("id"), str):
+        raise bad_request(f"'{where}' must be an object with a string 'id'", "messages")
+    if call.get("type") != "function":
+        raise bad_request(f"'{where}.type' must be 'function'", "messages")
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"'{where}.function' must be an object with a string 'name'", "messages")
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str) or _json(arguments) is _INVALID:
+        raise bad_request(f"'{where}.function.arguments' must be a string of JSON", "messages")
+
+
+# --- the grammar ------------------------------------------------------------------------
+
+
+def tool_grammar(req: ToolRequest) -> str | None:
+    """A grammar (llguidance's format) that forces tool calls: any of the tools for
+    "required", the named one for "function"; None for "auto" and "none". One call, or
+    with parallel calls one or more separated by "\\n"."""
+    if req.choice == "required":
+        tools = req.tools
+    elif req.choice == "function":
+        tools = tuple(t for t in req.tools if t.name == req.function)
+    else:
+        return None
+    rules = ["start: call" + (' ("\\n" call)*' if req.parallel else "")]
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    for i, tool in enumerate(tools):
+        head = json.dumps(f'{OPEN}\n{{"name": "{tool.name}", "arguments": ')
+        rules.append(f"call_{i}: {head} args_{i} {json.dumps('}' + chr(10) + CLOSE)}")
+        rules.append(f"args_{i}: {build.json_rule(tool.parameters)}")
+    return build.lark("\n".join(rules) + "\n")
+
+
+def check_tool_grammar(req: ToolRequest, compiler: GrammarCompiler) -> None:
+    """Compile every tool's parameters schema and the forcing grammar (or find them
+    compiled); a 400 naming "tools" when one cannot be enforced. Blocking: from the event
+    loop, run it in an executor."""
+    try:
+        for i, tool in enumerate(req.tools):
+            try:
+                compiler.check(build.json_schema(tool.parameters, "tools"), "tools")
+            except GrammarError as e:
+                raise GrammarError("tools", f"'tools[{i}].function.parameters': {e}") from None
+        grammar = tool_grammar(req)
+        if grammar is not None:
+            if len(grammar) > MAX_GRAMMAR_CHARS:
+                raise GrammarError(
+                    "tools", f"'tools' is over {MAX_GRAMMAR_CHARS} characters as a grammar"
+                )
+            compiler.check(grammar, "tools")
+    except GrammarError as e:
+        message = str(e) if "'tools" in str(e) else f"'tools': {e}"
+        raise bad_request(message, "tools") from None
+
+
+# --- the prompt -------------------------------------------------------------------------
+
+
+def tools_prompt(req: ToolRequest) -> str:
+    """System-prompt text for templates that do not render tools: the tools as JSON, one a
+    line, and how to call them."""
+    lines = [
+        "You can call functions to help answer. These are available, one JSON object a line:",
+        "<tools>",
+        *(json.dumps(t.openai(), ensure_ascii=False) for t in req.tools),
+        "</tools>",
+        "To call a function, write its name and a JSON object of arguments that fits its "
+        "parameters, between tags, exactly like this:",
+        OPEN,
+        '{"name": "<function name>", "arguments": {"<parameter>": <value>}}',
+        CLOSE,
+    ]
+    if req.parallel:
+        lines.append("To call several functions, write one block for each, a line apart.")
+    else:
+        lines.append("Call at most one function in a reply.")
+    if req.choice == "required":
+        lines.append("You must call at least one function now.")
+    elif req.choice == "function":
+        lines.append(f"You must call the function {req.function!r} now.")
+    lines.append("The results come back between <tool_response> and </tool_response> tags.")
+    return "\n".join(lines)
+
+
+def template_has_tools(template: str | None) -> bool:
+    """Whether a Jinja chat template renders `tools` (mentions it inside a tag)."""
+    if not template:
+        return False
+    return any(re.search(r"\btools\b", tag) for tag in _JINJA_TAG.findall(template))
+
+
+def render_messages(
+    messages: list[dict], req: ToolRequest | None, template_has_tools: bool
+) -> tuple[list[dict], dict]:
+    """Messages ready for the chat template and its extra keyword arguments (see the module
+    docstring for the two ways)."""
+    offered = req is not None and req.choice != "none" and bool(req.tools)
+    if template_has_tools:
+        out = [_for_template(m) for m in messages]
+        return out, ({"tools": [t.openai() for t in req.tools]} if offered else {})
+    out: list[dict] = []
+    for m in messages:
+        content = m.get("content") or ""
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_responses"):
+                out[-1]["content"] += "\n" + block
+                continue
+            out.append({"role": "user", "content": block, "tool_responses": True})
+            continue
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            blocks = "\n".join(_call_text(c) for c in m["tool_calls"])
+            content = f"{content}\n{blocks}" if content else blocks
+        out.append({"role": m["role"], "content": content})
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
+    if offered:
+        prompt = tools_prompt(req)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{prompt}\n\n{out[0]['content']}" if out[0]["content"] else prompt
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, {}
+
+
+def _for_template(m: dict) -> dict:
+    """A message for a template that renders tools: string content, and each call's
+    arguments parsed (templates `tojson` them)."""
+    out = dict(m)
+    out["content"] = m.get("content") or ""
+    if m.get("tool_calls"):
+        out["tool_calls"] = [_parsed_arguments(c) for c in m["tool_calls"]]
+    return out
+
+
+def _parsed_arguments(call: dict) -> dict:
+    function = dict(call["function"])
+    arguments = _json(function["arguments"])
+    if arguments is not _INVALID:
+        function["arguments"] = arguments
+    return {**call, "function": function}
+
+
+def _call_text(call: dict) -> str:
+    """An assistant's past call in the format the model writes (compact JSON)."""
+    function = call["function"]
+    arguments = _json(function["arguments"])
+    if arguments is _INVALID:  # refused by check_tool_messages; kept as given otherwise
+        arguments = function["arguments"]
+    text = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+    return f"{OPEN}\n{text}\n{CLOSE}"
+
+
+# --- the output -------------------------------------------------------------------------
+
+
+def parse_tool_calls(text: str, req: ToolRequest) -> tuple[str, list[ToolCall]]:
+    """A finished output -> (the content outside the call blocks, stripped; the calls)."""
+    if req.choice == "none":
+        return text, []
+    calls: list[ToolCall] = []
+    content: list[str] = []
+    at = 0
+    for block in _BLOCK.finditer(text):
+        call = _call(block.group(1), req) if (req.parallel or not calls) else None
+        if call is None:
+            continue
+        content.append(text[at : block.start()])
+        at = block.end()
+        calls.append(call)
+    content.append(text[at:])
+    return "".join(content).strip(), calls
+
+
+def _call(inner: str, req: ToolRequest) -> ToolCall | None:
+    """The call a block's text makes, or None when it is not a call to one of the tools."""
+    value = _json(inner.strip())
+    if not isinstance(value, dict) or value.get("name") not in req.names:
+        return None
+    arguments = value.get("arguments")
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+_INVALID = object()
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _INVALID
+
+
+class ToolCallStream:
+    """Splits streamed output into content deltas and tool-call deltas as it arrives.
+
+    Text that might be the start of "<tool_call>" is held back, so a partial tag is never
+    sent as content; a block goes out as one tool-call delta, whole, when it closes.
+    Whitespace next to blocks is held too, so the content streamed adds up to what
+    parse_tool_calls returns for the same text.
+    """
+
+    def __init__(self, req: ToolRequest) -> None:
+        self.req = req
+        self._pending = ""  # held text: a possible tag start, or an open block's text
+        self._inside = False
+        self._space = ""  # whitespace not sent yet: it may turn out to be trailing
+        self._sent = False  # any content sent yet (leading whitespace is dropped)
+        self._calls = 0
+
+    @property
+    def called(self) -> bool:
+        return self._calls > 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """A new piece of output -> (content to send now, tool-call deltas)."""
+        if self.req.choice == "none":
+            return text, []
+        buf, content, deltas = self._pending + text, [], []
+        while True:
+            if not self._inside:
+                i = buf.find(OPEN)
+                if i < 0:
+                    keep = _tag_start(buf)
+                    content.append(self._content(buf[: len(buf) - keep]))
+                    self._pending = buf[len(buf) - keep :]
+                    break
+                content.append(self._content(buf[:i]))
+                buf, self._inside = buf[i + len(OPEN) :], True
+                continue
+            j = buf.find(CLOSE)
+            if j < 0:
+                self._pending = buf
+                break
+            call = _call(buf[:j], self.req) if (self.req.parallel or not self._calls) else None
+            if call is None:
+                content.append(self._content(OPEN + buf[: j + len(CLOSE)]))
+            else:
+                deltas.append(call.delta(self._calls))
+                self._calls += 1
+            buf, self._inside = buf[j + len(CLOSE) :], False
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The end of output: held text (an unterminated block, a partial tag) is content;
+        trailing whitespace is dropped."""
+        if self.req.choice == "none":
+            return "", []
+        held = (OPEN if self._inside else "") + self._pending
+        self._pending, self._inside = "", False
+        return self._content(held), []
+
+    def _content(self, text: str) -> str:
+        """Text outside blocks -> what to send now, holding trailing whitespace."""
+        text = self._space + text
+        if not self._sent:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._space = text[len(body) :]
+        self._sent = self._sent or bool(body)
+        return body
+
+
+def _tag_start(text: str) -> int:
+    """The length of the longest end of `text` that is a proper start of "<tool_call>"."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,461 @@
+"""Tool calling (services/router/tools.py): the request's 400s, the forcing grammar against
+the real default model's tokenizer, the fallback rendering through its ChatML template,
+and tool-call parsing, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jinja2
+import pytest
+
+from libs.common.engine.load.source import default_model_path, load_tokenizer
+from libs.common.grammar.compiler import GrammarCompiler
+from services.router import tools
+from services.router.errors import ApiError
+from services.router.tools import Tool, ToolCallStream, ToolRequest
+
+SMOL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
+TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+
+
+def _tool(name: str, parameters: dict | None = None, **extra) -> dict:
+    function = {"name": name, "description": f"{name} tool", **extra}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+TOOLS = [_tool("get_weather", WEATHER), _tool("get_time", TIME)]
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def _req(choice: str = "auto", function: str | None = None, parallel: bool = True) -> ToolRequest:
+    return ToolRequest(
+        (Tool("get_weather", "w", WEATHER), Tool("get_time", "t", TIME)), choice, function, parallel
+    )
+
+
+def _block(name: str, arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok, _, _ = load_tokenizer(default_model_path())
+    return tok
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(
+        tokenizer.tokenizer.to_str(), tokenizer.vocab_size, tokenizer.eos_token_ids
+    )
+
+
+def _refused(body: dict) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        tools.parse_tools(body)
+    assert e.value.status == 400
+    return e.value
+
+
+# --- parse_tools ------------------------------------------------------------------------
+
+
+def test_no_tools_and_no_choice_is_no_tool_request():
+    assert tools.parse_tools({}) is None
+    assert tools.parse_tools({"tools": [], "tool_choice": "none"}) is None
+
+
+def test_tools_without_a_choice_default_to_auto_and_parallel():
+    req = tools.parse_tools({"tools": TOOLS})
+    assert req is not None and req.choice == "auto" and req.parallel is True
+    assert [t.name for t in req.tools] == ["get_weather", "get_time"]
+    assert req.tools[0].parameters == WEATHER
+
+
+def test_a_tool_without_parameters_takes_any_object():
+    req = tools.parse_tools({"tools": [_tool("ping")]})
+    assert req.tools[0].parameters == {"type": "object", "properties": {}}
+
+
+def test_a_named_function_choice_is_kept_with_its_name():
+    body = {
+        "tools": TOOLS,
+        "tool_choice": _named("get_time"),
+        "parallel_tool_calls": False,
+    }
+    req = tools.parse_tools(body)
+    assert (req.choice, req.function, req.parallel) == ("function", "get_time", False)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": {"a": 1}}, "tools"),
+        ({"tools": [{"type": "code", "function": {"name": "a"}}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+        ({"tools": [_tool("bad name")]}, "tools"),
+        ({"tools": [_tool("x" * 65)]}, "tools"),
+        ({"tools": [_tool("a"), _tool("a")]}, "tools"),
+        ({"tools": [_tool("a", [1, 2])]}, "tools"),
+        ({"tools": [_tool("a", {"type": "string"})]}, "tools"),
+        ({"tools": [_tool("a", strict="yes")]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": _named("nope")}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": _named("get_time")}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"functions": [{"name": "a"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+    ],
+)  # fmt: skip
+def test_a_malformed_tool_field_is_400_naming_it(body, param):
+    error = _refused(body)
+    assert error.param == param
+
+
+def test_legacy_fields_point_to_their_replacements():
+    assert "tools" in _refused({"functions": [{"name": "a"}]}).message
+    assert "tool_choice" in _refused({"function_call": {"name": "a"}}).message
+
+
+# --- check_tool_messages ----------------------------------------------------------------
+
+
+def _call(arguments: str = '{"city": "Paris"}', **extra) -> dict:
+    function = {"name": "get_weather", "arguments": arguments}
+    return {"id": "call_1", "type": "function", "function": function, **extra}
+
+
+def test_a_well_formed_tool_history_passes():
+    tools.check_tool_messages(
+        [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [_call()]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": "", "tool_calls": {"id": "x"}},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]},
+        {"role": "assistant", "content": "", "tool_calls": [_call(type="code")]},
+        {"role": "assistant", "content": "", "tool_calls": [{**_call(), "function": "f"}]},
+        {"role": "assistant", "content": "", "tool_calls": [_call(arguments={"city": "P"})]},
+        {"role": "assistant", "content": "", "tool_calls": [_call(arguments="{not json")]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "tool", "content": "sunny", "tool_call_id": 7},
+    ],
+)
+def test_a_malformed_tool_message_is_400_naming_its_index(message):
+    with pytest.raises(ApiError) as e:
+        tools.check_tool_messages([{"role": "user", "content": "hi"}, message])
+    assert e.value.status == 400 and e.value.param == "messages"
+    assert "messages[1]" in e.value.message
+
+
+# --- tool_grammar -----------------------------------------------------------------------
+
+
+def _accepts(compiler, tokenizer, grammar: str, text: str) -> bool:
+    matcher = compiler.matcher(grammar)
+    ids = tokenizer.encode(text, add_special=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_auto_and_none_have_no_grammar():
+    assert tools.tool_grammar(_req("auto")) is None
+    assert tools.tool_grammar(_req("none")) is None
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize(("choice", "function"), [("required", None), ("function", "get_time")])
+def test_forcing_grammars_compile(choice, function, parallel, compiler):
+    compiler.check(tools.tool_grammar(_req(choice, function, parallel)), "tools")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        _block("get_weather", {"city": "Paris"}),
+        _block("get_weather", {"city": "Paris", "days": 3}),
+        _block("get_time", {"zone": "UTC"}),
+        _block("get_time", {"zone": "UTC"}) + "\n" + _block("get_weather", {"city": "Oslo"}),
+    ],
+)
+def test_required_grammar_accepts_calls_to_any_tool(text, compiler, tokenizer):
+    assert _accepts(compiler, tokenizer, tools.tool_grammar(_req("required")), text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        _block("get_weather", {"city": 7}),  # a type mismatch
+        _block("get_weather", {"days": 3}),  # a required argument missing
+        _block("get_news", {"city": "Paris"}),  # no such function
+        "Sure! " + _block("get_time", {"zone": "UTC"}),  # content first
+        '<tool_call>\n{"name": "get_time"}\n</tool_call>',  # no arguments
+    ],
+)
+def test_required_grammar_refuses_anything_but_valid_calls(text, compiler, tokenizer):
+    assert not _accepts(compiler, tokenizer, tools.tool_grammar(_req("required")), text)
+
+
+def test_a_named_function_grammar_refuses_the_other_tools(compiler, tokenizer):
+    grammar = tools.tool_grammar(_req("function", "get_time"))
+    assert _accepts(compiler, tokenizer, grammar, _block("get_time", {"zone": "CET"}))
+    assert not _accepts(compiler, tokenizer, grammar, _block("get_weather", {"city": "Rome"}))
+
+
+def test_without_parallel_calls_the_grammar_takes_exactly_one(compiler, tokenizer):
+    one = _block("get_time", {"zone": "UTC"})
+    serial = tools.tool_grammar(_req("required", parallel=False))
+    assert _accepts(compiler, tokenizer, serial, one)
+    assert not _accepts(compiler, tokenizer, serial, one + "\n" + one)
+
+
+def test_an_unenforceable_parameters_schema_is_400_naming_tools(compiler):
+    body = {"tools": [_tool("a", {"type": "foo"})], "tool_choice": "auto"}
+    req = tools.parse_tools(body)
+    with pytest.raises(ApiError) as e:
+        tools.check_tool_grammar(req, compiler)
+    assert e.value.status == 400 and e.value.param == "tools"
+    assert "tools[0]" in e.value.message
+
+
+def test_enforceable_tools_pass_the_grammar_check(compiler):
+    tools.check_tool_grammar(_req("required"), compiler)
+    tools.check_tool_grammar(_req("auto"), compiler)
+
+
+# --- prompt and rendering ---------------------------------------------------------------
+
+
+def _render(messages: list[dict]) -> str:
+    return jinja2.Template(SMOL_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+
+
+def test_template_has_tools_looks_inside_jinja_tags_only():
+    assert tools.template_has_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
+    assert not tools.template_has_tools(SMOL_TEMPLATE)
+    assert not tools.template_has_tools("I use tools {{ messages }}")
+    assert not tools.template_has_tools(None)
+
+
+def test_the_tools_prompt_lists_every_tool_and_the_call_format():
+    prompt = tools.tools_prompt(_req("required"))
+    assert "<tool_call>" in prompt and "</tool_call>" in prompt
+    for line in (json.dumps(t.openai()) for t in _req().tools):
+        assert line in prompt
+    assert "must call" in prompt
+
+
+def test_a_template_with_tools_gets_them_as_a_keyword_and_parsed_arguments():
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call()]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    out, kwargs = tools.render_messages(messages, _req(), True)
+    assert kwargs == {"tools": [t.openai() for t in _req().tools]}
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert out[1]["tool_calls"][0]["id"] == "call_1" and out[2] == messages[2]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+def test_the_fallback_prepends_the_tools_prompt_to_the_system_message():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    out, kwargs = tools.render_messages(messages, _req(), False)
+    assert kwargs == {} and len(out) == 2
+    assert out[0]["content"] == tools.tools_prompt(_req()) + "\n\nBe brief."
+
+
+def test_the_fallback_adds_a_system_message_when_there_is_none():
+    out, _ = tools.render_messages([{"role": "user", "content": "hi"}], _req(), False)
+    assert out[0] == {"role": "system", "content": tools.tools_prompt(_req())}
+    assert "SmolLM" not in _render(out)
+
+
+OSLO = '{"city": "Oslo"}'
+
+
+def test_the_fallback_renders_a_tool_history_as_chatml_text():
+    messages = [
+        {"role": "user", "content": "weather and time?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [_call(), _call(OSLO)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+        {"role": "assistant", "content": "Sunny in Paris, rain in Oslo."},
+    ]
+    out, kwargs = tools.render_messages(messages, None, False)
+    assert kwargs == {} and [m["role"] for m in out] == ["user", "assistant", "user", "assistant"]
+    assert all(set(m) == {"role", "content"} for m in out)
+    text = _render(out)
+    assert (
+        '<|im_start|>assistant\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Oslo"}}\n</tool_call><|im_end|>\n'
+    ) in text
+    assert (
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
+        "<tool_response>\nrain\n</tool_response><|im_end|>\n"
+    ) in text
+    assert "You can call functions" not in text  # no request: no tools prompt
+
+
+def test_tool_choice_none_adds_no_tools_prompt_either_way():
+    messages = [{"role": "user", "content": "hi"}]
+    assert tools.render_messages(messages, _req("none"), False) == (messages, {})
+    assert tools.render_messages(messages, _req("none"), True) == (messages, {})
+
+
+def test_a_past_call_renders_in_the_format_the_grammar_forces(compiler, tokenizer):
+    messages = [{"role": "assistant", "content": None, "tool_calls": [_call()]}]
+    out, _ = tools.render_messages(messages, None, False)
+    grammar = tools.tool_grammar(_req("required"))
+    assert _accepts(compiler, tokenizer, grammar, out[0]["content"])
+
+
+# --- parse_tool_calls -------------------------------------------------------------------
+
+
+def test_calls_are_parsed_out_and_the_content_kept():
+    text = "Let me look.\n" + _block("get_weather", {"city": "Paris"}) + "\n"
+    text += _block("get_time", {"zone": "CET"})
+    content, calls = tools.parse_tool_calls(text, _req())
+    assert content == "Let me look."
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_time", '{"zone": "CET"}'),
+    ]
+    assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", c.id) for c in calls)
+    assert calls[0].id != calls[1].id
+
+
+def test_arguments_are_reserialized_compactly_without_ascii_escapes():
+    text = '<tool_call>{"name":"get_weather","arguments":{ "city" :  "Zürich" }}</tool_call>'
+    _, calls = tools.parse_tool_calls(text, _req())
+    assert calls[0].arguments == '{"city": "Zürich"}'
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        "<tool_call>\n{not json}\n</tool_call>",
+        _block("get_news", {"q": "x"}),
+        _block("get_time", "UTC"),
+        '<tool_call>\n{"name": "get_time"}\n</tool_call>',
+        "<tool_call>\n" + json.dumps({"name": "get_time", "arguments": {}}),  # unterminated
+    ],
+)
+def test_a_block_that_is_not_a_call_stays_in_the_content(block):
+    content, calls = tools.parse_tool_calls("Hi. " + block, _req())
+    assert calls == [] and content == "Hi. " + block
+
+
+def test_without_parallel_calls_only_the_first_block_is_a_call():
+    one, two = _block("get_time", {"zone": "A"}), _block("get_time", {"zone": "B"})
+    content, calls = tools.parse_tool_calls(one + "\n" + two, _req(parallel=False))
+    assert len(calls) == 1 and calls[0].arguments == '{"zone": "A"}' and content == two
+
+
+def test_tool_choice_none_parses_nothing():
+    text = _block("get_time", {"zone": "A"})
+    assert tools.parse_tool_calls(text, _req("none")) == (text, [])
+
+
+# --- ToolCallStream ---------------------------------------------------------------------
+
+
+def _stream(pieces: list[str], req: ToolRequest | None = None) -> tuple[list[str], list[dict]]:
+    stream = ToolCallStream(req or _req())
+    sent, deltas = [], []
+    for piece in pieces:
+        content, new = stream.feed(piece)
+        sent.append(content)
+        deltas += new
+    content, new = stream.finish()
+    return [*sent, content], deltas
+
+
+STREAMED = [
+    "Let me look.\n"
+    + _block("get_weather", {"city": "Paris"})
+    + "\n"
+    + _block("get_time", {"zone": "CET"}),
+    "  <tool_call> x </tool_call> then " + _block("get_time", {"zone": "Z"}) + " done <tool_c",
+    "a < b <tool <tool_call" + "\n" + '{"name": "get_time", "arguments": {}}',
+    "no calls at all, just an answer with a <tag>.",
+]
+
+
+@pytest.mark.parametrize("text", STREAMED)
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_streamed_output_adds_up_to_the_parsed_output(text, size):
+    sent, deltas = _stream([text[i : i + size] for i in range(0, len(text), size)])
+    content, calls = tools.parse_tool_calls(text, _req())
+    assert "".join(sent) == content
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+        (c.name, c.arguments) for c in calls
+    ]
+
+
+def test_a_partial_tag_is_never_sent_as_content():
+    stream = ToolCallStream(_req())
+    assert stream.feed("Hi <tool") == ("Hi", [])
+    assert stream.feed("_ca") == ("", [])
+    content, deltas = stream.feed(
+        'll>\n{"name": "get_time", "arguments": {"zone": "A"}}\n</tool_call>'
+    )
+    assert content == "" and len(deltas) == 1 and stream.called
+
+
+def test_a_held_back_non_tag_goes_out_once_it_cannot_be_a_tag():
+    stream = ToolCallStream(_req())
+    assert stream.feed("x <to") == ("x", [])
+    assert stream.feed("p") == (" <top", [])
+
+
+def test_tool_call_deltas_have_openais_streaming_shape_and_count_up():
+    text = _block("get_time", {"zone": "A"}) + "\n" + _block("get_weather", {"city": "B"})
+    _, deltas = _stream([text])
+    assert [d["index"] for d in deltas] == [0, 1]
+    assert set(deltas[0]) == {"index", "id", "type", "function"}
+    assert deltas[0]["type"] == "function" and deltas[0]["id"].startswith("call_")
+    assert deltas[1]["function"] == {"name": "get_weather", "arguments": '{"city": "B"}'}
+
+
+def test_an_unterminated_block_is_flushed_as_content_at_the_finish():
+    stream = ToolCallStream(_req())
+    assert stream.feed('<tool_call>\n{"name": "get_time"') == ("", [])
+    assert stream.finish() == ('<tool_call>\n{"name": "get_time"', [])
+    assert not stream.called
+
+
+def test_a_stream_for_tool_choice_none_passes_text_through():
+    stream = ToolCallStream(_req("none"))
+    text = " " + _block("get_time", {"zone": "A"})
+    assert stream.feed(text) == (text, []) and stream.finish() == ("", [])
+    assert not stream.called
