@@ -29,8 +29,13 @@ Fallback, for templates that do not mention `tools` (plain ChatML such as SmolLM
     in call order. A user turn renders through every template (some refuse unknown roles)
     and is where Qwen's own template puts tool responses; a model never trained on a
     "tool" role reads a user turn sensibly.
-Template messages keep only string `role` and `content`. With no tools or tool_choice
-"none", no tools prompt is added; a history with tool calls still renders.
+  Fallback messages keep only `role` and string `content`.
+With no tools or tool_choice "none" neither way shows the tools (no `tools` keyword, no
+tools prompt); a history with tool calls still renders. Every template message's content
+is a string.
+
+A tool's `strict` is recorded but changes nothing: a forcing grammar always enforces the
+parameters schema, and "auto" output is parsed, never constrained.
 
 Parsing takes a block as a call when its JSON is an object with a "name" among the tools
 and "arguments" an object; anything else stays in the content. With parallel_tool_calls
@@ -314,21 +319,7 @@ def render_messages(
     if template_has_tools:
         out = [_for_template(m) for m in messages]
         return out, ({"tools": [t.openai() for t in req.tools]} if offered else {})
-    out: list[dict] = []
-    for m in messages:
-        content = m.get("content") or ""
-        if m["role"] == "tool":
-            block = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("tool_responses"):
-                out[-1]["content"] += "\n" + block
-                continue
-            out.append({"role": "user", "content": block, "tool_responses": True})
-            continue
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            blocks = "\n".join(_call_text(c) for c in m["tool_calls"])
-            content = f"{content}\n{blocks}" if content else blocks
-        out.append({"role": m["role"], "content": content})
-    out = [{"role": m["role"], "content": m["content"]} for m in out]
+    out = _as_text(messages)
     if offered:
         prompt = tools_prompt(req)
         if out and out[0]["role"] == "system":
@@ -336,6 +327,28 @@ def render_messages(
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, {}
+
+
+def _as_text(messages: list[dict]) -> list[dict]:
+    """The history for a template that knows nothing of tools: calls and responses as
+    tagged text, tool messages as user turns (consecutive ones merged)."""
+    out: list[dict] = []
+    previous = None
+    for m in messages:
+        content = m.get("content") or ""
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if previous == "tool":
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        else:
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                blocks = "\n".join(_call_text(c) for c in m["tool_calls"])
+                content = f"{content}\n{blocks}" if content else blocks
+            out.append({"role": m["role"], "content": content})
+        previous = m["role"]
+    return out
 
 
 def _for_template(m: dict) -> dict:

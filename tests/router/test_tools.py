@@ -459,3 +459,16 @@ def test_a_stream_for_tool_choice_none_passes_text_through():
     text = " " + _block("get_time", {"zone": "A"})
     assert stream.feed(text) == (text, []) and stream.finish() == ("", [])
     assert not stream.called
+
+
+@pytest.mark.parametrize("has_tools", [True, False])
+def test_rendering_leaves_the_callers_messages_unchanged(has_tools):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": None, "tool_calls": [_call()]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    before = json.dumps(messages)
+    out, _ = tools.render_messages(messages, _req(), has_tools)
+    assert json.dumps(messages) == before
+    assert all(isinstance(m["content"], str) for m in out)
