@@ -5,7 +5,7 @@
     messages, kwargs = render_messages(messages, req, template_has_tools(template))
     grammar = tool_grammar(req)                   # "required" / a named function only
     check_tool_grammar(req, compiler)             # a schema that cannot be enforced: 400
-    content, calls = parse_tool_calls(text, req)  # or ToolCallStream(req).feed(delta)
+    # the output: tool_calls.py (parse_tool_calls, ToolCallStream)
 
 The model calls a tool in the Hermes format that Qwen's and Hermes's chat templates
 teach, one block per call, blocks separated by "\\n":
@@ -37,18 +37,13 @@ is a string.
 A tool's `strict` is recorded but changes nothing: a forcing grammar always enforces the
 parameters schema, and "auto" output is parsed, never constrained.
 
-Parsing takes a block as a call when its JSON is an object with a "name" among the tools
-and "arguments" an object; anything else stays in the content. With parallel_tool_calls
-false only the first call counts (later blocks stay content), and with tool_choice "none"
-nothing is parsed. Content is stripped of surrounding whitespace, streamed or not.
+How the output is read back into calls: services/router/tool_calls.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
-import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,9 +60,7 @@ _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # A parameters schema must describe an object: a known JSON type other than it is refused
 # here; an unknown one is left to the compiler (check_tool_grammar).
 _NOT_OBJECT = ("string", "number", "integer", "boolean", "array", "null")
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 _JINJA_TAG = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.DOTALL)
-_ID_CHARS = string.ascii_letters + string.digits
 # OpenAI's deprecated fields, their neutral value (accepted) and what replaced them.
 _LEGACY = (("functions", [], "tools"), ("function_call", "none", "tool_choice"))
 
@@ -96,23 +89,6 @@ class ToolRequest:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(t.name for t in self.tools)
-
-
-@dataclass
-class ToolCall:
-    id: str  # "call_" + 24 random alphanumerics
-    name: str
-    arguments: str  # JSON text
-
-    def delta(self, index: int) -> dict[str, Any]:
-        """The call as one streaming `tool_calls` delta (also the non-streaming shape,
-        without `index`)."""
-        function = {"name": self.name, "arguments": self.arguments}
-        return {"index": index, "id": self.id, "type": "function", "function": function}
-
-
-def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
 
 
 # --- the request ------------------------------------------------------------------------
@@ -226,7 +202,7 @@ def _check_call(call: Any, where: str) -> None:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise bad_request(f"'{where}.function' must be an object with a string 'name'", "messages")
     arguments = function.get("arguments")
-    if not isinstance(arguments, str) or _json(arguments) is _INVALID:
+    if not isinstance(arguments, str) or parse_json(arguments) is INVALID:
         raise bad_request(f"'{where}.function.arguments' must be a string of JSON", "messages")
 
 
@@ -363,8 +339,8 @@ def _for_template(m: dict) -> dict:
 
 def _parsed_arguments(call: dict) -> dict:
     function = dict(call["function"])
-    arguments = _json(function["arguments"])
-    if arguments is not _INVALID:
+    arguments = parse_json(function["arguments"])
+    if arguments is not INVALID:
         function["arguments"] = arguments
     return {**call, "function": function}
 
@@ -372,128 +348,19 @@ def _parsed_arguments(call: dict) -> dict:
 def _call_text(call: dict) -> str:
     """An assistant's past call in the format the model writes (compact JSON)."""
     function = call["function"]
-    arguments = _json(function["arguments"])
-    if arguments is _INVALID:  # refused by check_tool_messages; kept as given otherwise
+    arguments = parse_json(function["arguments"])
+    if arguments is INVALID:  # refused by check_tool_messages; kept as given otherwise
         arguments = function["arguments"]
     text = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
     return f"{OPEN}\n{text}\n{CLOSE}"
 
 
-# --- the output -------------------------------------------------------------------------
+INVALID = object()  # what parse_json returns for text that is not JSON
 
 
-def parse_tool_calls(text: str, req: ToolRequest) -> tuple[str, list[ToolCall]]:
-    """A finished output -> (the content outside the call blocks, stripped; the calls)."""
-    if req.choice == "none":
-        return text, []
-    calls: list[ToolCall] = []
-    content: list[str] = []
-    at = 0
-    for block in _BLOCK.finditer(text):
-        call = _call(block.group(1), req) if (req.parallel or not calls) else None
-        if call is None:
-            continue
-        content.append(text[at : block.start()])
-        at = block.end()
-        calls.append(call)
-    content.append(text[at:])
-    return "".join(content).strip(), calls
-
-
-def _call(inner: str, req: ToolRequest) -> ToolCall | None:
-    """The call a block's text makes, or None when it is not a call to one of the tools."""
-    value = _json(inner.strip())
-    if not isinstance(value, dict) or value.get("name") not in req.names:
-        return None
-    arguments = value.get("arguments")
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-_INVALID = object()
-
-
-def _json(text: str) -> Any:
+def parse_json(text: str) -> Any:
+    """`text` as JSON, or INVALID."""
     try:
         return json.loads(text)
     except ValueError:
-        return _INVALID
-
-
-class ToolCallStream:
-    """Splits streamed output into content deltas and tool-call deltas as it arrives.
-
-    Text that might be the start of "<tool_call>" is held back, so a partial tag is never
-    sent as content; a block goes out as one tool-call delta, whole, when it closes.
-    Whitespace next to blocks is held too, so the content streamed adds up to what
-    parse_tool_calls returns for the same text.
-    """
-
-    def __init__(self, req: ToolRequest) -> None:
-        self.req = req
-        self._pending = ""  # held text: a possible tag start, or an open block's text
-        self._inside = False
-        self._space = ""  # whitespace not sent yet: it may turn out to be trailing
-        self._sent = False  # any content sent yet (leading whitespace is dropped)
-        self._calls = 0
-
-    @property
-    def called(self) -> bool:
-        return self._calls > 0
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        """A new piece of output -> (content to send now, tool-call deltas)."""
-        if self.req.choice == "none":
-            return text, []
-        buf, content, deltas = self._pending + text, [], []
-        while True:
-            if not self._inside:
-                i = buf.find(OPEN)
-                if i < 0:
-                    keep = _tag_start(buf)
-                    content.append(self._content(buf[: len(buf) - keep]))
-                    self._pending = buf[len(buf) - keep :]
-                    break
-                content.append(self._content(buf[:i]))
-                buf, self._inside = buf[i + len(OPEN) :], True
-                continue
-            j = buf.find(CLOSE)
-            if j < 0:
-                self._pending = buf
-                break
-            call = _call(buf[:j], self.req) if (self.req.parallel or not self._calls) else None
-            if call is None:
-                content.append(self._content(OPEN + buf[: j + len(CLOSE)]))
-            else:
-                deltas.append(call.delta(self._calls))
-                self._calls += 1
-            buf, self._inside = buf[j + len(CLOSE) :], False
-        return "".join(content), deltas
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """The end of output: held text (an unterminated block, a partial tag) is content;
-        trailing whitespace is dropped."""
-        if self.req.choice == "none":
-            return "", []
-        held = (OPEN if self._inside else "") + self._pending
-        self._pending, self._inside = "", False
-        return self._content(held), []
-
-    def _content(self, text: str) -> str:
-        """Text outside blocks -> what to send now, holding trailing whitespace."""
-        text = self._space + text
-        if not self._sent:
-            text = text.lstrip()
-        body = text.rstrip()
-        self._space = text[len(body) :]
-        self._sent = self._sent or bool(body)
-        return body
-
-
-def _tag_start(text: str) -> int:
-    """The length of the longest end of `text` that is a proper start of "<tool_call>"."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
+        return INVALID

@@ -14,7 +14,8 @@ from libs.common.engine.load.source import default_model_path, load_tokenizer
 from libs.common.grammar.compiler import GrammarCompiler
 from services.router import tools
 from services.router.errors import ApiError
-from services.router.tools import Tool, ToolCallStream, ToolRequest
+from services.router.tool_calls import ToolCallStream, parse_tool_calls
+from services.router.tools import Tool, ToolRequest
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -344,7 +345,7 @@ def test_a_past_call_renders_in_the_format_the_grammar_forces(compiler, tokenize
 def test_calls_are_parsed_out_and_the_content_kept():
     text = "Let me look.\n" + _block("get_weather", {"city": "Paris"}) + "\n"
     text += _block("get_time", {"zone": "CET"})
-    content, calls = tools.parse_tool_calls(text, _req())
+    content, calls = parse_tool_calls(text, _req())
     assert content == "Let me look."
     assert [(c.name, c.arguments) for c in calls] == [
         ("get_weather", '{"city": "Paris"}'),
@@ -356,7 +357,7 @@ def test_calls_are_parsed_out_and_the_content_kept():
 
 def test_arguments_are_reserialized_compactly_without_ascii_escapes():
     text = '<tool_call>{"name":"get_weather","arguments":{ "city" :  "Zürich" }}</tool_call>'
-    _, calls = tools.parse_tool_calls(text, _req())
+    _, calls = parse_tool_calls(text, _req())
     assert calls[0].arguments == '{"city": "Zürich"}'
 
 
@@ -371,19 +372,19 @@ def test_arguments_are_reserialized_compactly_without_ascii_escapes():
     ],
 )
 def test_a_block_that_is_not_a_call_stays_in_the_content(block):
-    content, calls = tools.parse_tool_calls("Hi. " + block, _req())
+    content, calls = parse_tool_calls("Hi. " + block, _req())
     assert calls == [] and content == "Hi. " + block
 
 
 def test_without_parallel_calls_only_the_first_block_is_a_call():
     one, two = _block("get_time", {"zone": "A"}), _block("get_time", {"zone": "B"})
-    content, calls = tools.parse_tool_calls(one + "\n" + two, _req(parallel=False))
+    content, calls = parse_tool_calls(one + "\n" + two, _req(parallel=False))
     assert len(calls) == 1 and calls[0].arguments == '{"zone": "A"}' and content == two
 
 
 def test_tool_choice_none_parses_nothing():
     text = _block("get_time", {"zone": "A"})
-    assert tools.parse_tool_calls(text, _req("none")) == (text, [])
+    assert parse_tool_calls(text, _req("none")) == (text, [])
 
 
 # --- ToolCallStream ---------------------------------------------------------------------
@@ -415,7 +416,7 @@ STREAMED = [
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
 def test_streamed_output_adds_up_to_the_parsed_output(text, size):
     sent, deltas = _stream([text[i : i + size] for i in range(0, len(text), size)])
-    content, calls = tools.parse_tool_calls(text, _req())
+    content, calls = parse_tool_calls(text, _req())
     assert "".join(sent) == content
     assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
         (c.name, c.arguments) for c in calls

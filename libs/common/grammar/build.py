@@ -71,6 +71,5 @@ def lark(text: str) -> str:
 
 def json_rule(schema: dict[str, Any]) -> str:
     """`schema` as an inline Lark rule body: `%json { ... }`, compact like json_schema()."""
-    body = dict(schema)
-    body.setdefault("x-guidance", {}).update(JSON_OPTIONS)
+    body = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_OPTIONS}}
     return "%json " + json.dumps(body, separators=(",", ":"))
