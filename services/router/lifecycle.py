@@ -32,11 +32,12 @@ from aiohttp import web
 from libs.common.log import get_logger
 from libs.common.messages.control import SamplingSpec, TokenChunk
 from services.router import openai_format as fmt
-from services.router import structured
+from services.router import structured, tools
 from services.router.errors import ApiError, bad_request, no_workers
 from services.router.prompts import Prompt, prepare
 from services.router.state import STATE, RouterState
 from services.router.streaming import DONE, SseStream, sse
+from services.router.tool_calls import ToolCallStream, parse_tool_calls
 from services.router.validation import ApiRequest, parse_request
 
 log = get_logger(__name__)
@@ -90,7 +91,11 @@ async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiR
             param="model",
             code="model_not_found",
         )
-    if api.grammar is not None:  # compiled off the loop, once per distinct grammar
+    # Grammars compile off the loop, once per distinct text; the tools' schemas compile
+    # even under "auto", so a schema that cannot be enforced is a 400 in every mode.
+    if api.tools is not None:
+        await asyncio.to_thread(tools.check_tool_grammar, api.tools, state.grammars)
+    if api.grammar is not None and api.grammar.param != "tools":
         await structured.check(api.grammar, state.grammars)
     return api
 
@@ -239,6 +244,9 @@ class Tally:
         n = len(prompts) * api.n
         self.choices = [fmt.Choice(i) for i in range(n)]
         self.offsets = [0] * n  # text offset per choice, for completions logprobs
+        # Tool calls are read out of each choice's text as it streams (tool_calls.py).
+        calls = api.tools is not None and api.tools.choice != "none"
+        self.tool_streams = [ToolCallStream(api.tools) for _ in range(n)] if calls else []
 
     def add(self, d: Delta) -> None:
         c = self.choices[d.index]
@@ -269,9 +277,17 @@ async def collect(tally: Tally, choices: list[Choice]) -> web.Response:
     api, prompts = tally.api, tally.prompts
     model, created = api.model, int(time.time())
     if api.endpoint == "chat":
-        out = [
-            fmt.chat_choice(c, tally.logprobs(c.index, c.logprobs, c.text)) for c in tally.choices
-        ]
+        out = []
+        for c in tally.choices:
+            lp = tally.logprobs(c.index, c.logprobs, c.text)
+            if not tally.tool_streams:
+                out.append(fmt.chat_choice(c, lp))
+                continue
+            content, calls = parse_tool_calls(c.text, api.tools)
+            if calls and c.finish_reason == "stop":
+                c.finish_reason = "tool_calls"
+            c.text = content
+            out.append(fmt.chat_choice(c, lp, [call.delta(i) for i, call in enumerate(calls)]))
         body = fmt.chat_body(tally.rid, created, model, out, tally.totals)
     else:
         out = []
@@ -330,9 +346,27 @@ def _events(d: Delta, tally: Tally, started: set[int]) -> list:
             tally.offsets[d.index] = len(echoed)
             events.append(fmt.completion_delta(d.index, echoed, None, None))
     lp = tally.logprobs(d.index, d.logprobs, d.text)
-    if chat:
+    if chat and tally.tool_streams:
+        events.append(_tool_delta(d, tally.tool_streams[d.index], lp))
+    elif chat:
         delta = {"content": d.text} if d.text or d.finish_reason is None else {}
         events.append(fmt.chat_delta(d.index, delta, lp, d.finish_reason))
     else:
         events.append(fmt.completion_delta(d.index, d.text, lp, d.finish_reason))
     return events
+
+
+def _tool_delta(d: Delta, calls: ToolCallStream, lp: Any) -> dict[str, Any]:
+    """A chat delta with tools: the text split into content and whole tool calls; the
+    finish reason is "tool_calls" when the choice called one and stopped by itself."""
+    content, deltas = calls.feed(d.text)
+    reason = d.finish_reason
+    if reason is not None:
+        rest, more = calls.finish()
+        content, deltas = content + rest, deltas + more
+        if calls.called and reason == "stop":
+            reason = "tool_calls"
+    delta: dict[str, Any] = {"content": content} if content else {}
+    if deltas:
+        delta["tool_calls"] = deltas
+    return fmt.chat_delta(d.index, delta, lp, reason)

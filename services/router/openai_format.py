@@ -102,10 +102,18 @@ def chat_body(
     return body
 
 
-def chat_choice(c: Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def chat_choice(
+    c: Choice, logprobs: dict[str, Any] | None, tool_calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A chat choice; with `tool_calls` (streaming-shaped, their `index` dropped here) the
+    message carries them, and its content is null when the model wrote nothing else."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = [{k: v for k, v in t.items() if k != "index"} for t in tool_calls]
+        message["content"] = c.text or None
     return {
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": c.finish_reason,
     }

@@ -40,6 +40,8 @@ _KINDS: dict[str, dict[str, Any]] = {
     "boolean": {"type": "boolean"},
     "string": {"type": "string"},
     "object": {"type": "object"},
+    "tools": {"type": "array", "items": {"type": "object"}},
+    "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
     "ids": {"type": "array", "items": _ID, "maxItems": MAX_STOP_IDS},
     "stop": {"oneOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP}]},
     "prompt": {
@@ -142,7 +144,12 @@ CHAT = _obj(
         "type": "array",
         "items": _obj(
             ["index", "message", "finish_reason"],
-            message=_obj(["role", "content"], role={"const": "assistant"}, content=_STR),
+            message=_obj(
+                ["role", "content"],
+                role={"const": "assistant"},
+                content={"type": ["string", "null"]},
+                tool_calls={"type": "array", "items": _obj(["id", "type", "function"])},
+            ),
             **_CHOICE_COMMON,
         ),
     },

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from libs.common.engine.core.sampling_params import SamplingError, SamplingParams
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
+from services.router import tools
 from services.router.defaults import NO_DEFAULTS, SamplingDefaults
 from services.router.errors import bad_request
 from services.router.validation import ApiRequest
@@ -35,7 +36,9 @@ def prepare(
 ) -> list[Prompt]:
     if api.endpoint == "chat":
         try:
-            text = tokenizer.apply_chat_template(api.messages)
+            has_tools = tools.template_has_tools(tokenizer.chat_template)
+            messages, extra = tools.render_messages(api.messages, api.tools, has_tools)
+            text = tokenizer.apply_chat_template(messages, **extra)
         except Exception as e:  # a template may raise anything; the client sees why
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         sources: list[str | list[int]] = [text]

@@ -39,8 +39,7 @@ def from_body(body: dict[str, Any]) -> Grammar | None:
     asked = [name for name in FIELDS if _asks(name, body.get(name))]
     if len(asked) > 1:
         raise bad_request(
-            f"one grammar per request: {' and '.join(repr(a) for a in asked)} both ask for "
-            "one",
+            f"one grammar per request: {' and '.join(repr(a) for a in asked)} both ask for one",
             asked[1],
         )
     if not asked:

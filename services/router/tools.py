@@ -55,6 +55,9 @@ from services.router.errors import bad_request
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
+# Forced parallel calls per answer, at most: a small model at temperature 1 would otherwise
+# go on calling until max_tokens (docs/structured_output.md).
+MAX_PARALLEL_CALLS = 8
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # A parameters schema must describe an object: a known JSON type other than it is refused
@@ -210,16 +213,17 @@ def _check_call(call: Any, where: str) -> None:
 
 
 def tool_grammar(req: ToolRequest) -> str | None:
-    """A grammar (llguidance's format) that forces tool calls: any of the tools for
-    "required", the named one for "function"; None for "auto" and "none". One call, or
-    with parallel calls one or more separated by "\\n"."""
+    """A grammar (llguidance's format) that forces tool calls: one call of the named
+    function for "function"; for "required" one call of any tool, or with parallel calls
+    1 to MAX_PARALLEL_CALLS separated by "\\n". None for "auto" and "none"."""
     if req.choice == "required":
         tools = req.tools
     elif req.choice == "function":
         tools = tuple(t for t in req.tools if t.name == req.function)
     else:
         return None
-    rules = ["start: call" + (' ("\\n" call)*' if req.parallel else "")]
+    more = req.parallel and req.choice == "required"
+    rules = ["start: call" + (f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if more else "")]
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     for i, tool in enumerate(tools):
         head = json.dumps(f'{OPEN}\n{{"name": "{tool.name}", "arguments": ')

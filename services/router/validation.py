@@ -21,9 +21,10 @@ from libs.common.engine.core.sampling_params import (
     check_stop,
     check_token_ids,
 )
-from services.router import structured
+from services.router import structured, tools
 from services.router.errors import bad_request
 from services.router.structured import Grammar
+from services.router.tools import ToolRequest
 
 
 @dataclass(frozen=True)
@@ -77,16 +78,22 @@ CHAT_SPECS = (
     _sampling_spec("max_completion_tokens", "max_tokens"),
     Spec("logprobs", "boolean", "return log probabilities of the output tokens"),
     _sampling_spec("top_logprobs", "logprobs", "alternatives per token"),
+    Spec("tools", "tools", "functions the model may call: [{type: function, function}]"),
+    Spec("tool_choice", "tool_choice", "none, auto, required or {type: function, function}"),
+    Spec("parallel_tool_calls", "boolean", "more than one call per answer (default true)"),
 )
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
 _NEUTRAL = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
+    "best_of": (None, 1),
+}
+# Tool calling is chat's: on /v1/completions these are refused the same way.
+_CHAT_ONLY = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "best_of": (None, 1),
 }
 # The sampling fields copied from the body as they are (max_tokens and logprobs have API
 # aliases and defaults of their own, set per endpoint below).
@@ -114,6 +121,7 @@ class ApiRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     user: str = ""
     grammar: Grammar | None = None  # what the output must follow (structured.py)
+    tools: ToolRequest | None = None  # chat's tools and tool_choice (tools.py)
 
 
 def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
@@ -125,6 +133,10 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
     for name, neutral in _NEUTRAL.items():
         if body.get(name) not in neutral:
             raise bad_request(f"'{name}' is not supported by this server", name)
+    if endpoint == "completions":
+        for name, neutral in _CHAT_ONLY.items():
+            if body.get(name) not in neutral:
+                raise bad_request(f"'{name}' is for /v1/chat/completions only", name)
     req = ApiRequest(endpoint=endpoint, model=v["model"])
     req.n = 1 if v["n"] is None else v["n"]
     if req.n > max_n:
@@ -142,6 +154,18 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
     sampling["stop"] = [v["stop"]] if isinstance(v["stop"], str) else list(v["stop"] or [])
     sampling["stop_token_ids"] = list(v["stop_token_ids"] or [])
     req.grammar = structured.from_body(body)
+    if endpoint == "chat":
+        req.tools = tools.parse_tools(body)
+        tools.check_tool_messages(body["messages"])
+        forced = tools.tool_grammar(req.tools) if req.tools is not None else None
+        if forced is not None and req.grammar is not None:
+            raise bad_request(
+                f"one grammar per request: 'tool_choice' forces tool calls and "
+                f"'{req.grammar.param}' asks for another grammar",
+                "tool_choice",
+            )
+        if forced is not None:
+            req.grammar = Grammar(forced, "tools")
     if req.grammar is not None:
         sampling["grammar"] = req.grammar.text
     req.sampling = sampling

@@ -93,9 +93,28 @@ def test_a_malformed_or_second_grammar_is_400_naming_the_field(extra, param):
     bad("chat", {**CHAT, **extra}, param)
 
 
-def test_tool_choice_other_than_none_is_refused_until_enforced():
-    err = bad("chat", {**CHAT, "tool_choice": "auto"}, "tool_choice")
-    assert "not supported" in err.message
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "functions", "function_call"])
+def test_tool_fields_on_completions_are_refused(field):
+    value = [TOOL] if field in ("tools", "functions") else "auto"
+    err = bad("completions", {**COMP, field: value}, field)
+    assert "chat" in err.message
+
+
+def test_forced_tool_calls_are_the_requests_grammar_and_auto_is_not():
+    forced = parse_request("chat", {**CHAT, "tools": [TOOL], "tool_choice": "required"}, 4)
+    assert forced.grammar is not None and forced.grammar.param == "tools"
+    assert forced.sampling["grammar"] == forced.grammar.text
+    auto = parse_request("chat", {**CHAT, "tools": [TOOL], "tool_choice": "auto"}, 4)
+    assert auto.tools is not None and auto.grammar is None and "grammar" not in auto.sampling
+
+
+def test_forced_tool_calls_and_a_response_format_are_400():
+    body = {**CHAT, "tools": [TOOL], "tool_choice": "required",
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    bad("chat", body, "tool_choice")
 
 
 def test_neutral_response_format_and_tool_choice_are_accepted():

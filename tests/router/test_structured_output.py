@@ -457,7 +457,7 @@ async def test_tools_required_gives_valid_tool_calls(cluster, c):
     async def one(seed: int) -> list[str]:
         r = await c.chat.completions.create(
             model="default", messages=long_messages("What is the weather in Paris?"),
-            max_tokens=300, temperature=1.0, seed=seed, tools=[WEATHER, CLOCK],
+            max_tokens=600, temperature=1.0, seed=seed, tools=[WEATHER, CLOCK],
             tool_choice="required",
         )  # fmt: skip
         choice = r.choices[0]

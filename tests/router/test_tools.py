@@ -237,6 +237,20 @@ def test_without_parallel_calls_the_grammar_takes_exactly_one(compiler, tokenize
     assert not _accepts(compiler, tokenizer, serial, one + "\n" + one)
 
 
+def test_forced_parallel_calls_are_bounded(compiler, tokenizer):
+    one = _block("get_time", {"zone": "UTC"})
+    grammar = tools.tool_grammar(_req("required"))
+    most = "\n".join([one] * tools.MAX_PARALLEL_CALLS)
+    assert _accepts(compiler, tokenizer, grammar, most)
+    assert not _accepts(compiler, tokenizer, grammar, most + "\n" + one)
+
+
+def test_a_named_function_is_called_once(compiler, tokenizer):
+    one = _block("get_time", {"zone": "UTC"})
+    grammar = tools.tool_grammar(_req("function", "get_time"))
+    assert not _accepts(compiler, tokenizer, grammar, one + "\n" + one)
+
+
 def test_an_unenforceable_parameters_schema_is_400_naming_tools(compiler):
     body = {"tools": [_tool("a", {"type": "foo"})], "tool_choice": "auto"}
     req = tools.parse_tools(body)
