@@ -74,6 +74,10 @@ def test_a_grammar_field_becomes_the_requests_grammar_on_both_endpoints(field, v
         assert req.sampling["grammar"] == req.grammar.text
 
 
+def _json_schema(spec: dict) -> dict:
+    return {"type": "json_schema", "json_schema": spec}
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -81,9 +85,9 @@ def test_a_grammar_field_becomes_the_requests_grammar_on_both_endpoints(field, v
         ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": 3}}}, "response_format"),
+        ({"response_format": _json_schema({"name": "a b"})}, "response_format"),
+        ({"response_format": _json_schema({"name": "a"})}, "response_format"),
+        ({"response_format": _json_schema({"name": "a", "schema": 3})}, "response_format"),
         ({"regex": ""}, "regex"),
         ({"regex": 5}, "regex"),
         ({"ebnf": " "}, "ebnf"),

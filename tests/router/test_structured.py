@@ -36,7 +36,7 @@ def _check(body: dict, compiler: GrammarCompiler) -> None:
     [
         (_schema({"type": "foo"}), "response_format"),
         (_schema({"type": "string", "format": "no-such-format"}), "response_format"),
-        (_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "response_format"),
+        (_schema({"properties": {"a": {"$ref": "#/nowhere"}}}), "response_format"),
         ({"regex": "[a-"}, "regex"),
         ({"regex": "(unclosed"}, "regex"),
         (_schema({"type": "array", "uniqueItems": True}), "response_format"),

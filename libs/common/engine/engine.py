@@ -148,9 +148,7 @@ class Engine:
         """Reserve pages for a prompt whose KV a peer will write; None when full."""
         matcher = await self._matcher(sampling)
         async with self._lock:
-            return self._require().reserve(
-                request_id, list(token_ids), sampling, False, matcher
-            )
+            return self._require().reserve(request_id, list(token_ids), sampling, False, matcher)
 
     async def reserve_reusing_prefix(
         self, request_id: str, token_ids: list[int], sampling: SamplingParams

@@ -49,9 +49,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.max_entries = max_entries
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
-        self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = (
-            collections.OrderedDict()
-        )
+        self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._inflight: dict[str, concurrent.futures.Future] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
