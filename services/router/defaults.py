@@ -2,7 +2,9 @@
 
 For each field, the first that sets it wins:
 
-  1. the request itself (never overridden; prompts.py fills only what it left out)
+  1. the request itself (never overridden; prompts.py fills only what it left out); a
+     request asking for greedy decoding gets no default penalty (its tokens stay the
+     model's argmax, equal to the reference)
   2. the operator's --default-* flag (an explicit choice for this deployment)
   3. the model's own recommendation (an HF folder's generation_config.json, a GGUF's
      general.sampling.* metadata, or the default model's built-in ones:
@@ -35,10 +37,16 @@ class SamplingDefaults:
     sources: dict[str, str] = field(default_factory=dict)
 
     def fill(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
-        """`sampling` (the fields a request set) with the defaults for those it did not."""
-        return {**self.values, **sampling}
+        """`sampling` (the fields a request set) with the defaults for those it did not.
+        A request that asks for greedy decoding (temperature 0 or top_k 1) gets exactly
+        that: a default penalty would change its tokens, so none is added."""
+        values = self.values
+        if sampling.get("temperature") == 0 or sampling.get("top_k") == 1:
+            values = {k: v for k, v in values.items() if k not in _PENALTIES}
+        return {**values, **sampling}
 
 
+_PENALTIES = ("repetition_penalty",)  # the defaults that change a greedy answer
 NO_DEFAULTS = SamplingDefaults()  # SamplingParams's own defaults only
 
 

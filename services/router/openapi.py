@@ -148,7 +148,7 @@ CHAT = _obj(
                 ["role", "content"],
                 role={"const": "assistant"},
                 content={"type": ["string", "null"]},
-                tool_calls={"type": "array", "items": _obj(["id", "type", "function"])},
+                tool_calls={"type": ["array", "null"], "items": _obj(["id", "type", "function"])},
             ),
             **_CHOICE_COMMON,
         ),

@@ -71,3 +71,11 @@ def test_the_default_flags_are_unset_unless_given():
 def test_a_default_flag_out_of_its_bounds_is_a_value_error_naming_the_flag(name, value):
     with pytest.raises(ValueError, match="--" + name.replace("_", "-")):
         RouterConfig(**{name: value})
+
+
+def test_a_greedy_request_gets_no_default_penalty():
+    d = merge_defaults({"temperature": 0.2, "repetition_penalty": 1.1}, "model", {})
+    assert d.fill({"temperature": 0}) == {"temperature": 0}
+    assert d.fill({"top_k": 1})["top_k"] == 1 and "repetition_penalty" not in d.fill({"top_k": 1})
+    assert d.fill({})["repetition_penalty"] == 1.1
+    assert d.fill({"temperature": 0.7})["repetition_penalty"] == 1.1
