@@ -32,6 +32,8 @@ import time
 import orjson
 import structlog
 
+from bench.report import emit
+
 log = structlog.get_logger(__name__)
 
 
@@ -289,11 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             len(ids) / ours_s))  # fmt: skip
         report["verdicts"] = verdicts(report, streams, f"prefill_{args.prefill_tokens}")
     report["machine"]["loadavg_end"] = os.getloadavg()
-    if args.json:
-        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
-    else:
-        for key, value in report.items():
-            print(f"{key}: {value}")
+    emit(report, args.json)
     return 0
 
 

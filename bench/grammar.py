@@ -36,6 +36,8 @@ from typing import Any
 
 import orjson
 
+from bench.report import emit
+
 PERSON: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -285,11 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         f"streams_{most}_at_most_10pct_slower": report[f"streams_{most}"]["slowdown"] <= 0.10
     }
     report["machine"]["loadavg_end"] = os.getloadavg()
-    if args.json:
-        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
-    else:
-        for key, value in report.items():
-            print(f"{key}: {value}")
+    emit(report, args.json)
     return 0
 
 

@@ -8,8 +8,11 @@ with the Agg backend into a small PNG (about 900x300 px).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
 
@@ -74,6 +77,15 @@ def compare_table(runs: dict[str, dict[str, Any]]) -> str:
          "input tok/s", "output tok/s", "note"],
         rows,
     )  # fmt: skip
+
+
+def emit(report: dict[str, Any], as_json: bool) -> None:
+    """A bench's report on stdout: one indented JSON object, or a `key: value` line each."""
+    if as_json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        for key, value in report.items():
+            print(f"{key}: {value}")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from libs.common.engine.config import EngineConfig
+from libs.common.engine.engine import Engine
 from libs.common.engine.engine_core import EngineCore
 from libs.common.engine.load.source import default_model_path, load_model
 from libs.common.engine.model.model import LlamaModel
@@ -39,6 +40,24 @@ def make_core(model_and_tokenizer):
         return EngineCore(EngineConfig(**settings), model, tokenizer)
 
     return make
+
+
+@pytest.fixture
+async def make_engine(model_and_tokenizer):
+    """Start async Engines over the shared model (32 MB of KV each); all stopped after."""
+    model, tok = model_and_tokenizer
+    engines: list[Engine] = []
+
+    async def make(**kw) -> Engine:
+        engine = Engine(EngineConfig(kv_cache_mb=32, **kw), model=model, tokenizer=tok)
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.stop()
+        await engine.stop()  # stop() is idempotent
 
 
 @pytest.fixture(scope="session")

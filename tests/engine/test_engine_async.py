@@ -4,31 +4,10 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
-from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.core.sequence import pages_for
-from libs.common.engine.engine import Engine
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture
-async def make_engine(model_and_tokenizer):
-    model, tok = model_and_tokenizer
-    engines: list[Engine] = []
-
-    async def make(**kw) -> Engine:
-        engine = Engine(EngineConfig(kv_cache_mb=32, **kw), model=model, tokenizer=tok)
-        await engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        await engine.stop()
-        await engine.stop()  # stop() is idempotent
 
 
 def _prompt(tokenizer) -> list[int]:

@@ -12,10 +12,8 @@ import re
 import jsonschema
 import pytest
 
-from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.core.sequence import pages_for
-from libs.common.engine.engine import Engine
 from libs.common.grammar import build
 from libs.common.grammar.build import GrammarError
 
@@ -121,22 +119,6 @@ def test_a_constrained_request_on_a_cached_prefix_equals_the_cold_one(make_core,
     assert core.scheduler.get("warm") is None
     assert warm["warm"] == cold["cold"]
     jsonschema.validate(json.loads(cold["cold"]), PERSON)
-
-
-@pytest.fixture
-async def make_engine(model_and_tokenizer):
-    model, tok = model_and_tokenizer
-    engines: list[Engine] = []
-
-    async def make() -> Engine:
-        engine = Engine(EngineConfig(kv_cache_mb=32), model=model, tokenizer=tok)
-        await engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        await engine.stop()
 
 
 async def _texts(stream) -> tuple[list[int], str, str | None]:

@@ -4,10 +4,13 @@ decode worker (default model, one torch thread each) and a router, all real proc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.cluster import LocalCluster
@@ -26,7 +29,10 @@ WORKER_ARGS = [
 
 
 class E2ECluster:
-    """Workers p1, p2 (prefill) and d1 (decode), and router `router-e2e`."""
+    """Workers p1, p2 (prefill) and d1 (decode), and router `router-e2e`. `decode_args`:
+    flags the decode worker gets after WORKER_ARGS (a later flag wins)."""
+
+    decode_args: tuple[str, ...] = ()
 
     def __init__(self, nats_url: str, logs: Path, router_args: list[str]):
         self.nats_url, self.logs = nats_url, logs
@@ -36,7 +42,8 @@ class E2ECluster:
 
     def start(self, timeout: float = 240.0) -> None:
         for role, sid in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1")):
-            self.cluster.start_one(role, "--service-id", sid, *WORKER_ARGS)
+            extra = self.decode_args if role == "decode" else ()
+            self.cluster.start_one(role, "--service-id", sid, *WORKER_ARGS, *extra)
             self.cluster.procs[sid] = self.cluster.procs.pop(role)
         self.cluster.start_one("router", "--service-id", "router-e2e", "--port", "0",
                                *self.router_args)  # fmt: skip
@@ -83,3 +90,12 @@ async def metric(url: str, name: str, **labels: str) -> float:
             if sample.name == name and labels.items() <= sample.labels.items():
                 total += sample.value
     return total
+
+
+@contextlib.asynccontextmanager
+async def openai_client(url: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official client on `url`, without its own retries (they would hide errors)."""
+    async with openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=240
+    ) as client:
+        yield client

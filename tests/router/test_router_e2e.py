@@ -21,7 +21,7 @@ from libs.common.engine.load.source import load_tokenizer
 from libs.common.messages.control import CancelRequest, LoadReport
 from services.router import openapi
 from tests.router.conftest import Routers
-from tests.router.e2e_cluster import E2ECluster, metric, wait_healthy
+from tests.router.e2e_cluster import E2ECluster, metric, openai_client, wait_healthy
 from tests.router.schema_check import check, response_schema
 
 pytestmark = pytest.mark.slow
@@ -48,10 +48,7 @@ def tokenizer():
 
 @pytest.fixture
 async def c(cluster):
-    """The official client, without its own retries (they would hide errors)."""
-    async with openai.AsyncOpenAI(
-        base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=240
-    ) as client:
+    async with openai_client(cluster.url) as client:
         yield client
 
 

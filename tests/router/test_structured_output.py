@@ -26,8 +26,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.router.conftest import router_port
-from tests.router.e2e_cluster import WORKER_ARGS, E2ECluster, metric, wait_healthy
+from tests.router.e2e_cluster import E2ECluster, metric, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -174,19 +173,7 @@ class StructuredCluster(E2ECluster):
     """E2ECluster with a decode KV pool that holds every concurrent answer of a test at once
     (the default 128 MB is ~2,800 tokens of the default model; a test sends ~16 x 400)."""
 
-    DECODE_KV_MB = "512"
-
-    def start(self, timeout: float = 240.0) -> None:
-        for role, sid in (("prefill", "p1"), ("prefill", "p2"), ("decode", "d1")):
-            extra = ("--kv-cache-mb", self.DECODE_KV_MB) if role == "decode" else ()
-            self.cluster.start_one(role, "--service-id", sid, *WORKER_ARGS, *extra)
-            self.cluster.procs[sid] = self.cluster.procs.pop(role)
-        self.cluster.start_one("router", "--service-id", "router-e2e", "--port", "0",
-                               *self.router_args)  # fmt: skip
-        port = asyncio.run(router_port(self.nats_url, "router-e2e", timeout))
-        self.url = f"http://127.0.0.1:{port}"
-        procs = self.cluster.procs
-        asyncio.run(wait_healthy(self.url, {"prefill": 2, "decode": 1}, timeout, procs))
+    decode_args = ("--kv-cache-mb", "512")
 
 
 @pytest.fixture(scope="module")
@@ -201,10 +188,7 @@ def cluster(module_nats, tmp_path_factory):
 
 @pytest.fixture
 async def c(cluster):
-    """The official client, without its own retries (they would hide errors)."""
-    async with openai.AsyncOpenAI(
-        base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=240
-    ) as client:
+    async with openai_client(cluster.url) as client:
         yield client
 
 
