@@ -104,6 +104,8 @@ class Engine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.core is not None:
+            self.core.close()
 
     @property
     def tokenizer(self) -> TextTokenizer | None:

@@ -192,6 +192,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def close(self) -> None:
+        """Stop the grammar threads (the compiler's and the masks'); safe twice."""
+        if self._grammars is not None:
+            self._grammars.close()
+        if self._masks is not None:
+            self._masks.close()
+
     @property
     def grammars(self) -> GrammarCompiler:
         """This engine's grammar compiler and cache (built on first use)."""
