@@ -1,7 +1,8 @@
 """Command line: `python -m libs.common.engine generate --prompt TEXT [...] --json`.
 
 Prints one JSON object on stdout (`token_ids`: the generated ids only, `text`,
-`finish_reason`, token counts, timings); logs go to stderr. Checks call this,
+`finish_reason`, token counts, timings with `tokens_per_s`); logs go to stderr.
+`--ignore-eos` generates exactly `--max-tokens` tokens (benchmarks). Checks call this,
 so its flags and keys stay stable.
 """
 
@@ -27,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="generate max-tokens tokens, past end-of-sequence"
+    )
     gen.add_argument("--model", default="default", help="'default', a .gguf file or an HF folder")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -52,6 +56,7 @@ def generate(args: argparse.Namespace) -> dict:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        ignore_eos=args.ignore_eos,
     )
     loaded = time.perf_counter()
     core.add("cli", prompt_ids, params)
