@@ -289,6 +289,10 @@ class WorkerConfig(TransferConfig):
         default=False,
         metadata={"help": "no dense K/V copy of decoding sequences (up to --kv-cache-mb again)"},
     )
+    kv_dtype: str = field(
+        default="fp32",
+        metadata={"help": "KV cache element type: fp32, bf16 or fp16 (half the bytes to move)"},
+    )
     load_interval: float = field(default=0.25, metadata={"help": "seconds between load reports"})
     handoff_timeout: float = field(
         default=300.0,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from libs.common.engine.model.attention import BACKENDS
+
+# Flag value -> torch dtype name.
+KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -18,6 +22,11 @@ class EngineConfig:
     - `num_threads`: torch intra-op threads (None: leave torch's choice);
     - `decode_mirror`: the torch backend keeps a dense copy of the decoding sequences'
       K/V (at most the KV pool's size again) so decode attention gathers no pages;
+    - `kv_dtype`: the KV cache's element type, "fp32", "bf16" or "fp16" (KV_DTYPES); it is
+      part of every page key, so pages of different dtypes never mix, and transfer and
+      pool bytes shrink with it. Attention still computes in fp32 (the model's activation
+      type): K/V are rounded to `kv_dtype` when written and read back from it. Only the
+      torch backend takes a non-fp32 cache for now;
     - `worker_id` / `tier`: how KV events name this cache.
     """
 
@@ -33,6 +42,7 @@ class EngineConfig:
     num_threads: int | None = None
     decode_mirror: bool = True
     tier: str = "L1"
+    kv_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
@@ -49,3 +59,17 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if not self.model:
             raise ValueError("model must not be empty")
+        if self.kv_dtype not in KV_DTYPES:
+            known = ", ".join(KV_DTYPES)
+            raise ValueError(f"kv_dtype must be one of {known}, got {self.kv_dtype!r}")
+        if self.kv_dtype != "fp32" and self.attention_backend != "torch":
+            raise ValueError(
+                f"kv_dtype {self.kv_dtype} needs attention_backend torch, got "
+                f"{self.attention_backend}"
+            )
+
+    @property
+    def kv_torch_dtype(self) -> Any:
+        import torch  # the config is read without torch (routers, CLIs' --help)
+
+        return getattr(torch, KV_DTYPES[self.kv_dtype])

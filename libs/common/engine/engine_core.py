@@ -70,12 +70,13 @@ class EngineCore:
             model = LlamaModel(loaded)
         self.model, self.tokenizer = model, tokenizer
         c = model.config
+        kv_dtype = config.kv_torch_dtype
         num_pages = config.num_pages or max(
             1,
             config.kv_cache_mb
             * 2**20
             // KVCache.page_nbytes_for(
-                c.num_layers, config.page_size, c.num_kv_heads, c.head_dim, torch.float32
+                c.num_layers, config.page_size, c.num_kv_heads, c.head_dim, kv_dtype
             ),
         )
         self.kv_cache = KVCache(
@@ -84,6 +85,7 @@ class EngineCore:
             config.page_size,
             c.num_kv_heads,
             c.head_dim,
+            dtype=kv_dtype,
             device=config.device,
             allocate=kv_allocator,
         )
@@ -116,6 +118,7 @@ class EngineCore:
             num_pages=num_pages,
             page_size=config.page_size,
             backend=config.attention_backend,
+            kv_dtype=config.kv_dtype,
         )
 
     # -- requests -------------------------------------------------------------------

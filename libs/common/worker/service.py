@@ -148,6 +148,7 @@ class WorkerService(BaseService):
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_prefix_cache=not self.config.no_prefix_cache,
                 decode_mirror=not self.config.no_decode_mirror,
+                kv_dtype=self.config.kv_dtype,
                 num_threads=self.config.num_threads or None,
                 tier="device",
             ),

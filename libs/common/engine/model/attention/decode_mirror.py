@@ -29,6 +29,9 @@ import torch
 
 from libs.common.engine.model.kv_cache import KVCache
 
+# Attention computes in the model's activation type, whatever the KV cache stores.
+COMPUTE_DTYPE = torch.float32
+
 log = structlog.get_logger(__name__)
 
 CAPACITY_STEP = 128  # tokens; capacity grows in these steps (a multiple of every page size used)
@@ -155,7 +158,7 @@ class DecodeMirror:
         hk, cap, ps = self.kv_cache.num_kv_heads, self.capacity, self.kv_cache.page_size
         width = max(slots) + 1
         length = max(ctx_lens)
-        mask = torch.zeros(width, length, dtype=self.kv_cache.buffer.dtype, device=dev)
+        mask = torch.zeros(width, length, dtype=COMPUTE_DTYPE, device=dev)
         lens = [0] * width
         for slot, ctx in zip(slots, ctx_lens, strict=True):
             lens[slot] = ctx
@@ -203,7 +206,7 @@ class DecodeMirror:
         for kv, paged, new in ((0, c.key(layer), k_rows), (1, c.value(layer), v_rows)):
             mirror = self._tensor[layer, kv]
             if plan.write_index is not None:
-                rows = new.index_select(0, plan.keep_rows).reshape(-1, d)
+                rows = new.index_select(0, plan.keep_rows).reshape(-1, d).to(mirror.dtype)
                 mirror.view(-1, d).index_copy_(0, plan.write_index, rows)
             if plan.fill_pages is not None:
                 n = plan.fill_slots.shape[0]

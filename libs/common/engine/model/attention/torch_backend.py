@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from libs.common.engine.model.attention.base import AttentionBackend, AttentionBatch, slot_mapping
-from libs.common.engine.model.attention.decode_mirror import DecodeMirror, MirrorPlan
+from libs.common.engine.model.attention.decode_mirror import COMPUTE_DTYPE, DecodeMirror, MirrorPlan
 from libs.common.engine.model.kv_cache import KVCache
 
 
@@ -116,7 +116,7 @@ class TorchAttention(AttentionBackend):
             flat.extend([0] * (max_pages - len(table)))
         lens = torch.tensor(ctx, device=dev)
         past = torch.arange(max_pages * ps, device=dev).unsqueeze(0) >= lens.unsqueeze(1)
-        mask = torch.zeros(past.shape, dtype=self.kv_cache.buffer.dtype, device=dev)
+        mask = torch.zeros(past.shape, dtype=COMPUTE_DTYPE, device=dev)
         mask.masked_fill_(past, float("-inf"))
         pages = torch.tensor(flat, dtype=torch.long, device=dev)
         return _Decode(rows, pages, mask.view(len(ctx), 1, 1, -1), len(ctx))
@@ -124,6 +124,9 @@ class TorchAttention(AttentionBackend):
     def forward(self, layer, q, k, v, plan: TorchPlan) -> torch.Tensor:
         kc, vc = self.kv_cache.key(layer), self.kv_cache.value(layer)
         hk, d = self.num_kv_heads, self.head_dim
+        # Stored in the cache's dtype; everything below reads K/V as stored (rounded) and
+        # computes in q's, so a chunk attends the same values whether cached or fresh.
+        k, v = k.to(kc.dtype), v.to(vc.dtype)
         kc.view(-1, hk, d).index_copy_(0, plan.slots, k)
         vc.view(-1, hk, d).index_copy_(0, plan.slots, v)
         dec = plan.decode
@@ -150,15 +153,16 @@ class TorchAttention(AttentionBackend):
         groups = q.reshape(b, hk, self.num_heads // hk, d)
         if dec.mirror is not None:
             return self._decode_mirror(layer, groups, dec.mirror)
-        keys = kc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2)
-        values = vc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2)
+        keys = kc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2).to(q.dtype)
+        values = vc.index_select(0, dec.pages).view(b, -1, hk, d).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(
             groups, keys, values, attn_mask=dec.mask, scale=self.scale
         )
         return o.reshape(b, self.num_heads * d)
 
     def _decode_mirror(self, layer, groups, plan: MirrorPlan) -> torch.Tensor:
-        keys, values = self.mirror.keys(layer, plan), self.mirror.values(layer, plan)
+        keys = self.mirror.keys(layer, plan).to(groups.dtype)
+        values = self.mirror.values(layer, plan).to(groups.dtype)
         if not plan.identity:  # rows to their slots; unused slots attend zeros, then dropped
             slotted = groups.new_zeros((plan.width, *groups.shape[1:]))
             groups = slotted.index_copy_(0, plan.slots, groups)
@@ -174,15 +178,15 @@ class TorchAttention(AttentionBackend):
         if p.pages is None:
             n, t = p.count, p.ctx
             qs = q[p.start : p.end].view(n, t, -1, d).transpose(1, 2)
-            keys = k[p.start : p.end].view(n, t, hk, d).transpose(1, 2)
-            values = v[p.start : p.end].view(n, t, hk, d).transpose(1, 2)
+            keys = k[p.start : p.end].view(n, t, hk, d).transpose(1, 2).to(q.dtype)
+            values = v[p.start : p.end].view(n, t, hk, d).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qs, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
             )
             return o.transpose(1, 2).reshape(p.end - p.start, self.num_heads * d)
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
-        keys = kc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1)
-        values = vc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1)
+        keys = kc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1).to(q.dtype)
+        values = vc.index_select(0, p.pages).view(-1, hk, d)[: p.ctx].transpose(0, 1).to(q.dtype)
         o = F.scaled_dot_product_attention(
             qs,
             keys.unsqueeze(0),
