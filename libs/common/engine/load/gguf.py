@@ -35,6 +35,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "k_bias",
     "attn_v.bias": "v_bias",
     "attn_output.weight": "o",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
     "ffn_norm.weight": "ffn_norm",
     "ffn_gate.weight": "gate",
     "ffn_up.weight": "up",
@@ -53,8 +55,10 @@ class LoadedModel:
     """What a loader returns: config, weights under canonical names, tokenizer source.
 
     Canonical weight names: embed, norm, lm_head (absent when tied), rope_freqs
-    (optional), and layers.{i}.{attn_norm,q,k,v,q_bias,k_bias,v_bias,o,ffn_norm,
-    gate,up,down}, each [out, in] fp32 in the rotate-half RoPE layout.
+    (optional), and layers.{i}.{attn_norm,q,k,v,q_bias,k_bias,v_bias,o,q_norm,k_norm,
+    ffn_norm,gate,up,down}, each [out, in] fp32 in the rotate-half RoPE layout; a
+    mixture-of-experts layer has router [experts, hidden] and experts.{j}.{gate,up,down}
+    in place of gate, up, down (read from Hugging Face folders only).
     """
 
     config: ModelConfig

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 from typing import TYPE_CHECKING
 
 from libs.common.engine.load.gguf import LoadedModel
@@ -24,11 +25,20 @@ _LAYER_NAMES = {
     "self_attn.k_proj.bias": "k_bias",
     "self_attn.v_proj.bias": "v_bias",
     "self_attn.o_proj.weight": "o",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
     "post_attention_layernorm.weight": "ffn_norm",
     "mlp.gate_proj.weight": "gate",
     "mlp.up_proj.weight": "up",
     "mlp.down_proj.weight": "down",
+    "mlp.gate.weight": "router",  # Qwen3-MoE
+    "block_sparse_moe.gate.weight": "router",  # Mixtral
 }
+# Routed experts, one MLP each: Qwen3-MoE's mlp.experts.{j}.{gate,up,down}_proj and
+# Mixtral's block_sparse_moe.experts.{j}.{w1,w3,w2} (gate, up, down).
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+                 "w1": "gate", "w3": "up", "w2": "down"}  # fmt: skip
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "embed",
     "model.norm.weight": "norm",
@@ -69,4 +79,7 @@ def _canonical(key: str) -> str | None:
         index, _, rest = key[len("model.layers.") :].partition(".")
         if rest in _LAYER_NAMES:
             return f"layers.{index}.{_LAYER_NAMES[rest]}"
+        expert = _EXPERT.fullmatch(rest)
+        if expert and expert[2] in _EXPERT_NAMES:
+            return f"layers.{index}.experts.{expert[1]}.{_EXPERT_NAMES[expert[2]]}"
     return None

@@ -1,4 +1,9 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""A Llama-family decoder over a paged KV cache.
+
+Families (config `arch`): Llama 2/3 (with Llama 3.1's RoPE scaling), SmolLM2,
+Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head RMSNorm of q and k before RoPE),
+and the mixtures of experts Qwen3-MoE and Mixtral (the MLP replaced by routed
+experts). Each is checked against transformers in tests/engine/model/test_families.py.
 
 One forward pass takes the flat tokens of every scheduled sequence (prefill
 chunks and decode steps mixed), their positions, and an attention plan built
@@ -17,8 +22,71 @@ from libs.common.engine.model.linear import Linear
 from libs.common.engine.model.rope import RotaryEmbedding, inverse_frequencies
 
 
+class DenseMLP:
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate|up as one product."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        self.size = gate.shape[0]
+        self.gate_up = Linear(torch.cat([gate, up]))
+        self.down = Linear(down)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.size, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class RoutedExperts:
+    """A mixture of experts: each token runs the `top_k` experts its router rates highest.
+
+    The router's softmax over all experts gives the weights of the chosen ones;
+    `renormalize` rescales those to sum to 1 (Mixtral always, Qwen3-MoE when its
+    config sets norm_topk_prob). The output is the weighted sum of the chosen
+    experts' outputs. Each expert runs once per step, on the rows that chose it.
+    """
+
+    def __init__(
+        self, router: torch.Tensor, experts: list[DenseMLP], top_k: int, renormalize: bool
+    ) -> None:
+        self.router = Linear(router)
+        self.experts = experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            rows, rank = (chosen == expert).nonzero(as_tuple=True)
+            y = self.experts[expert](x[rows]) * weights[rows, rank, None]
+            out.index_add_(0, rows, y)
+        return out
+
+
+def build_mlp(config: ModelConfig, w: dict[str, torch.Tensor]) -> DenseMLP | RoutedExperts:
+    """The layer's MLP: routed experts when its weights hold a router, else dense SwiGLU.
+
+    Chosen per layer, so a Qwen3-MoE with dense layers (mlp_only_layers) loads too.
+    """
+    if "router" not in w:
+        return DenseMLP(w["gate"], w["up"], w["down"])
+    if "experts.0.gate" not in w:
+        raise ValueError(
+            "model: a routed layer without per-expert weights experts.{j}.gate/up/down "
+            "(fused expert tensors are not supported)"
+        )
+    experts = [
+        DenseMLP(w[f"experts.{j}.gate"], w[f"experts.{j}.up"], w[f"experts.{j}.down"])
+        for j in range(config.num_experts)
+    ]
+    return RoutedExperts(w["router"], experts, config.experts_per_token, config.norm_topk_prob)
+
+
 class DecoderLayer:
-    """Pre-norm attention + SwiGLU MLP with residuals."""
+    """Pre-norm attention + MLP (dense or routed experts) with residuals."""
 
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], index: int) -> None:
         self.index = index
@@ -30,26 +98,32 @@ class DecoderLayer:
             qkv_bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
         self.qkv = Linear(torch.cat([w["q"], w["k"], w["v"]]), qkv_bias)
         self.o = Linear(w["o"])
-        self.gate_up = Linear(torch.cat([w["gate"], w["up"]]))
-        self.down = Linear(w["down"])
+        self.mlp = build_mlp(config, w)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
-        self.intermediate = config.intermediate_size
+        # Qwen3: every q head is RMS-normalized with q_norm [head_dim], every k head with
+        # k_norm; stacked [Hq + Hk, head_dim] so q and k normalize in one call.
+        self.qk_norm = None
+        if config.qk_norm:
+            hq, hk = self.num_heads, self.num_kv_heads
+            self.qk_norm = torch.cat([w["q_norm"].expand(hq, -1), w["k_norm"].expand(hk, -1)])
 
     def __call__(self, x, cos, sin, attn, plan) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         hq, hk = self.num_heads, self.num_kv_heads
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
         qkv = self.qkv(h)
+        qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)
+        if self.qk_norm is not None:
+            qk = F.rms_norm(qk, (d,), eps=self.eps) * self.qk_norm
         # q and k rotate together: one set of RoPE ops per layer instead of two.
-        qk = RotaryEmbedding.apply(qkv[:, : (hq + hk) * d].view(t, hq + hk, d), cos, sin)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[:, (hq + hk) * d :].view(t, hk, d)
         o = attn.forward(self.index, q, k, v, plan)
         x = x + self.o(o)
         h = F.rms_norm(x, (x.shape[-1],), self.ffn_norm, self.eps)
-        gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.mlp(h)
 
 
 class LlamaModel:
