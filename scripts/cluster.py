@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
@@ -183,6 +184,15 @@ class LocalCluster:
         return codes
 
 
+def worker_threads(environ: Mapping[str, str]) -> dict[str, str]:
+    """Torch threads for the two model workers sharing this host: half the cores this
+    process may use each (at least 1), so their OpenMP regions do not oversubscribe the
+    cores (docs/engine.md, "Threads and shared cores"). A value in the environment wins."""
+    half = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    names = ("TANDEM_PREFILL_NUM_THREADS", "TANDEM_DECODE_NUM_THREADS")
+    return {name: half for name in names if not environ.get(name)}
+
+
 async def _run(args: argparse.Namespace) -> int:
     # NATS refuses clients without credentials: NATS_USER/NATS_PASSWORD as in compose.yaml,
     # else a password made for this run (the services get it through their environment).
@@ -197,6 +207,7 @@ async def _run(args: argparse.Namespace) -> int:
         return 1
     prefixer = LogPrefixer()
     env = {} if os.environ.get("TANDEM_LOG_FORMAT") else {"TANDEM_LOG_FORMAT": "console"}
+    env.update(worker_threads(os.environ))
     cluster = LocalCluster(
         nats_server.url,
         args={"router": ["--port", str(args.router_port)]},
