@@ -91,6 +91,12 @@ async def test_one_step_of_many_streams_is_one_message_fanned_out_in_order(nats_
         assert got["r2"][-1].finish_reason == "stop"
         assert got["r3"][-1].token_ids == [99]
         assert dup_queue.empty()  # nothing of r1's reached the second r1
+        # `count` is a second subscription: it may run after the streams' callbacks did.
+        for _ in range(100):
+            if len(seen) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)  # and nothing more comes
         assert len(seen) == 3  # two steps and the finish: one message each, not 3 per step
         table.close("r2")
         await streams[1].add([12], "t", [])  # a late chunk for a closed stream is dropped
