@@ -22,6 +22,7 @@ from typing import Any
 import gguf
 
 from libs.common.engine.core.sampling_params import BOUNDS, SamplingError
+from libs.common.engine.load.gguf import metadata_reader
 from libs.common.engine.load.source import resolve_model_path
 
 # The sampling fields a model may recommend (SamplingParams's names).
@@ -88,7 +89,7 @@ def _from_hf(data: dict[str, Any], where: str) -> dict[str, int | float]:
 
 
 def _from_gguf(path: str) -> dict[str, int | float]:
-    reader = gguf.GGUFReader(path)  # memory-mapped: tensor data is never read
+    reader = metadata_reader(path)  # the tokenizer's, when it was read already
     out = {}
     for key, name in _GGUF_KEYS.items():
         field = reader.fields.get(key)

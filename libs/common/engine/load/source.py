@@ -82,11 +82,9 @@ def load_tokenizer(model: str) -> tuple[TextTokenizer, str, int]:
     """
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
-        import gguf
+        from libs.common.engine.load.gguf import metadata_reader, read_config, read_tokenizer_meta
 
-        from libs.common.engine.load.gguf import read_config, read_tokenizer_meta
-
-        reader = gguf.GGUFReader(path)  # memory-mapped: tensor data is never read
+        reader = metadata_reader(path)
         config = read_config(reader)
         tokenizer = TextTokenizer.from_gguf_meta(read_tokenizer_meta(reader), config.eos_token_ids)
         return tokenizer, pathlib.Path(path).name, config.max_position
