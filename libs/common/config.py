@@ -293,6 +293,14 @@ class WorkerConfig(TransferConfig):
         default="fp32",
         metadata={"help": "KV cache element type: fp32, bf16 or fp16 (half the bytes to move)"},
     )
+    weights: str = field(
+        default="native",
+        metadata={
+            "help": "how the model's matrices are held: native (a GGUF's quantized blocks, "
+            "read by the quantized kernels), fp32 (the reference) or bf16",
+            "choices": ("native", "fp32", "bf16"),
+        },
+    )
     load_interval: float = field(default=0.25, metadata={"help": "seconds between load reports"})
     handoff_timeout: float = field(
         default=300.0,

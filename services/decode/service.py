@@ -236,7 +236,7 @@ class DecodeService(WorkerService):
             skip_pages=held,
             model_id=self.model_id,
             page_size=self.config.page_size,
-            kv_dtype=kv.dtype_name,
+            kv_dtype=self.kv_dtype,
             kv_num_pages=kv.num_pages,
             timeout=req.timeout,
         )

@@ -32,6 +32,13 @@ def _parser() -> argparse.ArgumentParser:
         "--ignore-eos", action="store_true", help="generate max-tokens tokens, past end-of-sequence"
     )
     gen.add_argument("--model", default="default", help="'default', a .gguf file or an HF folder")
+    gen.add_argument(
+        "--weights",
+        choices=("native", "fp32", "bf16"),
+        default="native",
+        help="matrices as stored (native: quantized blocks), dequantized fp32, or bf16",
+    )
+    gen.add_argument("--kv-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--log-level", default="warning")
@@ -44,7 +51,9 @@ def generate(args: argparse.Namespace) -> dict:
     from libs.common.engine.engine_core import EngineCore
 
     start = time.perf_counter()
-    core = EngineCore(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_mb=256))
+    config = EngineConfig(model=args.model, num_threads=args.threads, kv_cache_mb=256,
+                          weights=args.weights, kv_dtype=args.kv_dtype)  # fmt: skip
+    core = EngineCore(config)
     tok = core.tokenizer
     text = args.prompt
     if args.chat:

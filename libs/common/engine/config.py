@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from libs.common.engine.load.gguf import WEIGHT_FORMS
 from libs.common.engine.model.attention import BACKENDS
 
 # Flag value -> torch dtype name.
@@ -27,6 +28,10 @@ class EngineConfig:
       pool bytes shrink with it. Attention still computes in fp32 (the model's activation
       type): K/V are rounded to `kv_dtype` when written and read back from it. Only the
       torch backend takes a non-fp32 cache for now;
+    - `weights`: how the model's matrices are held (gguf.WEIGHT_FORMS): "native" (a
+      GGUF's quantized blocks read by the quantized kernels, an HF folder's bf16 as
+      bf16), "fp32" (the reference) or "bf16". It changes the KV a model computes, so it
+      is part of every page key with the KV dtype (`kv_format`);
     - `worker_id` / `tier`: how KV events name this cache.
     """
 
@@ -43,6 +48,7 @@ class EngineConfig:
     decode_mirror: bool = True
     tier: str = "L1"
     kv_dtype: str = "fp32"
+    weights: str = "native"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
@@ -62,6 +68,9 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             known = ", ".join(KV_DTYPES)
             raise ValueError(f"kv_dtype must be one of {known}, got {self.kv_dtype!r}")
+        if self.weights not in WEIGHT_FORMS:
+            known = ", ".join(WEIGHT_FORMS)
+            raise ValueError(f"weights must be one of {known}, got {self.weights!r}")
         if self.kv_dtype != "fp32" and self.attention_backend != "torch":
             raise ValueError(
                 f"kv_dtype {self.kv_dtype} needs attention_backend torch, got "

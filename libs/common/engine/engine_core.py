@@ -66,7 +66,7 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if model is None:
-            loaded, tokenizer = load_model(config.model)
+            loaded, tokenizer = load_model(config.model, config.weights)
             model = LlamaModel(loaded)
         self.model, self.tokenizer = model, tokenizer
         c = model.config
@@ -98,7 +98,7 @@ class EngineCore:
         cache = hasher = None
         if config.enable_prefix_cache:
             cache = RadixCache(config.page_size, tier=config.tier, on_event=self._events.append)
-            hasher = PageHasher(model.model_id, self.kv_cache.dtype_name, config.page_size)
+            hasher = PageHasher(model.model_id, self.kv_format, config.page_size)
         self.hasher = hasher
         self.scheduler = Scheduler(
             PageAllocator(num_pages),
@@ -119,6 +119,7 @@ class EngineCore:
             page_size=config.page_size,
             backend=config.attention_backend,
             kv_dtype=config.kv_dtype,
+            weights=model.weight_form,
         )
 
     # -- requests -------------------------------------------------------------------
@@ -201,6 +202,13 @@ class EngineCore:
             self._grammars.close()
         if self._masks is not None:
             self._masks.close()
+
+    @property
+    def kv_format(self) -> str:
+        """What the KV bytes are, for page keys and pairing: the cache's dtype and the form
+        of the weights that computed them ("float32/native"): pages computed with other
+        weights differ in their last bits and must never be taken for these."""
+        return f"{self.kv_cache.dtype_name}/{self.model.weight_form}"
 
     @property
     def grammars(self) -> GrammarCompiler:

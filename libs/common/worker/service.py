@@ -95,7 +95,7 @@ class WorkerService(BaseService):
 
     @property
     def kv_dtype(self) -> str:
-        return self.engine.core.kv_cache.dtype_name if self.engine and self.engine.core else ""
+        return self.engine.core.kv_format if self.engine and self.engine.core else ""
 
     @property
     def num_kv_pages(self) -> int:
@@ -149,6 +149,7 @@ class WorkerService(BaseService):
                 enable_prefix_cache=not self.config.no_prefix_cache,
                 decode_mirror=not self.config.no_decode_mirror,
                 kv_dtype=self.config.kv_dtype,
+                weights=self.config.weights,
                 num_threads=self.config.num_threads or None,
                 tier="device",
             ),

@@ -1,7 +1,10 @@
-"""Load a GGUF file: config, dequantized fp32 weights, tokenizer metadata.
+"""Load a GGUF file: config, weights, tokenizer metadata.
 
-Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (others are refused by
-name). llama.cpp's converter permutes the rows of Q and K for the llama
+Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (others are
+refused by name). Weights come in one of three forms (`WEIGHT_FORMS`, the engine's
+--weights): "native" keeps every quantized matrix as its blocks (a `QuantWeight`, read by
+the quantized kernels) and the rest fp32; "fp32" dequantizes everything (the reference);
+"bf16" dequantizes and rounds the matrices to bf16 (norms and biases stay fp32). llama.cpp's converter permutes the rows of Q and K for the llama
 architecture so that its interleaved RoPE works on them; `unpermute_qk` undoes
 that, and the model then applies rotate-half RoPE like transformers does
 (tests/engine/load/test_gguf.py proves the two forms equal).
@@ -27,7 +30,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+WEIGHT_FORMS = ("native", "fp32", "bf16")
+# Canonical names of the matrices a product reads (the forms apply to these only).
+_MATRICES = ("embed", "lm_head", ".q", ".k", ".v", ".o", ".gate", ".up", ".down", ".router")
 _LAYER_NAMES = {
     "attn_norm.weight": "attn_norm",
     "attn_q.weight": "q",
@@ -58,15 +64,19 @@ class LoadedModel:
 
     Canonical weight names: embed, norm, lm_head (absent when tied), rope_freqs
     (optional), and layers.{i}.{attn_norm,q,k,v,q_bias,k_bias,v_bias,o,q_norm,k_norm,
-    ffn_norm,gate,up,down}, each [out, in] fp32 in the rotate-half RoPE layout; a
+    ffn_norm,gate,up,down}, each [out, in] in the rotate-half RoPE layout (fp32 tensors,
+    or per `weight_form` bf16 tensors or QuantWeight for the matrices); a
     mixture-of-experts layer has router [experts, hidden] and experts.{j}.{gate,up,down}
     in place of gate, up, down (read from Hugging Face folders only).
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Any]
     tokenizer_meta: dict[str, Any]
     model_id: str
+    # How the matrices are held: "fp32", "bf16" or "native" (a GGUF's quantized blocks as
+    # QuantWeight; an HF folder's bf16 tensors as bf16).
+    weight_form: str = "fp32"
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -141,16 +151,18 @@ def read_tokenizer_meta(reader: Any) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 
 
-def load_gguf(path: str) -> LoadedModel:
-    """Read and dequantize a whole GGUF file into fp32 tensors."""
+def load_gguf(path: str, weights: str = "fp32") -> LoadedModel:
+    """Read a whole GGUF file; the matrices in the form `weights` (WEIGHT_FORMS)."""
     import gguf  # the reader is only needed by this loader
     import torch  # weights only: the metadata path above stays torch-free
 
+    if weights not in WEIGHT_FORMS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
     reader = gguf.GGUFReader(path)
     config = read_config(reader)
     # Only the llama arch's converter permutes Q/K; qwen2 uses NeoX RoPE as stored.
     permuted = _field(reader, "general.architecture") in ("llama", "mistral")
-    weights: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
     for i, tensor in enumerate(reader.tensors):
         kind = tensor.tensor_type.name
         if kind not in _SUPPORTED_TYPES:
@@ -159,18 +171,32 @@ def load_gguf(path: str) -> LoadedModel:
         if name is None:
             log.debug("gguf.tensor_skipped", tensor=tensor.name)
             continue
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        data = data.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        matrix = name.endswith(_MATRICES)
+        if weights == "native" and matrix and kind not in ("F32", "F16", "BF16"):
+            data = tensor.data  # [rows, row bytes] of blocks, as stored
+        else:
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            data = data.reshape(tuple(int(d) for d in reversed(tensor.shape)))
         if permuted and name.endswith((".q", ".q_bias")):
             data = unpermute_qk(data, config.num_heads)
         elif permuted and name.endswith((".k", ".k_bias")):
             data = unpermute_qk(data, config.num_kv_heads)
-        # F32 tensors come back as read-only views of the mmap: copy those.
-        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+        tensors[name] = _held(data, kind, int(tensor.shape[0]), matrix, weights, torch)
         if i % 50 == 0:
             log.debug("gguf.progress", tensors=i, total=len(reader.tensors))
     name = _field(reader, "general.name") or path
-    return LoadedModel(config, weights, read_tokenizer_meta(reader), model_id=str(name))
+    return LoadedModel(config, tensors, read_tokenizer_meta(reader), model_id=str(name),
+                       weight_form=weights)  # fmt: skip
+
+
+def _held(data: np.ndarray, kind: str, cols: int, matrix: bool, weights: str, torch) -> Any:
+    """One tensor in the form it is kept in memory (copied out of the file's mmap)."""
+    if data.dtype == np.uint8:  # quantized blocks, kept as they are
+        from libs.common.engine.load.quantized import QuantWeight
+
+        return QuantWeight(kind, torch.from_numpy(np.array(data, copy=True)), cols)
+    out = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+    return out.to(torch.bfloat16) if weights == "bf16" and matrix else out
 
 
 def _canonical(name: str) -> str | None:

@@ -10,7 +10,7 @@ import pathlib
 import re
 from typing import TYPE_CHECKING
 
-from libs.common.engine.load.gguf import LoadedModel
+from libs.common.engine.load.gguf import WEIGHT_FORMS, LoadedModel
 from libs.common.engine.load.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -46,11 +46,19 @@ _GLOBAL_NAMES = {
 }
 
 
-def load_hf_folder(path: str) -> LoadedModel:
-    """Read config.json and every *.safetensors shard; weights become fp32."""
+def load_hf_folder(path: str, weights: str = "fp32") -> LoadedModel:
+    """Read config.json and every *.safetensors shard.
+
+    `weights` (WEIGHT_FORMS): "fp32" makes every tensor fp32; "bf16" rounds the matrices
+    to bf16; "native" keeps bf16 matrices as stored and makes the rest fp32. Norms and
+    biases are always fp32.
+    """
     import torch
     from safetensors import safe_open
 
+    if weights not in WEIGHT_FORMS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
+    form = weights
     folder = pathlib.Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -59,17 +67,24 @@ def load_hf_folder(path: str) -> LoadedModel:
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"model: {path} has no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
+    weights_by_name: dict[str, torch.Tensor] = {}
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
                 name = _canonical(key)
                 if name is not None:
-                    weights[name] = f.get_tensor(key).to(torch.float32).contiguous()
+                    weights_by_name[name] = _held(f.get_tensor(key), name, form, torch)
     if config.tie_word_embeddings:
-        weights.pop("lm_head", None)
+        weights_by_name.pop("lm_head", None)
     meta: dict = {"hf_folder": str(folder)}
-    return LoadedModel(config, weights, meta, model_id=folder.name)
+    return LoadedModel(config, weights_by_name, meta, model_id=folder.name, weight_form=form)
+
+
+def _held(tensor: torch.Tensor, name: str, form: str, torch) -> torch.Tensor:
+    matrix = tensor.dim() == 2 and not name.endswith(("norm", "bias"))
+    if matrix and (form == "bf16" or (form == "native" and tensor.dtype == torch.bfloat16)):
+        return tensor.to(torch.bfloat16).contiguous()
+    return tensor.to(torch.float32).contiguous()
 
 
 def _canonical(key: str) -> str | None:

@@ -47,17 +47,18 @@ def resolve_model_path(model: str) -> str:
     raise ValueError(f"model: {model!r} is neither 'default', a .gguf file nor an HF folder")
 
 
-def load_model(model: str) -> tuple[LoadedModel, TextTokenizer]:
-    """Load weights (fp32) and tokenizer for `model` (see resolve_model_path)."""
+def load_model(model: str, weights: str = "fp32") -> tuple[LoadedModel, TextTokenizer]:
+    """Load weights (in the form `weights`: gguf.WEIGHT_FORMS) and tokenizer for `model`
+    (see resolve_model_path)."""
     path = resolve_model_path(model)
     start = time.perf_counter()
     log.info("model.loading", path=path)
     if path.endswith(".gguf"):
-        loaded = load_gguf(path)
+        loaded = load_gguf(path, weights)
         loaded.model_id = pathlib.Path(path).name
         tokenizer = TextTokenizer.from_gguf_meta(loaded.tokenizer_meta, loaded.config.eos_token_ids)
     else:
-        loaded = load_hf_folder(path)
+        loaded = load_hf_folder(path, weights)
         tokenizer = TextTokenizer.from_hf_folder(path, loaded.config.eos_token_ids)
         if not loaded.config.eos_token_ids and tokenizer.eos_token_ids:
             import dataclasses
@@ -69,6 +70,7 @@ def load_model(model: str) -> tuple[LoadedModel, TextTokenizer]:
         "model.loaded",
         model_id=loaded.model_id,
         params=loaded.config.num_params,
+        weights=weights,
         seconds=round(time.perf_counter() - start, 2),
     )
     return loaded, tokenizer

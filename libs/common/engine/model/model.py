@@ -8,7 +8,9 @@ experts). Each is checked against transformers in tests/engine/model/test_famili
 One forward pass takes the flat tokens of every scheduled sequence (prefill
 chunks and decode steps mixed), their positions, and an attention plan built
 by the attention backend for this step. Projections are fused (q|k|v and
-gate|up) so each layer runs three weight reads instead of seven.
+gate|up) so each layer runs three weight reads instead of seven. Activations are fp32;
+the matrices are fp32, bf16 or GGUF quantized blocks (model/linear.py multiplies each
+form), as the loader's `weight_form` says.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch.nn.functional as F
 
 from libs.common.engine.load.gguf import LoadedModel
 from libs.common.engine.load.model_config import ModelConfig
-from libs.common.engine.model.linear import Linear
+from libs.common.engine.load.quantized import QuantWeight
+from libs.common.engine.model.linear import fused_linear, make_linear
+from libs.common.engine.model.quant.ops import rows
 from libs.common.engine.model.rope import RotaryEmbedding, inverse_frequencies
 
 
@@ -27,8 +31,8 @@ class DenseMLP:
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         self.size = gate.shape[0]
-        self.gate_up = Linear(torch.cat([gate, up]))
-        self.down = Linear(down)
+        self.gate_up = fused_linear([gate, up])
+        self.down = make_linear(down)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.size, dim=-1)
@@ -47,7 +51,7 @@ class RoutedExperts:
     def __init__(
         self, router: torch.Tensor, experts: list[DenseMLP], top_k: int, renormalize: bool
     ) -> None:
-        self.router = Linear(router)
+        self.router = make_linear(router)
         self.experts = experts
         self.top_k = top_k
         self.renormalize = renormalize
@@ -96,8 +100,8 @@ class DecoderLayer:
         qkv_bias = None
         if "q_bias" in w:
             qkv_bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
-        self.qkv = Linear(torch.cat([w["q"], w["k"], w["v"]]), qkv_bias)
-        self.o = Linear(w["o"])
+        self.qkv = fused_linear([w["q"], w["k"], w["v"]], qkv_bias)
+        self.o = make_linear(w["o"])
         self.mlp = build_mlp(config, w)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -140,9 +144,10 @@ class LlamaModel:
         w = loaded.weights
         self.config = c
         self.model_id = loaded.model_id
+        self.weight_form = loaded.weight_form
         self.embed = w["embed"]
         self.norm = w["norm"]
-        self.lm_head = Linear(w.get("lm_head", self.embed))
+        self.lm_head = make_linear(w.get("lm_head", self.embed))
         self.rope = RotaryEmbedding(inverse_frequencies(c, w.get("rope_freqs")))
         self.layers = []
         for i in range(c.num_layers):
@@ -152,11 +157,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, attn, plan) -> torch.Tensor:
-        x = self.embed[input_ids]
+        x = self._embed(input_ids)
         cos, sin = self.rope.tables(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, attn, plan)
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantWeight):
+            return rows(self.embed, input_ids)
+        return self.embed[input_ids].float()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""A matrix kept in one of GGUF's quantized block formats, as the file stores it.
+
+Each of the `rows` rows is `cols / block_size` blocks of `block_bytes` bytes (llama.cpp's
+layouts: Q4_0, Q4_1, Q8_0 with 32 values a block; Q4_K, Q5_K, Q6_K with 256). The bytes
+are held in a uint8 tensor [rows, row_bytes]; rows can be permuted, sliced and stacked
+without touching a block, which is all loading needs (llama's Q/K row order, fused q|k|v).
+The kernels that read them are in engine/model/quant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# GGML type ids (the file's tensor types) -> (values a block, bytes a block).
+FORMATS: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantWeight:
+    """A [rows, cols] matrix in the block format `kind`; `data` is uint8 [rows, row_bytes]."""
+
+    kind: str
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in FORMATS:
+            raise ValueError(f"quantized weight: unsupported format {self.kind}")
+        _, block, nbytes = FORMATS[self.kind]
+        if self.cols % block or str(self.data.dtype) != "torch.uint8" or self.data.dim() != 2:
+            raise ValueError(f"quantized weight: bad {self.kind} layout for {self.cols} columns")
+        if self.data.shape[1] != self.cols // block * nbytes:
+            raise ValueError(f"quantized weight: {self.data.shape[1]} bytes a row, "
+                             f"{self.kind} x {self.cols} needs {self.cols // block * nbytes}")  # fmt: skip
+
+    @property
+    def type_id(self) -> int:
+        return FORMATS[self.kind][0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def stack_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """One weight whose rows are the parts' rows in order (all of one format and width)."""
+    first = parts[0]
+    if any(p.kind != first.kind or p.cols != first.cols for p in parts):
+        raise ValueError("stack_rows: parts differ in format or width")
+    import torch
+
+    return QuantWeight(first.kind, torch.cat([p.data for p in parts]), first.cols)

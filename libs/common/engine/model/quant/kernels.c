@@ -1,0 +1,293 @@
+/* Products with weights kept in GGUF's block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).
+ *
+ * A weight is [n rows][row_bytes]: each row is its blocks, as stored in the file. Nothing
+ * is dequantized ahead of time: `tq_gemv` dequantizes one block at a time into a buffer on
+ * the stack and takes its dot products with every row of x; `tq_dequant_rows` writes fp32
+ * rows for the wide products (a prefill), which the caller feeds to a GEMM a slice at a
+ * time, and for embedding lookups. Values are computed in fp32 as GGUF's reference
+ * dequantizers define them (gguf-py's `gguf.quants`), so results differ from a product
+ * with the dequantized fp32 weight only by summation order.
+ *
+ * Compiled at start-up for the host's own instruction set (-march=native, see native.py);
+ * parallel over output rows with the OpenMP runtime torch itself uses, so the two share
+ * one pool of threads.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { TQ_Q4_0 = 2, TQ_Q4_1 = 3, TQ_Q8_0 = 8, TQ_Q4_K = 12, TQ_Q5_K = 13, TQ_Q6_K = 14 };
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+int tq_block_size(int type) {
+    return (type == TQ_Q4_K || type == TQ_Q5_K || type == TQ_Q6_K) ? 256 : 32;
+}
+
+int tq_block_bytes(int type) {
+    switch (type) {
+    case TQ_Q4_0: return 18;
+    case TQ_Q4_1: return 20;
+    case TQ_Q8_0: return 34;
+    case TQ_Q4_K: return 144;
+    case TQ_Q5_K: return 176;
+    case TQ_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline void scale_min_k4(int j, const uint8_t *q, float *sc, float *m) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *m = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* One block -> tq_block_size(type) fp32 values. */
+static inline void dequant_block(int type, const uint8_t *b, float *restrict y) {
+    switch (type) {
+    case TQ_Q4_0: {
+        const float d = h2f(b);
+        const uint8_t *qs = b + 2;
+        for (int i = 0; i < 16; i++) {
+            y[i] = (float)((qs[i] & 0xF) - 8) * d;
+            y[i + 16] = (float)((qs[i] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case TQ_Q4_1: {
+        const float d = h2f(b), m = h2f(b + 2);
+        const uint8_t *qs = b + 4;
+        for (int i = 0; i < 16; i++) {
+            y[i] = (float)(qs[i] & 0xF) * d + m;
+            y[i + 16] = (float)(qs[i] >> 4) * d + m;
+        }
+        break;
+    }
+    case TQ_Q8_0: {
+        const float d = h2f(b);
+        const int8_t *qs = (const int8_t *)(b + 2);
+        for (int i = 0; i < 32; i++) y[i] = (float)qs[i] * d;
+        break;
+    }
+    case TQ_Q4_K: {
+        const float d = h2f(b), dmin = h2f(b + 2);
+        const uint8_t *scales = b + 4, *q = b + 16;
+        for (int j = 0; j < 4; j++, q += 32, y += 64) {
+            float sc1, m1, sc2, m2;
+            scale_min_k4(2 * j, scales, &sc1, &m1);
+            scale_min_k4(2 * j + 1, scales, &sc2, &m2);
+            const float d1 = d * sc1, mm1 = dmin * m1, d2 = d * sc2, mm2 = dmin * m2;
+            for (int l = 0; l < 32; l++) {
+                y[l] = d1 * (float)(q[l] & 0xF) - mm1;
+                y[l + 32] = d2 * (float)(q[l] >> 4) - mm2;
+            }
+        }
+        break;
+    }
+    case TQ_Q5_K: {
+        const float d = h2f(b), dmin = h2f(b + 2);
+        const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
+        for (int j = 0; j < 4; j++, ql += 32, y += 64) {
+            float sc1, m1, sc2, m2;
+            scale_min_k4(2 * j, scales, &sc1, &m1);
+            scale_min_k4(2 * j + 1, scales, &sc2, &m2);
+            const float d1 = d * sc1, mm1 = dmin * m1, d2 = d * sc2, mm2 = dmin * m2;
+            const int s1 = 2 * j, s2 = 2 * j + 1;
+            for (int l = 0; l < 32; l++) {
+                y[l] = d1 * (float)((ql[l] & 0xF) + (((qh[l] >> s1) & 1) << 4)) - mm1;
+                y[l + 32] = d2 * (float)((ql[l] >> 4) + (((qh[l] >> s2) & 1) << 4)) - mm2;
+            }
+        }
+        break;
+    }
+    case TQ_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = h2f(b + 208);
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32, sc += 8, y += 128) {
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[l] = d * (float)sc[is + 0] * (float)q1;
+                y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+        }
+        break;
+    }
+    }
+}
+
+/* Vectors of L floats for the host's instruction set (AVX-512, AVX2, or plain C). */
+#if defined(__AVX512F__)
+#define L 16
+typedef __m512 vf;
+static inline vf v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf v_set1(float f) { return _mm512_set1_ps(f); }
+static inline void v_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf v_zero(void) { return _mm512_setzero_ps(); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
+/* 16 bytes -> 16 floats (unsigned / signed) in 16 / L vectors. */
+static inline void u8_to_f(__m128i b, vf *out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+static inline void i8_to_f(__m128i b, vf *out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define L 8
+typedef __m256 vf;
+static inline vf v_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf v_set1(float f) { return _mm256_set1_ps(f); }
+static inline void v_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf v_zero(void) { return _mm256_setzero_ps(); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float v_sum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline void u8_to_f(__m128i b, vf *out) {
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+static inline void i8_to_f(__m128i b, vf *out) {
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+#endif
+
+#define TQ_MAX_ROWS 16
+#define TQ_GROUP 4 /* rows of x sharing one pass over a weight row */
+
+#ifdef L
+#define VN (32 / L) /* vectors in a 32-value block */
+/* A Q4_0, Q4_1 or Q8_0 block -> 32 dequantized floats in VN vectors. */
+static inline void unpack32(int type, const uint8_t *b, vf *w) {
+    const float d = h2f(b);
+    if (type == TQ_Q8_0) {
+        i8_to_f(_mm_loadu_si128((const __m128i *)(b + 2)), w);
+        i8_to_f(_mm_loadu_si128((const __m128i *)(b + 18)), w + VN / 2);
+        const vf vd = v_set1(d);
+        for (int j = 0; j < VN; j++) w[j] = w[j] * vd;
+        return;
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == TQ_Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    u8_to_f(_mm_and_si128(q, mask), w);
+    u8_to_f(_mm_and_si128(_mm_srli_epi16(q, 4), mask), w + VN / 2);
+    const vf vd = v_set1(d), vm = v_set1(type == TQ_Q4_1 ? h2f(b + 2) : -8.0f * d);
+    for (int j = 0; j < VN; j++) w[j] = v_fma(w[j], vd, vm);
+}
+#endif
+
+static inline int small_block(int type) { return type == TQ_Q4_0 || type == TQ_Q4_1 || type == TQ_Q8_0; }
+
+/* y[t, n] = sum_k x[t, k] * W[n, k] for t < m (m <= TQ_MAX_ROWS), n < n_out; x is [m][k],
+ * y is [m][ldy] (columns n_out written). k is a multiple of the block size. */
+int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+            int m, float *y, int ldy) {
+    const int bs = tq_block_size(type), bb = tq_block_bytes(type), nb = k / bs;
+    if (bb == 0 || k % bs != 0 || m < 1 || m > TQ_MAX_ROWS) return -1;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < n_out; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        for (int t0 = 0; t0 < m; t0 += TQ_GROUP) {
+            const int g = m - t0 < TQ_GROUP ? m - t0 : TQ_GROUP;
+            const float *xg = x + (size_t)t0 * k;
+            float out[TQ_GROUP];
+#ifdef L
+            vf acc[TQ_GROUP];
+            for (int t = 0; t < TQ_GROUP; t++) acc[t] = v_zero();
+            if (small_block(type)) {
+                for (int b = 0; b < nb; b++) {
+                    vf wv[VN];
+                    unpack32(type, row + (size_t)b * bb, wv);
+                    for (int t = 0; t < g; t++)
+                        for (int j = 0; j < VN; j++)
+                            acc[t] = v_fma(wv[j], v_load(xg + (size_t)t * k + b * 32 + j * L), acc[t]);
+                }
+            } else {
+                float buf[256];
+                for (int b = 0; b < nb; b++) {
+                    dequant_block(type, row + (size_t)b * bb, buf);
+                    for (int t = 0; t < g; t++)
+                        for (int j = 0; j < 256; j += L)
+                            acc[t] = v_fma(v_load(buf + j), v_load(xg + (size_t)t * k + b * 256 + j), acc[t]);
+                }
+            }
+            for (int t = 0; t < g; t++) out[t] = v_sum(acc[t]);
+#else
+            float buf[256];
+            for (int t = 0; t < g; t++) out[t] = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                dequant_block(type, row + (size_t)b * bb, buf);
+                for (int t = 0; t < g; t++) {
+                    const float *xb = xg + (size_t)t * k + (size_t)b * bs;
+                    float s = 0.0f;
+                    for (int i = 0; i < bs; i++) s += buf[i] * xb[i];
+                    out[t] += s;
+                }
+            }
+#endif
+            for (int t = 0; t < g; t++) y[(size_t)(t0 + t) * ldy + n] = out[t];
+        }
+    }
+    return 0;
+}
+
+/* out[i] = fp32 row rows[i] of W (or row n0 + i when rows is NULL), i < count. */
+int tq_dequant_rows(int type, const uint8_t *w, size_t row_bytes, int k, const int64_t *rows,
+                    int64_t n0, int count, float *out) {
+    const int bs = tq_block_size(type), bb = tq_block_bytes(type), nb = k / bs;
+    if (bb == 0 || k % bs != 0) return -1;
+#pragma omp parallel for schedule(static) if (count > 1)
+    for (int i = 0; i < count; i++) {
+        const int64_t r = rows ? rows[i] : n0 + i;
+        const uint8_t *row = w + (size_t)r * row_bytes;
+        float *o = out + (size_t)i * k;
+#ifdef L
+        if (small_block(type)) {
+            for (int b = 0; b < nb; b++) {
+                vf wv[VN];
+                unpack32(type, row + (size_t)b * bb, wv);
+                for (int j = 0; j < VN; j++) v_store(o + (size_t)b * 32 + j * L, wv[j]);
+            }
+            continue;
+        }
+#endif
+        for (int b = 0; b < nb; b++) dequant_block(type, row + (size_t)b * bb, o + (size_t)b * bs);
+    }
+    return 0;
+}

@@ -1,0 +1,164 @@
+"""The quantized-product kernels (kernels.c): built per instruction set, chosen at start-up.
+
+Three builds of the one C file: `avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C)
+and `generic` (x86-64-v2, or the compiler's default off x86). `library()` picks the best
+one the CPU's flags allow, logs the choice (`quant.kernels`), and loads it with ctypes.
+
+Where the builds live: $TANDEM_KERNEL_DIR when set (an image builds them there ahead of
+time: `python -m libs.common.engine.model.quant.native DIR`), else
+~/.cache/tandem/kernels/<hash of the source and flags>/, built on first use with the
+host's C compiler (`cc`, ~1 s each; concurrent workers build into temporary names and
+rename). The library links against the OpenMP runtime torch loaded (torch/lib/libgomp),
+so its parallel loops and torch's share one pool of threads: `torch.set_num_threads`
+governs both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("kernels.c")
+_COMMON_FLAGS = [
+    "-O3", "-fPIC", "-fopenmp", "-std=c11",
+    # Let the compiler reorder float sums (vector reductions); no NaN/inf assumptions.
+    "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+]  # fmt: skip
+# name -> (compiler flags, CPU flags it needs), best first.
+VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "avx512": (
+        ["-march=x86-64-v4", "-mprefer-vector-width=512"],
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+    ),
+    "avx2": (["-march=x86-64-v3"], frozenset({"avx2", "fma", "f16c", "bmi2"})),
+    "generic": ([], frozenset()),
+}
+
+
+class KernelsUnavailable(RuntimeError):
+    """No build of the kernels can be loaded here (no compiler and no prebuilt library)."""
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def choose_variant(flags: frozenset[str], machine: str | None = None) -> str:
+    """The best build whose instructions the CPU has (off x86: generic)."""
+    machine = machine or platform.machine()
+    if machine not in ("x86_64", "AMD64"):
+        return "generic"
+    return next(name for name, (_, needs) in VARIANTS.items() if needs <= flags)
+
+
+def _flags(variant: str) -> list[str]:
+    arch = VARIANTS[variant][0] if platform.machine() in ("x86_64", "AMD64") else []
+    generic = ["-march=x86-64-v2"] if variant == "generic" and not arch else []
+    if platform.machine() not in ("x86_64", "AMD64"):
+        generic = []
+    return [*_COMMON_FLAGS, *arch, *generic]
+
+
+def _torch_lib() -> pathlib.Path:
+    import torch
+
+    return pathlib.Path(torch.__file__).parent / "lib"
+
+
+def _cache_dir() -> pathlib.Path:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for variant in VARIANTS:
+        digest.update(" ".join(_flags(variant)).encode())
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
+    return base / "tandem" / "kernels" / digest.hexdigest()[:16]
+
+
+def build(variant: str, folder: pathlib.Path) -> pathlib.Path:
+    """Compile one variant into folder/tq_<variant>.so (atomically); returns its path."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise KernelsUnavailable("no C compiler (cc) to build the quantized kernels")
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"tq_{variant}.so"
+    torch_lib = _torch_lib()
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        obj, lib = pathlib.Path(tmp) / "k.o", pathlib.Path(tmp) / "k.so"
+        # Compiled with -fopenmp, linked without it: the OpenMP runtime is torch's.
+        steps = [
+            [cc, *_flags(variant), "-c", str(SOURCE), "-o", str(obj)],
+            [cc, "-shared", str(obj), "-o", str(lib), f"-L{torch_lib}", "-l:libgomp.so.1",
+             f"-Wl,-rpath,{torch_lib}"],
+        ]  # fmt: skip
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise KernelsUnavailable(f"building the {variant} kernels failed: {done.stderr}")
+        os.replace(lib, target)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    lib.tq_gemv.argtypes = [i, p, sz, i, i, p, i, p, i]
+    lib.tq_gemv.restype = i
+    lib.tq_dequant_rows.argtypes = [i, p, sz, i, p, ctypes.c_int64, i, p]
+    lib.tq_dequant_rows.restype = i
+    lib.tq_block_size.argtypes = [i]
+    lib.tq_block_size.restype = i
+    lib.tq_block_bytes.argtypes = [i]
+    lib.tq_block_bytes.restype = i
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> tuple[ctypes.CDLL, str]:
+    """The loaded kernels for this CPU and the variant's name (built on first use)."""
+    flags = cpu_flags()
+    variant = choose_variant(flags)
+    env_dir = os.environ.get("TANDEM_KERNEL_DIR")
+    folder = pathlib.Path(env_dir) if env_dir else _cache_dir()
+    path = folder / f"tq_{variant}.so"
+    built = False
+    if not path.exists():
+        if env_dir:
+            raise KernelsUnavailable(f"{path} is missing (TANDEM_KERNEL_DIR)")
+        path = build(variant, folder)
+        built = True
+    _torch_lib()  # torch (and its OpenMP runtime) first: the library reuses that runtime
+    lib = _declare(ctypes.CDLL(str(path)))
+    isa = sorted(flags & {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "amx_tile"})
+    log.info("quant.kernels", variant=variant, path=str(path), built=built, cpu_flags=isa)
+    return lib, variant
+
+
+def main(argv: list[str]) -> int:
+    """`python -m libs.common.engine.model.quant.native DIR`: build every variant in DIR."""
+    if len(argv) != 1:
+        print("usage: python -m libs.common.engine.model.quant.native DIR", file=sys.stderr)
+        return 2
+    for variant in VARIANTS:
+        print(build(variant, pathlib.Path(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
