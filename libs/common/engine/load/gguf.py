@@ -4,9 +4,11 @@ Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (othe
 refused by name). Weights come in one of three forms (`WEIGHT_FORMS`, the engine's
 --weights): "native" keeps every quantized matrix as its blocks (a `QuantWeight`, read by
 the quantized kernels) and the rest fp32; "fp32" dequantizes everything (the reference);
-"bf16" dequantizes and rounds the matrices to bf16 (norms and biases stay fp32). llama.cpp's converter permutes the rows of Q and K for the llama
-architecture so that its interleaved RoPE works on them; `unpermute_qk` undoes
-that, and the model then applies rotate-half RoPE like transformers does
+"bf16" dequantizes and rounds the matrices to bf16 (norms and biases stay fp32).
+
+llama.cpp's converter permutes the rows of Q and K for the llama architecture so that
+its interleaved RoPE works on them; `unpermute_qk` undoes that (on blocks too: it moves
+whole rows), and the model then applies rotate-half RoPE like transformers does
 (tests/engine/load/test_gguf.py proves the two forms equal).
 
 Config and tokenizer metadata read without torch (the router needs them, never the
@@ -24,9 +26,6 @@ import numpy as np
 import structlog
 
 from libs.common.engine.load.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    import torch
 
 log = structlog.get_logger(__name__)
 

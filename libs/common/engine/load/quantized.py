@@ -10,7 +10,6 @@ The kernels that read them are in engine/model/quant.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,8 +41,11 @@ class QuantWeight:
         if self.cols % block or str(self.data.dtype) != "torch.uint8" or self.data.dim() != 2:
             raise ValueError(f"quantized weight: bad {self.kind} layout for {self.cols} columns")
         if self.data.shape[1] != self.cols // block * nbytes:
-            raise ValueError(f"quantized weight: {self.data.shape[1]} bytes a row, "
-                             f"{self.kind} x {self.cols} needs {self.cols // block * nbytes}")  # fmt: skip
+            need = self.cols // block * nbytes
+            raise ValueError(
+                f"quantized weight: {self.data.shape[1]} bytes a row, {self.kind} x "
+                f"{self.cols} needs {need}"
+            )
 
     @property
     def type_id(self) -> int:
