@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import structlog
