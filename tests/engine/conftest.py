@@ -20,7 +20,9 @@ def model_and_tokenizer():
     # OpenMP's spinning barriers with 2 threads on oversubscribed cores make each
     # step ~10x slower; 1 thread degrades gracefully.
     torch.set_num_threads(1)
-    loaded, tokenizer = load_model("default")
+    # The form users get by default: the GGUF's quantized blocks, read by the kernels
+    # (test_reference.py holds them to transformers' dequantized fp32 reference).
+    loaded, tokenizer = load_model("default", weights="native")
     return LlamaModel(loaded), tokenizer
 
 

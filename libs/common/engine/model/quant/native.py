@@ -71,11 +71,9 @@ def choose_variant(flags: frozenset[str], machine: str | None = None) -> str:
 
 
 def _flags(variant: str) -> list[str]:
-    arch = VARIANTS[variant][0] if platform.machine() in ("x86_64", "AMD64") else []
-    generic = ["-march=x86-64-v2"] if variant == "generic" and not arch else []
     if platform.machine() not in ("x86_64", "AMD64"):
-        generic = []
-    return [*_COMMON_FLAGS, *arch, *generic]
+        return list(_COMMON_FLAGS)  # the compiler's default target
+    return [*_COMMON_FLAGS, *(VARIANTS[variant][0] or ["-march=x86-64-v2"])]
 
 
 def _torch_lib() -> pathlib.Path:
@@ -129,11 +127,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> tuple[ctypes.CDLL, str]:
-    """The loaded kernels for this CPU and the variant's name (built on first use)."""
+@functools.lru_cache(maxsize=4)
+def library(variant: str | None = None) -> tuple[ctypes.CDLL, str]:
+    """The loaded kernels for this CPU (or the named variant, which the CPU must run) and
+    the variant's name; built on first use."""
     flags = cpu_flags()
-    variant = choose_variant(flags)
+    variant = variant or choose_variant(flags)
     env_dir = os.environ.get("TANDEM_KERNEL_DIR")
     folder = pathlib.Path(env_dir) if env_dir else _cache_dir()
     path = folder / f"tq_{variant}.so"

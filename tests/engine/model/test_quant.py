@@ -1,0 +1,207 @@
+"""Quantized weights: the C kernels against gguf-py's reference dequantizers, and a whole
+GGUF of mixed block formats computing the same logits native and dequantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.load.gguf import load_gguf
+from libs.common.engine.load.quantized import FORMATS, QuantWeight, stack_rows
+from libs.common.engine.model.linear import QuantLinear, SplitLinear, fused_linear
+from libs.common.engine.model.model import LlamaModel
+from libs.common.engine.model.quant.native import VARIANTS, choose_variant, cpu_flags, library
+from libs.common.engine.model.quant.ops import dequantize, rows
+from tests.engine.model.test_families import make_core
+
+gguf = pytest.importorskip("gguf")
+
+# Where each format keeps its fp16 scales (byte offsets in a block): set to sane values,
+# since random bytes there could be inf/NaN.
+SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+          "Q6_K": (208,)}  # fmt: skip
+
+
+def random_blocks(kind: str, rows_: int, cols: int, seed: int) -> np.ndarray:
+    """uint8 [rows, row_bytes] of random blocks with finite scales of ~1e-2."""
+    _, block, nbytes = FORMATS[kind]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows_, cols // block, nbytes), dtype=np.uint8)
+    for offset in SCALES[kind]:
+        scales = rng.uniform(0.002, 0.02, size=data.shape[:2]).astype(np.float16)
+        data[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*data.shape[:2], 2)
+    return data.reshape(rows_, -1)
+
+
+def reference(kind: str, data: np.ndarray) -> torch.Tensor:
+    kind_id = gguf.GGMLQuantizationType[kind]
+    return torch.from_numpy(gguf.quants.dequantize(data, kind_id).astype(np.float32))
+
+
+def weight(kind: str, rows_: int, cols: int, seed: int = 0) -> tuple[QuantWeight, torch.Tensor]:
+    data = random_blocks(kind, rows_, cols, seed)
+    return QuantWeight(kind, torch.from_numpy(data), cols), reference(kind, data)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_kernels_build_for_this_cpu_and_say_which():
+    lib, variant = library()
+    assert variant in VARIANTS and lib.tq_block_bytes(FORMATS["Q6_K"][0]) == 210
+    assert choose_variant(frozenset(), machine="x86_64") == "generic"
+    assert choose_variant(frozenset({"avx2", "fma", "f16c", "bmi2"}), "x86_64") == "avx2"
+    assert choose_variant(frozenset(VARIANTS["avx512"][1]), "x86_64") == "avx512"
+    assert choose_variant(frozenset(VARIANTS["avx512"][1]), "aarch64") == "generic"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_this_cpu_runs_computes_the_same_products(variant):
+    """Hosts differ between runs (AVX2-only EPYCs, AVX-512 Xeons): each build is checked
+    wherever the CPU can run it."""
+    if (
+        choose_variant(cpu_flags()) == "generic"
+        and variant != "generic"
+        or not (VARIANTS[variant][1] <= cpu_flags())
+    ):
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    lib, _ = library(variant)
+    for kind in FORMATS:
+        w, ref = weight(kind, 40, 512)
+        for num_rows in (1, 3):
+            x = torch.randn(num_rows, 512)
+            y = torch.empty(num_rows, 40)
+            rc = lib.tq_gemv(w.type_id, w.data.data_ptr(), w.data.stride(0), 40, 512,
+                             x.data_ptr(), num_rows, y.data_ptr(), 40)  # fmt: skip
+            assert rc == 0 and relative(y, x @ ref.t()) < 1e-5, (variant, kind)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_dequantize_equals_gguf_reference(kind):
+    w, ref = weight(kind, 24, 512)
+    ours = dequantize(w)
+    # The kernels may fuse d * q + m into one rounding where numpy rounds twice.
+    assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(dequantize(w, 5, 9), ref[5:9], rtol=1e-6, atol=1e-7)
+    index = torch.tensor([3, 0, 23, 3])
+    assert torch.allclose(rows(w, index), ref[index], rtol=1e-6, atol=1e-7)
+    with pytest.raises(IndexError):
+        rows(w, torch.tensor([24]))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 16, 70])
+def test_products_match_the_dequantized_weight(kind, num_rows):
+    """Every row count: the fused kernel (<= GEMV_ROWS) and the sliced GEMM above it."""
+    w, ref = weight(kind, 200, 768, seed=num_rows)
+    bias = torch.randn(200)
+    x = torch.randn(num_rows, 768)
+    assert relative(QuantLinear(w, bias)(x), x @ ref.t() + bias) < 1e-5
+
+
+def test_a_row_computes_the_same_bits_alone_or_with_others():
+    """Decode rows up to GEMV_ROWS: a row's result does not depend on its neighbours."""
+    w, _ = weight("Q4_1", 64, 256)
+    x = torch.randn(QuantLinear.GEMV_ROWS, 256)
+    together = QuantLinear(w)(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(QuantLinear(w)(x[i : i + 1])[0], together[i])
+
+
+def test_wide_products_go_through_slices(monkeypatch):
+    monkeypatch.setattr(QuantLinear, "_SLICE_VALUES", 256 * 10)  # 10 rows a slice
+    w, ref = weight("Q4_K", 45, 256)
+    x = torch.randn(9, 256)
+    assert relative(QuantLinear(w)(x), x @ ref.t()) < 1e-5
+
+
+def test_fusing_stacks_one_format_and_splits_mixed_ones():
+    (a, ra), (b, rb) = weight("Q4_1", 32, 256, 1), weight("Q4_1", 16, 256, 2)
+    (c, rc) = weight("Q6_K", 16, 256, 3)
+    assert isinstance(fused_linear([a, b]), QuantLinear)
+    assert stack_rows([a, b]).shape == (48, 256)
+    mixed = fused_linear([a, c], torch.arange(48.0))
+    assert isinstance(mixed, SplitLinear) and mixed.out_features == 48
+    x = torch.randn(2, 256)
+    assert relative(mixed(x), x @ torch.cat([ra, rc]).t() + torch.arange(48.0)) < 1e-5
+    assert isinstance(fused_linear([ra, rb]), type(fused_linear([ra])))
+    with pytest.raises(ValueError):
+        stack_rows([a, c])
+    with pytest.raises(ValueError, match="bytes a row"):
+        QuantWeight("Q4_1", torch.zeros(4, 7, dtype=torch.uint8), 256)
+
+
+# A tiny llama GGUF whose matrices use every supported format (q, k, v in three different
+# ones, so the fused q|k|v product splits).
+HIDDEN, FFN, VOCAB, LAYERS = 256, 512, 320, 2
+KINDS = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q4_0",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}  # fmt: skip
+SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (128, HIDDEN), "attn_v": (128, HIDDEN),
+          "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN),
+          "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}  # fmt: skip
+
+
+def write_mixed_gguf(path) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    rng = np.random.default_rng(7)
+    seed = 0
+
+    def quantized(name: str, kind: str, shape: tuple[int, int]) -> None:
+        nonlocal seed
+        seed += 1
+        data = random_blocks(kind, shape[0], shape[1], seed)
+        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    quantized("token_embd.weight", "Q6_K", (VOCAB, HIDDEN))
+    quantized("output.weight", "Q8_0", (VOCAB, HIDDEN))
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    for i in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            values = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
+            writer.add_tensor(f"blk.{i}.{norm}.weight", values)
+        for name, kind in KINDS.items():
+            quantized(f"blk.{i}.{name}.weight", kind, SHAPES[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def last_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    core = make_core(model, None)
+    core.add("0", ids, SamplingParams(max_tokens=1, temperature=0))
+    sched = core.scheduler.schedule()
+    return core.model.logits(core.runner.forward(sched.scheduled))[-1]
+
+
+def test_a_gguf_of_every_format_computes_the_same_logits_native_and_dequantized(tmp_path):
+    torch.set_num_threads(1)
+    write_mixed_gguf(tmp_path / "mixed.gguf")
+    native = load_gguf(str(tmp_path / "mixed.gguf"), weights="native")
+    fp32 = load_gguf(str(tmp_path / "mixed.gguf"), weights="fp32")
+    kinds = {name: w.kind for name, w in native.weights.items() if isinstance(w, QuantWeight)}
+    assert kinds["layers.0.q"] == "Q4_K" and kinds["embed"] == "Q6_K"
+    assert len(kinds) == 2 + LAYERS * len(KINDS)
+    for name, kind in kinds.items():  # Q/K rows un-permuted in place, blocks untouched
+        assert torch.allclose(dequantize(native.weights[name]), fp32.weights[name], rtol=1e-6)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours, ref = last_logits(LlamaModel(native), ids), last_logits(LlamaModel(fp32), ids)
+    assert relative(ours, ref) < 1e-5
+    bf16 = load_gguf(str(tmp_path / "mixed.gguf"), weights="bf16")
+    assert bf16.weights["layers.0.q"].dtype == torch.bfloat16
+    assert bf16.weights["layers.0.attn_norm"].dtype == torch.float32
+    assert relative(last_logits(LlamaModel(bf16), ids), ref) < 5e-2
+    with pytest.raises(ValueError, match="weights must be one of"):
+        load_gguf(str(tmp_path / "mixed.gguf"), weights="int3")
