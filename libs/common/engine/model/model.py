@@ -22,6 +22,7 @@ from libs.common.engine.load.gguf import LoadedModel
 from libs.common.engine.load.model_config import ModelConfig
 from libs.common.engine.load.quantized import QuantWeight
 from libs.common.engine.model.linear import fused_linear, make_linear
+from libs.common.engine.model.norm import add_rms_norm, rms_norm
 from libs.common.engine.model.quant.ops import rows
 from libs.common.engine.model.rope import RotaryEmbedding, inverse_frequencies
 
@@ -115,7 +116,7 @@ class DecoderLayer:
     def __call__(self, x, cos, sin, attn, plan) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         hq, hk = self.num_heads, self.num_kv_heads
-        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        h = rms_norm(x, self.attn_norm, self.eps)
         qkv = self.qkv(h)
         qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)
         if self.qk_norm is not None:
@@ -125,8 +126,7 @@ class DecoderLayer:
         q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[:, (hq + hk) * d :].view(t, hk, d)
         o = attn.forward(self.index, q, k, v, plan)
-        x = x + self.o(o)
-        h = F.rms_norm(x, (x.shape[-1],), self.ffn_norm, self.eps)
+        x, h = add_rms_norm(x, self.o(o), self.ffn_norm, self.eps)
         return x + self.mlp(h)
 
 
@@ -161,7 +161,7 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, attn, plan)
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantWeight):

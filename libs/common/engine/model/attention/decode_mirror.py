@@ -52,6 +52,7 @@ class MirrorPlan:
     fill_pages: torch.Tensor | None  # [n_fill * fill_pages_each] page ids, padded with page 0
     fill_tokens: int  # tokens gathered per refilled row (a whole number of pages)
     mask: torch.Tensor  # [width, 1, 1, length]: 0 attended, -inf past a slot's context
+    lens: torch.Tensor  # [B] int32: each decode row's context length, row order
 
 
 class DecodeMirror:
@@ -196,6 +197,7 @@ class DecodeMirror:
             fill_pages=fill_pages,
             fill_tokens=fill_tokens,
             mask=mask.view(width, 1, 1, length),
+            lens=torch.tensor(ctx_lens, dtype=torch.int32),
         )
 
     def update(self, layer: int, plan: MirrorPlan, k_rows: torch.Tensor, v_rows: torch.Tensor):
@@ -213,6 +215,11 @@ class DecodeMirror:
                 gathered = paged.index_select(0, plan.fill_pages).view(n, -1, hk, d)
                 target = mirror.narrow(2, 0, plan.fill_tokens)
                 target.index_copy_(0, plan.fill_slots, gathered.transpose(1, 2))
+
+    def layer_tensor(self, layer: int, kv: int) -> torch.Tensor:
+        """The whole mirror of one layer's K (kv=0) or V (1): [slots, Hk, capacity, D]."""
+        assert self._tensor is not None
+        return self._tensor[layer, kv]
 
     def keys(self, layer: int, plan: MirrorPlan) -> torch.Tensor:
         assert self._tensor is not None

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from libs.common.engine.model.attention.base import AttentionBackend, AttentionBatch, slot_mapping
 from libs.common.engine.model.attention.decode_mirror import COMPUTE_DTYPE, DecodeMirror, MirrorPlan
 from libs.common.engine.model.kv_cache import KVCache
+from libs.common.engine.model.quant.native import optional_library
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +54,9 @@ class TorchPlan:
     prefills: list[_Prefill]
 
 
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 class TorchAttention(AttentionBackend):
     """See AttentionBackend; works on any device torch supports."""
 
@@ -61,6 +65,11 @@ class TorchAttention(AttentionBackend):
     def __init__(self, kv_cache: KVCache, num_heads: int, decode_mirror: bool = True) -> None:
         super().__init__(kv_cache, num_heads)
         self.mirror = DecodeMirror(kv_cache) if decode_mirror else None
+        # On the CPU, decode attention over the mirror is a C kernel (quant/kernels.c):
+        # it reads K/V in their stored dtype and only each row's own context.
+        self._kernel = None
+        if self.mirror is not None and kv_cache.buffer.device.type == "cpu":
+            self._kernel = optional_library()
 
     def plan(self, batch: AttentionBatch) -> TorchPlan:
         dev = self.kv_cache.buffer.device
@@ -161,6 +170,8 @@ class TorchAttention(AttentionBackend):
         return o.reshape(b, self.num_heads * d)
 
     def _decode_mirror(self, layer, groups, plan: MirrorPlan) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel_attention(layer, groups, plan)
         keys = self.mirror.keys(layer, plan).to(groups.dtype)
         values = self.mirror.values(layer, plan).to(groups.dtype)
         if not plan.identity:  # rows to their slots; unused slots attend zeros, then dropped
@@ -172,6 +183,21 @@ class TorchAttention(AttentionBackend):
         if not plan.identity:
             o = o.index_select(0, plan.slots)
         return o.reshape(plan.slots.shape[0], self.num_heads * self.head_dim)
+
+    def _kernel_attention(self, layer, groups, plan: MirrorPlan) -> torch.Tensor:
+        """The C kernel on the mirror as stored (any KV dtype; no padded copy, no mask)."""
+        q = groups.reshape(groups.shape[0], -1).contiguous()
+        out = torch.empty_like(q)
+        keys, values = self.mirror.layer_tensor(layer, 0), self.mirror.layer_tensor(layer, 1)
+        rc = self._kernel.tq_decode_attention(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), _KV_TYPES[keys.dtype],
+            keys.stride(0), keys.stride(1), plan.slots.data_ptr(), plan.lens.data_ptr(),
+            q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+            out.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"decode attention kernel failed ({rc})")
+        return out
 
     def _prefill(self, q, k, v, kc, vc, p: _Prefill) -> torch.Tensor:
         hk, d = self.num_kv_heads, self.head_dim

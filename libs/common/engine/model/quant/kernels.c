@@ -15,6 +15,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
+#include <stdlib.h>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -159,6 +161,7 @@ static inline vf v_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf v_set1(float f) { return _mm512_set1_ps(f); }
 static inline void v_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf v_zero(void) { return _mm512_setzero_ps(); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
 /* 16 bytes -> 16 floats (unsigned / signed) in 16 / L vectors. */
@@ -171,6 +174,7 @@ static inline vf v_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf v_set1(float f) { return _mm256_set1_ps(f); }
 static inline void v_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf v_zero(void) { return _mm256_setzero_ps(); }
+static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline float v_sum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -231,12 +235,21 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
             vf acc[TQ_GROUP];
             for (int t = 0; t < TQ_GROUP; t++) acc[t] = v_zero();
             if (small_block(type)) {
+                /* Per-vector accumulators, summed in the one-row path's order: a row's
+                 * result has the same bits whatever rows share its pass. */
+                vf part[TQ_GROUP][VN];
+                for (int t = 0; t < TQ_GROUP; t++)
+                    for (int j = 0; j < VN; j++) part[t][j] = v_zero();
                 for (int b = 0; b < nb; b++) {
                     vf wv[VN];
                     unpack32(type, row + (size_t)b * bb, wv);
                     for (int t = 0; t < g; t++)
                         for (int j = 0; j < VN; j++)
-                            acc[t] = v_fma(wv[j], v_load(xg + (size_t)t * k + b * 32 + j * L), acc[t]);
+                            part[t][j] = v_fma(wv[j], v_load(xg + (size_t)t * k + b * 32 + j * L), part[t][j]);
+                }
+                for (int t = 0; t < g; t++) {
+                    acc[t] = part[t][0];
+                    for (int j = 1; j < VN; j++) acc[t] = v_add(acc[t], part[t][j]);
                 }
             } else {
                 float buf[256];
@@ -289,5 +302,159 @@ int tq_dequant_rows(int type, const uint8_t *w, size_t row_bytes, int k, const i
 #endif
         for (int b = 0; b < nb; b++) dequant_block(type, row + (size_t)b * bb, o + (size_t)b * bs);
     }
+    return 0;
+}
+
+/* RMSNorm of each of `rows` rows of x [rows][cols]: out = x / sqrt(mean(x^2) + eps) * w.
+ * With `delta` (not NULL), x += delta first (the residual add), written back to x. */
+int tq_rms_norm(float *x, const float *delta, const float *w, float eps, int rows, int cols,
+                float *out) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (size_t)r * cols, *o = out + (size_t)r * cols;
+        float ss = 0.0f;
+        if (delta) {
+            const float *dr = delta + (size_t)r * cols;
+            for (int i = 0; i < cols; i++) {
+                const float v = xr[i] + dr[i];
+                xr[i] = v;
+                ss += v * v;
+            }
+        } else {
+            for (int i = 0; i < cols; i++) ss += xr[i] * xr[i];
+        }
+        const float scale = 1.0f / sqrtf(ss / (float)cols + eps);
+        for (int i = 0; i < cols; i++) o[i] = xr[i] * scale * w[i];
+    }
+    return 0;
+}
+
+/* ---- decode attention over the decode mirror ------------------------------------------ */
+
+/* exp(x) for x <= 0 (scores minus their max), branch-free so loops vectorize: 2^n * p(r),
+ * r = x - n ln2, |r| <= ln2 / 2; relative error ~2e-7. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_roundf(x * 1.44269504f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* One row of K or V (D values of type kv_type: 0 fp32, 1 bf16, 2 fp16) -> fp32. */
+static inline void kv_row(const void *base, int64_t offset, int kv_type, int d, float *out) {
+    if (kv_type == 0) {
+        memcpy(out, (const float *)base + offset, (size_t)d * 4);
+    } else if (kv_type == 1) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int i = 0; i < d; i++) {
+            const uint32_t u = (uint32_t)src[i] << 16;
+            memcpy(out + i, &u, 4);
+        }
+    } else {
+        const _Float16 *src = (const _Float16 *)base + offset;
+        for (int i = 0; i < d; i++) out[i] = (float)src[i];
+    }
+}
+
+#define TQ_ATTN_CHUNK 256 /* context tokens per work item */
+#define TQ_MAX_GROUP 16
+
+/* out[b, h, :] = softmax(q[b, h] . K[slot_b, h / G, t] * scale over t < lens[b]) . V[...]
+ * for B decode rows, Hq query heads sharing Hk KV heads (G = Hq / Hk). K and V are the
+ * layer's mirror: element (slot, kv head, t, i) at slot * s_slot + head * s_head + t * D + i.
+ * Work items are (row, KV head, chunk of context), each a partial softmax; they are merged
+ * per row and head at the end (no result depends on the thread count). */
+int tq_decode_attention(const float *q, const void *k, const void *v, int kv_type,
+                        int64_t s_slot, int64_t s_head, const int64_t *slots,
+                        const int32_t *lens, int B, int Hq, int Hk, int D, float scale,
+                        float *out) {
+    if (Hk < 1 || Hq % Hk || Hq / Hk > TQ_MAX_GROUP || D > 512 || B < 1) return -1;
+    const int G = Hq / Hk;
+    int max_len = 0;
+    for (int b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    const int nch = (max_len + TQ_ATTN_CHUNK - 1) / TQ_ATTN_CHUNK;
+    const int items = B * Hk * nch;
+    float *pm = malloc(sizeof(float) * (size_t)items * G * (2 + D));
+    if (!pm) return -2;
+    float *pl = pm + (size_t)items * G, *po = pl + (size_t)items * G;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int it = 0; it < items; it++) {
+        const int b = it / (Hk * nch), h = (it / nch) % Hk, c = it % nch;
+        const int t0 = c * TQ_ATTN_CHUNK, t1 = lens[b] < t0 + TQ_ATTN_CHUNK ? lens[b] : t0 + TQ_ATTN_CHUNK;
+        float *m = pm + (size_t)it * G, *l = pl + (size_t)it * G, *o = po + (size_t)it * G * D;
+        if (t0 >= t1) {
+            for (int g = 0; g < G; g++) { m[g] = -3.0e38f; l[g] = 0.0f; }
+            memset(o, 0, sizeof(float) * (size_t)G * D);
+            continue;
+        }
+        const int64_t base = slots[b] * s_slot + h * s_head;
+        const float *qh = q + ((size_t)b * Hq + (size_t)h * G) * D;
+        float s[TQ_MAX_GROUP][TQ_ATTN_CHUNK];
+        float row[512];
+        for (int t = t0; t < t1; t++) {
+            kv_row(k, base + (int64_t)t * D, kv_type, D, row);
+            for (int g = 0; g < G; g++) {
+                const float *qg = qh + (size_t)g * D;
+                float acc = 0.0f;
+                for (int i = 0; i < D; i++) acc += qg[i] * row[i];
+                s[g][t - t0] = acc * scale;
+            }
+        }
+        const int n = t1 - t0;
+        for (int g = 0; g < G; g++) {
+            float mx = s[g][0];
+            for (int t = 1; t < n; t++) mx = s[g][t] > mx ? s[g][t] : mx;
+            float sum = 0.0f;
+            for (int t = 0; t < n; t++) {
+                const float e = exp_nonpos(s[g][t] - mx);
+                s[g][t] = e;
+                sum += e;
+            }
+            m[g] = mx;
+            l[g] = sum;
+        }
+        memset(o, 0, sizeof(float) * (size_t)G * D);
+        for (int t = t0; t < t1; t++) {
+            kv_row(v, base + (int64_t)t * D, kv_type, D, row);
+            for (int g = 0; g < G; g++) {
+                const float p = s[g][t - t0];
+                float *og = o + (size_t)g * D;
+                for (int i = 0; i < D; i++) og[i] += p * row[i];
+            }
+        }
+    }
+#pragma omp parallel for schedule(static) if (B * Hq > 8)
+    for (int bh = 0; bh < B * Hq; bh++) {
+        const int b = bh / Hq, hq = bh % Hq, h = hq / G, g = hq % G;
+        const size_t first = ((size_t)b * Hk + h) * nch;
+        float mx = -3.0e38f;
+        for (int c = 0; c < nch; c++) {
+            const float mc = pm[(first + c) * G + g];
+            mx = mc > mx ? mc : mx;
+        }
+        float *dst = out + (size_t)bh * D, total = 0.0f;
+        for (int i = 0; i < D; i++) dst[i] = 0.0f;
+        for (int c = 0; c < nch; c++) {
+            const size_t at = (first + c) * G + g;
+            if (pl[at] == 0.0f) continue;
+            const float w = exp_nonpos(pm[at] - mx);
+            total += w * pl[at];
+            const float *oc = po + at * D;
+            for (int i = 0; i < D; i++) dst[i] += w * oc[i];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int i = 0; i < D; i++) dst[i] *= inv;
+    }
+    free(pm);
     return 0;
 }

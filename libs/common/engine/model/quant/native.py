@@ -104,7 +104,7 @@ def build(variant: str, folder: pathlib.Path) -> pathlib.Path:
         steps = [
             [cc, *_flags(variant), "-c", str(SOURCE), "-o", str(obj)],
             [cc, "-shared", str(obj), "-o", str(lib), f"-L{torch_lib}", "-l:libgomp.so.1",
-             f"-Wl,-rpath,{torch_lib}"],
+             f"-Wl,-rpath,{torch_lib}", "-lm"],
         ]  # fmt: skip
         for cmd in steps:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -120,6 +120,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tq_gemv.restype = i
     lib.tq_dequant_rows.argtypes = [i, p, sz, i, p, ctypes.c_int64, i, p]
     lib.tq_dequant_rows.restype = i
+    lib.tq_decode_attention.argtypes = [p, p, p, i, ctypes.c_int64, ctypes.c_int64, p, p,
+                                         i, i, i, i, ctypes.c_float, p]  # fmt: skip
+    lib.tq_decode_attention.restype = i
+    lib.tq_rms_norm.argtypes = [p, p, p, ctypes.c_float, i, i, p]
+    lib.tq_rms_norm.restype = i
     lib.tq_block_size.argtypes = [i]
     lib.tq_block_size.restype = i
     lib.tq_block_bytes.argtypes = [i]
@@ -147,6 +152,17 @@ def library(variant: str | None = None) -> tuple[ctypes.CDLL, str]:
     isa = sorted(flags & {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "amx_tile"})
     log.info("quant.kernels", variant=variant, path=str(path), built=built, cpu_flags=isa)
     return lib, variant
+
+
+@functools.lru_cache(maxsize=1)
+def optional_library() -> ctypes.CDLL | None:
+    """The kernels when they can be had, else None (logged once): for the fused RMSNorm and
+    decode attention, which fall back to torch; quantized weights need `library()`."""
+    try:
+        return library()[0]
+    except KernelsUnavailable as exc:
+        log.warning("quant.kernels_unavailable", reason=str(exc), fallback="torch")
+        return None
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,75 @@
+"""The CPU kernels beside the quantized products: decode attention over the mirror and
+the fused residual-add RMSNorm, against torch's own ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from libs.common.engine.model.attention.torch_backend import _KV_TYPES
+from libs.common.engine.model.norm import add_rms_norm, rms_norm
+from libs.common.engine.model.quant.native import library
+
+
+def reference_attention(q, keys, values, slots, lens, hk):
+    """sdpa row by row: q [B, Hq, D]; keys/values [S, Hk, cap, D]."""
+    out = []
+    for b in range(q.shape[0]):
+        k = keys[slots[b], :, : lens[b]].float()
+        v = values[slots[b], :, : lens[b]].float()
+        group = q.shape[1] // hk
+        qs = q[b].view(hk, group, -1)
+        out.append(F.scaled_dot_product_attention(qs, k, v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("hq", "hk", "d"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+def test_decode_attention_matches_sdpa(dtype, hq, hk, d):
+    lib, _ = library()
+    gen = torch.Generator().manual_seed(hq * d)
+    slots_total, cap = 5, 700
+    keys = torch.randn(slots_total, hk, cap, d, generator=gen).to(dtype)
+    values = torch.randn(slots_total, hk, cap, d, generator=gen).to(dtype)
+    # Contexts across the kernel's 256-token chunks: 1, one chunk exactly, and beyond.
+    slots = torch.tensor([3, 0, 4, 1], dtype=torch.long)
+    lens = torch.tensor([1, 256, 700, 300], dtype=torch.int32)
+    q = torch.randn(4, hq, d, generator=gen) * 2
+    out = torch.empty(4, hq * d)
+    rc = lib.tq_decode_attention(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), _KV_TYPES[dtype],
+        keys.stride(0), keys.stride(1), slots.data_ptr(), lens.data_ptr(),
+        4, hq, hk, d, d**-0.5, out.data_ptr(),
+    )  # fmt: skip
+    assert rc == 0
+    ref = reference_attention(q, keys, values, slots.tolist(), lens.tolist(), hk)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_refuses_shapes_it_cannot_do():
+    lib, _ = library()
+    out = torch.empty(1, 8)
+    z = torch.zeros(1, dtype=torch.long)
+    one = torch.ones(1, dtype=torch.int32)
+    x = torch.zeros(8)
+    rc = lib.tq_decode_attention(x.data_ptr(), x.data_ptr(), x.data_ptr(), 0, 8, 8,
+                                 z.data_ptr(), one.data_ptr(), 1, 3, 2, 8, 1.0,
+                                 out.data_ptr())  # fmt: skip
+    assert rc == -1  # 3 query heads cannot share 2 KV heads
+
+
+def test_rms_norm_and_the_fused_residual_add_match_torch():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 576, generator=gen)
+    delta = torch.randn(13, 576, generator=gen)
+    w = torch.rand(576, generator=gen) + 0.5
+    expected = F.rms_norm(x, (576,), w, 1e-5)
+    assert torch.allclose(rms_norm(x, w, 1e-5), expected, rtol=1e-5, atol=1e-6)
+    total = x + delta
+    summed, normed = add_rms_norm(x.clone(), delta, w, 1e-5)
+    assert torch.equal(summed, total)
+    assert torch.allclose(normed, F.rms_norm(total, (576,), w, 1e-5), rtol=1e-5, atol=1e-6)
+    # Not contiguous: torch's own op, same result.
+    strided = torch.randn(576, 13, generator=gen).t()
+    assert torch.allclose(rms_norm(strided, w, 1e-5), F.rms_norm(strided, (576,), w, 1e-5))
