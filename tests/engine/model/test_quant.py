@@ -89,11 +89,13 @@ def test_dequantize_equals_gguf_reference(kind):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 16, 70])
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 16, 70, 130])
+# 203 output rows: the last tile of four is short
 def test_products_match_the_dequantized_weight(kind, num_rows):
-    """Every row count: the fused kernel (<= GEMV_ROWS) and the sliced GEMM above it."""
-    w, ref = weight(kind, 200, 768, seed=num_rows)
-    bias = torch.randn(200)
+    """Every path: tq_gemv (<= GEMV_ROWS), tq_gemm (<= GEMM_ROWS; short last tiles),
+    dequantized slices above."""
+    w, ref = weight(kind, 203, 768, seed=num_rows)
+    bias = torch.randn(203)
     x = torch.randn(num_rows, 768)
     assert relative(QuantLinear(w, bias)(x), x @ ref.t() + bias) < 1e-5
 
@@ -107,11 +109,14 @@ def test_a_row_computes_the_same_bits_alone_or_with_others():
         assert torch.equal(QuantLinear(w)(x[i : i + 1])[0], together[i])
 
 
-def test_wide_products_go_through_slices(monkeypatch):
-    monkeypatch.setattr(QuantLinear, "_SLICE_VALUES", 256 * 10)  # 10 rows a slice
+def test_prefill_sized_products_go_through_dequantized_slices(monkeypatch):
+    monkeypatch.setattr(QuantLinear, "SLICE_VALUES", 256 * 10)  # 10 rows a slice
     w, ref = weight("Q4_K", 45, 256)
-    x = torch.randn(9, 256)
+    x = torch.randn(QuantLinear.GEMM_ROWS + 1, 256)
     assert relative(QuantLinear(w)(x), x @ ref.t()) < 1e-5
+    one = weight("Q4_0", 8, 256)
+    x = torch.randn(QuantLinear.GEMM_ROWS + 1, 256)
+    assert relative(QuantLinear(one[0])(x), x @ one[1].t()) < 1e-5  # a single slice
 
 
 def test_fusing_stacks_one_format_and_splits_mixed_ones():

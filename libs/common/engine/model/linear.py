@@ -15,9 +15,7 @@ Elsewhere (CUDA, or a torch without oneDNN) a plain `F.linear` is used.
 Weights in other forms (`make_linear` picks the class): a bf16 weight goes through the
 same oneDNN product in bf16 (x rounded to bf16, the result returned as fp32); a GGUF
 block-quantized weight (`QuantWeight`) goes through `QuantLinear`, which reads the blocks
-as stored: a few rows of x (decode steps) take the C kernel's fused dequantize-and-dot, many
-rows (a prefill) take fp32 slices of the weight dequantized into a reused buffer, each
-multiplied by oneDNN/BLAS, so no full fp32 copy of the weight ever exists.
+as stored with the C kernels of quant/kernels.c: no full fp32 copy of the weight exists.
 """
 
 from __future__ import annotations
@@ -84,51 +82,58 @@ class QuantLinear:
     """y = x @ W^T + b for a block-quantized weight [out, in] (same contract as Linear;
     x and y fp32).
 
-    Up to `GEMV_ROWS` rows of x: the C kernel dequantizes each block once and dots it with
-    every row. More rows: the weight is dequantized `_SLICE_VALUES` values at a time into a
-    per-thread buffer and each slice multiplied with torch's GEMM.
+    Up to `GEMV_ROWS` rows of x (decode steps of a few streams): `tq_gemv` dequantizes each
+    block once, in registers, and dots it with every row. Up to `GEMM_ROWS` (a decode
+    batch): `tq_gemm` dequantizes four weight rows at a time into a buffer that stays in
+    cache and multiplies them with every row of x. More (a prefill chunk): the weight is
+    dequantized `SLICE_VALUES` at a time into a per-thread buffer and each slice multiplied
+    with torch's GEMM, whose blocking wins once the fp32 slice is reused by enough rows.
     """
 
     GEMV_ROWS = 4
-    _SLICE_VALUES = 1 << 21  # 8 MiB of fp32 a slice
+    GEMM_ROWS = 128
+    SLICE_VALUES = 1 << 21  # 8 MiB of fp32 a slice
     _buffers = threading.local()
 
-    __slots__ = ("_bias", "_lib", "_weight", "in_features", "out_features")
+    __slots__ = ("_bias", "_gemm", "_gemv", "_weight", "in_features", "out_features")
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self._weight = weight
         self._bias = bias
-        self._lib = library()[0]
+        lib = library()[0]
+        self._gemv, self._gemm = lib.tq_gemv, lib.tq_gemm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if x.dtype != torch.float32:
             raise TypeError(f"QuantLinear takes fp32 activations, got {x.dtype}")
-        rows = x.shape[0]
+        rows, w = x.shape[0], self._weight
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if rows <= self.GEMV_ROWS:
-            w = self._weight
-            self._lib.tq_gemv(w.type_id, w.data.data_ptr(), w.data.stride(0), self.out_features,
-                              self.in_features, x.data_ptr(), rows, y.data_ptr(),
-                              self.out_features)  # fmt: skip
-        else:
+        if rows > self.GEMM_ROWS:
             self._sliced(x, y)
+        else:
+            kernel = self._gemv if rows <= self.GEMV_ROWS else self._gemm
+            n, k = self.out_features, self.in_features
+            rc = kernel(w.type_id, w.data.data_ptr(), w.data.stride(0), n, k, x.data_ptr(),
+                        rows, y.data_ptr(), n)  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"quantized product failed ({rc}) for {w.kind} {w.shape}")
         if self._bias is not None:
             y += self._bias
         return y
 
     def _sliced(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        step = max(1, self._SLICE_VALUES // self.in_features)
-        buffer = getattr(self._buffers, "value", None)
+        step = max(1, self.SLICE_VALUES // self.in_features)
         need = min(step, self.out_features) * self.in_features
+        buffer = getattr(self._buffers, "value", None)
         if buffer is None or buffer.numel() < need:
             buffer = self._buffers.value = torch.empty(need, dtype=torch.float32)
         for start in range(0, self.out_features, step):
             stop = min(start + step, self.out_features)
-            w = dequantize(self._weight, start, stop, buffer[: (stop - start) * self.in_features])
-            w = w.view(stop - start, self.in_features)
-            if start == 0 and stop == self.out_features:
+            size = (stop - start) * self.in_features
+            w = dequantize(self._weight, start, stop, buffer[:size].view(stop - start, -1))
+            if stop - start == self.out_features:
                 torch.mm(x, w.t(), out=y)
             else:
                 y[:, start:stop] = torch.mm(x, w.t())

@@ -280,6 +280,82 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
     return 0;
 }
 
+/* One weight row -> k fp32 values. */
+static inline void dequant_row(int type, const uint8_t *row, int k, float *out) {
+    const int bs = tq_block_size(type), bb = tq_block_bytes(type), nb = k / bs;
+#ifdef L
+    if (small_block(type)) {
+        for (int b = 0; b < nb; b++) {
+            vf wv[VN];
+            unpack32(type, row + (size_t)b * bb, wv);
+            for (int j = 0; j < VN; j++) v_store(out + (size_t)b * 32 + j * L, wv[j]);
+        }
+        return;
+    }
+#endif
+    for (int b = 0; b < nb; b++) dequant_block(type, row + (size_t)b * bb, out + (size_t)b * bs);
+}
+
+#define TQ_NR 4 /* weight rows a tile */
+#define TQ_MR 4 /* rows of x a tile */
+
+/* y = x W^T for any m (meant for a decode batch: 5 to a few dozen rows). Each thread
+ * dequantizes TQ_NR weight rows at a time into a buffer that stays in cache, then
+ * multiplies them with every row of x, TQ_MR x TQ_NR dot products side by side. */
+int tq_gemm(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+            int m, float *y, int ldy) {
+    const int bs = tq_block_size(type);
+    if (tq_block_bytes(type) == 0 || k % bs != 0 || m < 1) return -1;
+    const int tiles = (n_out + TQ_NR - 1) / TQ_NR;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *buf = malloc(sizeof(float) * (size_t)TQ_NR * k);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int tile = 0; tile < tiles; tile++) {
+            if (!buf) continue;
+            const int n0 = tile * TQ_NR, nr = n_out - n0 < TQ_NR ? n_out - n0 : TQ_NR;
+            for (int r = 0; r < TQ_NR; r++) /* a short last tile repeats its last row */
+                dequant_row(type, w + (size_t)(n0 + (r < nr ? r : nr - 1)) * row_bytes, k,
+                            buf + (size_t)r * k);
+            for (int t0 = 0; t0 < m; t0 += TQ_MR) {
+                const int mr = m - t0 < TQ_MR ? m - t0 : TQ_MR;
+                const float *xs[TQ_MR];
+                for (int i = 0; i < TQ_MR; i++) xs[i] = x + (size_t)(t0 + (i < mr ? i : mr - 1)) * k;
+#ifdef L
+                vf acc[TQ_MR][TQ_NR];
+                for (int i = 0; i < TQ_MR; i++)
+                    for (int r = 0; r < TQ_NR; r++) acc[i][r] = v_zero();
+                for (int kk = 0; kk < k; kk += L) {
+                    vf wv[TQ_NR];
+                    for (int r = 0; r < TQ_NR; r++) wv[r] = v_load(buf + (size_t)r * k + kk);
+                    for (int i = 0; i < TQ_MR; i++) {
+                        const vf xv = v_load(xs[i] + kk);
+                        for (int r = 0; r < TQ_NR; r++) acc[i][r] = v_fma(xv, wv[r], acc[i][r]);
+                    }
+                }
+                for (int i = 0; i < mr; i++)
+                    for (int r = 0; r < nr; r++)
+                        y[(size_t)(t0 + i) * ldy + n0 + r] = v_sum(acc[i][r]);
+#else
+                for (int i = 0; i < mr; i++)
+                    for (int r = 0; r < nr; r++) {
+                        float acc = 0.0f;
+                        for (int kk = 0; kk < k; kk++) acc += xs[i][kk] * buf[(size_t)r * k + kk];
+                        y[(size_t)(t0 + i) * ldy + n0 + r] = acc;
+                    }
+#endif
+            }
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
+
 /* out[i] = fp32 row rows[i] of W (or row n0 + i when rows is NULL), i < count. */
 int tq_dequant_rows(int type, const uint8_t *w, size_t row_bytes, int k, const int64_t *rows,
                     int64_t n0, int count, float *out) {

@@ -118,6 +118,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     lib.tq_gemv.argtypes = [i, p, sz, i, i, p, i, p, i]
     lib.tq_gemv.restype = i
+    lib.tq_gemm.argtypes = [i, p, sz, i, i, p, i, p, i]
+    lib.tq_gemm.restype = i
     lib.tq_dequant_rows.argtypes = [i, p, sz, i, p, ctypes.c_int64, i, p]
     lib.tq_dequant_rows.restype = i
     lib.tq_decode_attention.argtypes = [p, p, p, i, ctypes.c_int64, ctypes.c_int64, p, p,
