@@ -216,6 +216,58 @@ static inline void unpack32(int type, const uint8_t *b, vf *w) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* q . x of one Q4_0 / Q4_1 / Q8_0 block, unscaled (16 lanes to be summed later). */
+static inline __m512 block_dot(int type, const uint8_t *blk, const float *xb) {
+    __m512 lo, hi;
+    if (type == TQ_Q8_0) {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+    } else {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (type == TQ_Q4_1 ? 4 : 2)));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+    }
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+}
+
+/* One weight row of a 32-value format times one row of x, on AVX-512. The scales of 16
+ * blocks at a time are gathered and converted together; the constant parts (Q4_1's min m,
+ * Q4_0's -8 d) multiply the block sums of x, xsum, as one vector per 16 blocks. */
+static float row_dot_avx512(int type, const uint8_t *row, int nb, int bb, const float *x,
+                            const float *xsum) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(bb));
+    float ds[16];
+    for (int g = 0; g < nb; g += 16) {
+        const int n = nb - g < 16 ? nb - g : 16;
+        const __mmask16 live = (__mmask16)((1u << n) - 1u);
+        const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets,
+                                                          row + (size_t)g * bb, 1);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+        if (type != TQ_Q8_0) {
+            const __m512 xs = _mm512_maskz_loadu_ps(live, xsum + g);
+            const __m512 c = type == TQ_Q4_1
+                ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)))
+                : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+            accm = _mm512_fmadd_ps(c, xs, accm);
+        }
+        _mm512_storeu_ps(ds, d);
+        const uint8_t *blk = row + (size_t)g * bb;
+        const float *xb = x + (size_t)g * 32;
+        int j = 0;
+        for (; j + 1 < n; j += 2, blk += 2 * bb, xb += 64) {
+            acc0 = _mm512_fmadd_ps(block_dot(type, blk, xb), _mm512_set1_ps(ds[j]), acc0);
+            acc1 = _mm512_fmadd_ps(block_dot(type, blk + bb, xb + 32), _mm512_set1_ps(ds[j + 1]), acc1);
+        }
+        if (j < n) acc0 = _mm512_fmadd_ps(block_dot(type, blk, xb), _mm512_set1_ps(ds[j]), acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), accm));
+}
+#endif
+
 static inline int small_block(int type) { return type == TQ_Q4_0 || type == TQ_Q4_1 || type == TQ_Q8_0; }
 
 /* y[t, n] = sum_k x[t, k] * W[n, k] for t < m (m <= TQ_MAX_ROWS), n < n_out; x is [m][k],
@@ -224,6 +276,20 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
             int m, float *y, int ldy) {
     const int bs = tq_block_size(type), bb = tq_block_bytes(type), nb = k / bs;
     if (bb == 0 || k % bs != 0 || m < 1 || m > TQ_MAX_ROWS) return -1;
+#if defined(__AVX512F__)
+    if (m == 1 && small_block(type)) {
+        float xsum[nb];
+        for (int b = 0; b < nb; b++) {
+            float sum = 0.0f;
+            for (int i = 0; i < 32; i++) sum += x[b * 32 + i];
+            xsum[b] = sum;
+        }
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < n_out; n++)
+            y[n] = row_dot_avx512(type, w + (size_t)n * row_bytes, nb, bb, x, xsum);
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < n_out; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
