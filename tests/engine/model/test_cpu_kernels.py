@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from libs.common.engine.model.attention.torch_backend import _KV_TYPES
-from libs.common.engine.model.norm import add_rms_norm, rms_norm
+from libs.common.engine.model.fused import add_rms_norm, rms_norm, rope, swiglu
 from libs.common.engine.model.quant.native import library
 
 
@@ -73,3 +73,22 @@ def test_rms_norm_and_the_fused_residual_add_match_torch():
     # Not contiguous: torch's own op, same result.
     strided = torch.randn(576, 13, generator=gen).t()
     assert torch.allclose(rms_norm(strided, w, 1e-5), F.rms_norm(strided, (576,), w, 1e-5))
+
+
+def test_rope_matches_the_torch_formula_on_strided_rows():
+    gen = torch.Generator().manual_seed(1)
+    t, h, d = 7, 12, 64
+    qkv = torch.randn(t, h * d + 100, generator=gen)  # rows wider than the heads rotated
+    x = qkv[:, : h * d].view(t, h, d)
+    angles = torch.rand(t, 1, d // 2, generator=gen) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    half = d // 2
+    expected = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    assert torch.allclose(rope(x, cos, sin), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_swiglu_matches_silu_times_up():
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(9, 2 * 1536, generator=gen) * 6  # saturating gates too
+    gate, up = gate_up.split(1536, dim=-1)
+    assert torch.allclose(swiglu(gate_up, 1536), F.silu(gate) * up, rtol=1e-5, atol=1e-6)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from libs.common.engine.load.gguf import LoadedModel
 from libs.common.engine.load.model_config import ModelConfig
 from libs.common.engine.load.quantized import QuantWeight
+from libs.common.engine.model.fused import add_rms_norm, rms_norm, swiglu
 from libs.common.engine.model.linear import fused_linear, make_linear
-from libs.common.engine.model.norm import add_rms_norm, rms_norm
 from libs.common.engine.model.quant.ops import rows
 from libs.common.engine.model.rope import RotaryEmbedding, inverse_frequencies
 
@@ -36,8 +36,7 @@ class DenseMLP:
         self.down = make_linear(down)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.size, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x), self.size))
 
 
 class RoutedExperts:

@@ -12,6 +12,7 @@ import math
 import torch
 
 from libs.common.engine.load.model_config import ModelConfig
+from libs.common.engine.model.fused import rope
 
 
 def inverse_frequencies(
@@ -80,6 +81,4 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return rope(x, cos, sin)

@@ -600,3 +600,40 @@ int tq_decode_attention(const float *q, const void *k, const void *v, int kv_typ
     free(pm);
     return 0;
 }
+
+/* ---- element-wise parts of a layer ------------------------------------------------------ */
+
+/* Rotate-half RoPE of `heads` heads of width d for T tokens: x row t starts at x + t * ldx
+ * (heads contiguous in it), cos/sin are [T][d]; out is [T][heads][d]. */
+int tq_rope(const float *x, int64_t ldx, int heads, int d, const float *cos_t,
+            const float *sin_t, int T, float *out) {
+    const int half = d / 2;
+#pragma omp parallel for schedule(static) if (T > 16)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_t + (size_t)t * d, *s = sin_t + (size_t)t * d;
+        for (int h = 0; h < heads; h++) {
+            const float *xi = x + (size_t)t * ldx + (size_t)h * d;
+            float *o = out + ((size_t)t * heads + h) * d;
+            for (int i = 0; i < half; i++) {
+                o[i] = xi[i] * c[i] + (-xi[i + half]) * s[i];
+                o[i + half] = xi[i + half] * c[i + half] + xi[i] * s[i + half];
+            }
+        }
+    }
+    return 0;
+}
+
+/* SwiGLU: out[t][i] = silu(gu[t][i]) * gu[t][f + i], gu = [T][2f] (gate | up). */
+int tq_swiglu(const float *gu, int f, int T, float *out) {
+#pragma omp parallel for schedule(static) if (T > 16)
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * f, *u = g + f;
+        float *o = out + (size_t)t * f;
+        for (int i = 0; i < f; i++) {
+            const float e = exp_nonpos(g[i] > 0.0f ? -g[i] : g[i]); /* exp(-|g|) */
+            const float sig = g[i] > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[i] = g[i] * sig * u[i];
+        }
+    }
+    return 0;
+}

@@ -125,6 +125,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tq_decode_attention.argtypes = [p, p, p, i, ctypes.c_int64, ctypes.c_int64, p, p,
                                          i, i, i, i, ctypes.c_float, p]  # fmt: skip
     lib.tq_decode_attention.restype = i
+    lib.tq_rope.argtypes = [p, ctypes.c_int64, i, i, p, p, i, p]
+    lib.tq_rope.restype = i
+    lib.tq_swiglu.argtypes = [p, i, i, p]
+    lib.tq_swiglu.restype = i
     lib.tq_rms_norm.argtypes = [p, p, p, ctypes.c_float, i, i, p]
     lib.tq_rms_norm.restype = i
     lib.tq_block_size.argtypes = [i]

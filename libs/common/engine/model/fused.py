@@ -1,0 +1,75 @@
+"""The element-wise parts of a layer as single passes: RMSNorm (with the residual add
+fused in), rotate-half RoPE and SwiGLU. The C kernels (quant/kernels.c) on the CPU, torch
+elsewhere or when no kernel build is available.
+
+A decode step of one stream is mostly small ops: torch's `F.rms_norm` runs five of them
+(~20 us on these hosts), RoPE six, SwiGLU three; each kernel is one pass of a few us.
+Both sides compute the same fp32 formulas (x / sqrt(mean(x^2) + eps) * w;
+x * cos + rotate_half(x) * sin; silu(gate) * up).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from libs.common.engine.model.quant.native import optional_library
+
+
+def _fast(x: torch.Tensor) -> bool:
+    """A dense fp32 CPU tensor and a kernel build to run on it."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and optional_library() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [T, D] with weight [D]."""
+    if not _fast(x):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    out = torch.empty_like(x)
+    optional_library().tq_rms_norm(x.data_ptr(), None, weight.data_ptr(), eps, x.shape[0],
+                             x.shape[1], out.data_ptr())  # fmt: skip
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + delta (x is updated in place when it can be) and the RMSNorm of that sum."""
+    if not (_fast(x) and _fast(delta)):
+        x = x + delta
+        return x, F.rms_norm(x, (x.shape[-1],), weight, eps)
+    out = torch.empty_like(x)
+    optional_library().tq_rms_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps,
+                             x.shape[0], x.shape[1], out.data_ptr())  # fmt: skip
+    return x, out
+
+
+def swiglu(gate_up: torch.Tensor, size: int) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * size] = gate | up."""
+    if not _fast(gate_up):
+        gate, up = gate_up.split(size, dim=-1)
+        return F.silu(gate) * up
+    out = gate_up.new_empty(gate_up.shape[0], size)
+    optional_library().tq_swiglu(gate_up.data_ptr(), size, gate_up.shape[0], out.data_ptr())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, D] (heads dense in each token's row; rows may be
+    strided, as q|k inside the fused qkv output) with cos/sin [T, 1, D]."""
+    t, h, d = x.shape
+    dense_rows = x.stride(2) == 1 and x.stride(1) == d
+    if not (dense_rows and _fast(cos) and _fast(sin) and x.dtype == torch.float32
+            and x.device.type == "cpu"):  # fmt: skip
+        half = d // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+    out = x.new_empty(t, h, d)
+    optional_library().tq_rope(x.data_ptr(), x.stride(0), h, d, cos.data_ptr(),
+                               sin.data_ptr(), t, out.data_ptr())  # fmt: skip
+    return out
