@@ -92,3 +92,24 @@ def test_swiglu_matches_silu_times_up():
     gate_up = torch.randn(9, 2 * 1536, generator=gen) * 6  # saturating gates too
     gate, up = gate_up.split(1536, dim=-1)
     assert torch.allclose(swiglu(gate_up, 1536), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_scatter_rounds_like_tensor_to(dtype):
+    """The decode step's K/V writes must equal what the torch path stores, bit for bit."""
+    lib, _ = library()
+    gen = torch.Generator().manual_seed(5)
+    n, heads, d = 3, 2, 64
+    wide = torch.randn(n, heads * d + 32, generator=gen) * 100  # strided rows, like k in qkv
+    wide[0, :4] = torch.tensor([float("inf"), float("-inf"), 3.3895e38, 1e-41])
+    src = wide[:, : heads * d].view(n, heads, d)
+    dst = torch.zeros(10 * heads, d, dtype=dtype)
+    slots = torch.tensor([7, 2, 5])
+    index = (slots.unsqueeze(1) * heads + torch.arange(heads)).reshape(-1)
+    rc = lib.tq_scatter_heads(src.data_ptr(), src.stride(0), n, heads, d, None,
+                              index.data_ptr(), dst.data_ptr(), _KV_TYPES[dtype])  # fmt: skip
+    assert rc == 0
+    expected = torch.zeros_like(dst)
+    expected.view(-1, heads, d).index_copy_(0, slots, src.to(dtype))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(dst.view(bits), expected.view(bits))

@@ -200,14 +200,16 @@ class DecodeMirror:
             lens=torch.tensor(ctx_lens, dtype=torch.int32),
         )
 
-    def update(self, layer: int, plan: MirrorPlan, k_rows: torch.Tensor, v_rows: torch.Tensor):
-        """Bring the step's slots up to date for `layer` (pages must already hold the new K/V)."""
+    def update(self, layer: int, plan: MirrorPlan, k_rows, v_rows):
+        """Bring the step's slots up to date for `layer` (pages must already hold the new K/V).
+        With k_rows and v_rows None the caller has written the continuing rows itself (at
+        `write_index`); only the refills from pages are done here."""
         assert self._tensor is not None
         c = self.kv_cache
         hk, d = c.num_kv_heads, c.head_dim
         for kv, paged, new in ((0, c.key(layer), k_rows), (1, c.value(layer), v_rows)):
             mirror = self._tensor[layer, kv]
-            if plan.write_index is not None:
+            if plan.write_index is not None and new is not None:
                 rows = new.index_select(0, plan.keep_rows).reshape(-1, d).to(mirror.dtype)
                 mirror.view(-1, d).index_copy_(0, plan.write_index, rows)
             if plan.fill_pages is not None:

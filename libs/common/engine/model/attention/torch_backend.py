@@ -34,6 +34,9 @@ class _Decode:
     mask: torch.Tensor  # [B, 1, 1, max_pages * page_size], 0 where attended, -inf past the end
     batch: int
     mirror: MirrorPlan | None = None  # set: attention reads the mirror
+    # The kernel's KV writes, built at the step's first layer (flat row indices):
+    # paged rows (slot * Hk + h), the continuing rows' token rows and mirror rows.
+    kernel_writes: tuple | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -135,10 +138,14 @@ class TorchAttention(AttentionBackend):
         hk, d = self.num_kv_heads, self.head_dim
         # Stored in the cache's dtype; everything below reads K/V as stored (rounded) and
         # computes in q's, so a chunk attends the same values whether cached or fresh.
+        dec = plan.decode
+        if self._kernel is not None and dec is not None and dec.mirror is not None:
+            if not plan.prefills:  # a decode-only step: one kernel pass per K/V write
+                self._write_kv(layer, k, v, kc, vc, plan, dec)
+                return self._decode(layer, q, kc, vc, dec)
         k, v = k.to(kc.dtype), v.to(vc.dtype)
         kc.view(-1, hk, d).index_copy_(0, plan.slots, k)
         vc.view(-1, hk, d).index_copy_(0, plan.slots, v)
-        dec = plan.decode
         if dec is not None and dec.mirror is not None:
             if dec.rows is None:
                 self.mirror.update(layer, dec.mirror, k, v)
@@ -183,6 +190,38 @@ class TorchAttention(AttentionBackend):
         if not plan.identity:
             o = o.index_select(0, plan.slots)
         return o.reshape(plan.slots.shape[0], self.num_heads * self.head_dim)
+
+    def _write_kv(self, layer, k, v, kc, vc, plan: TorchPlan, dec: _Decode) -> None:
+        """The step's new K/V into the pages and the mirror's continuing rows, rounded to the
+        cache's dtype as `Tensor.to` rounds (nearest even), by `tq_scatter_heads`."""
+        hk, d = self.num_kv_heads, self.head_dim
+        mp = dec.mirror
+        if dec.kernel_writes is None:
+            heads = torch.arange(hk, dtype=torch.long)
+            paged = (plan.slots.unsqueeze(1) * hk + heads).reshape(-1)
+            src = None
+            if mp.write_index is not None:
+                src = mp.keep_rows if dec.rows is None else dec.rows[mp.keep_rows]
+            dec.kernel_writes = (paged, src)
+        paged, src = dec.kernel_writes
+        kind = _KV_TYPES[kc.dtype]
+        scatter = self._kernel.tq_scatter_heads
+        n = k.shape[0]
+        for new, cache in ((k, kc), (v, vc)):
+            if new.stride(2) != 1 or new.stride(1) != d:
+                new = new.contiguous()
+            scatter(new.data_ptr(), new.stride(0), n, hk, d, None, paged.data_ptr(),
+                    cache.data_ptr(), kind)  # fmt: skip
+        if src is not None:
+            for kv, new in ((0, k), (1, v)):
+                if new.stride(2) != 1 or new.stride(1) != d:
+                    new = new.contiguous()
+                mirror = self.mirror.layer_tensor(layer, kv)
+                scatter(new.data_ptr(), new.stride(0), src.shape[0], hk, d, src.data_ptr(),
+                        mp.write_index.data_ptr(), mirror.data_ptr(), kind)  # fmt: skip
+        self.mirror.update(layer, mp, None, None)  # refills from the pages, if any
+        if layer == self.kv_cache.num_layers - 1:
+            self.mirror.finish()
 
     def _kernel_attention(self, layer, groups, plan: MirrorPlan) -> torch.Tensor:
         """The C kernel on the mirror as stored (any KV dtype; no padded copy, no mask)."""

@@ -637,3 +637,38 @@ int tq_swiglu(const float *gu, int f, int T, float *out) {
     }
     return 0;
 }
+
+/* ---- KV writes ---------------------------------------------------------------------------- */
+
+/* Copies n x heads rows of d fp32 values into a K/V buffer of type dst_type (0 fp32, 1 bf16
+ * by rounding to nearest even, 2 fp16): row (i, h) is read at src + r * src_stride + h * d
+ * with r = src_rows[i] (or i when src_rows is NULL) and written at dst + dst_index[i * heads
+ * + h] * d. The paged cache and the decode mirror both take the step's new K/V this way. */
+int tq_scatter_heads(const float *src, int64_t src_stride, int n, int heads, int d,
+                     const int64_t *src_rows, const int64_t *dst_index, void *dst, int dst_type) {
+    for (int i = 0; i < n; i++) {
+        const float *row = src + (src_rows ? src_rows[i] : i) * src_stride;
+        for (int h = 0; h < heads; h++) {
+            const float *s = row + (size_t)h * d;
+            const int64_t at = dst_index[(size_t)i * heads + h] * d;
+            if (dst_type == 0) {
+                memcpy((float *)dst + at, s, sizeof(float) * (size_t)d);
+            } else if (dst_type == 1) {
+                uint16_t *o = (uint16_t *)dst + at;
+                for (int j = 0; j < d; j++) {
+                    uint32_t u;
+                    memcpy(&u, s + j, 4);
+                    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) {
+                        o[j] = (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+                    } else {
+                        o[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+                    }
+                }
+            } else {
+                _Float16 *o = (_Float16 *)dst + at;
+                for (int j = 0; j < d; j++) o[j] = (_Float16)s[j];
+            }
+        }
+    }
+    return 0;
+}

@@ -125,6 +125,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tq_decode_attention.argtypes = [p, p, p, i, ctypes.c_int64, ctypes.c_int64, p, p,
                                          i, i, i, i, ctypes.c_float, p]  # fmt: skip
     lib.tq_decode_attention.restype = i
+    lib.tq_scatter_heads.argtypes = [p, ctypes.c_int64, i, i, i, p, p, p, i]
+    lib.tq_scatter_heads.restype = i
     lib.tq_rope.argtypes = [p, ctypes.c_int64, i, i, p, p, i, p]
     lib.tq_rope.restype = i
     lib.tq_swiglu.argtypes = [p, i, i, p]
