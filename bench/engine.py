@@ -18,6 +18,13 @@ workload also gets an end-to-end bound: every prompt and generated token
 costs 2 FLOP per weight, at the matmul rate, or with the prompts at the
 prefill rate measured in this run; `3x transformers / bound` above 1 says
 that goal cannot be met on this machine. `verdicts` holds one entry per goal.
+
+Then llama.cpp, in the same run with the same threads (bench/peer_llama_cpp.py): llama-bench
+pp512, pp<prefill> and tg<new> on the same GGUF, and llama-server with --parallel <streams>
+on the same token-id prompts. The `llama_cpp` section holds its figures, the ratios
+ours/llama.cpp (one stream: our decode tok/s after the first token vs tg; prefill: our
+prefill tok/s vs pp; streams: our output tok/s vs llama-server's) and a verdict per goal
+of issue 24. It says `absent` with the reason when the peer is not built (`make bench-peers`).
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ import os
 import pathlib
 import platform
 import sys
+import tempfile
 import time
 
 import orjson
 import structlog
 
+from bench import peer_llama_cpp
 from bench.report import emit
 
 log = structlog.get_logger(__name__)
@@ -177,6 +186,29 @@ def prefill_reference(torch, model, ids) -> float:
         return time.perf_counter() - start
 
 
+def llama_cpp_section(args, model: pathlib.Path, vocab: int, report: dict) -> dict:
+    """llama.cpp's figures on the same model and threads, and the ratios ours/llama.cpp."""
+    folder = None if args.peer_llama_cpp == "none" else pathlib.Path(args.peer_llama_cpp)
+    if not peer_llama_cpp.missing(folder):
+        print("llama.cpp ...", file=sys.stderr)
+    section = peer_llama_cpp.measure(
+        folder, model, args.threads, prefill_tokens=args.prefill_tokens,
+        new_tokens=args.new_tokens,
+        stream_prompts=_prompts(args.streams, args.prompt_tokens, vocab),
+        workdir=pathlib.Path(tempfile.mkdtemp(prefix="bench-engine-llama-server-")))  # fmt: skip
+    if "absent" in section:
+        return section
+    streams = f"streams_{args.streams}"
+    section.update(peer_llama_cpp.ratios(
+        report["single_stream"]["ours"]["decode_tok_s"],
+        report[f"prefill_{args.prefill_tokens}"]["ours_tok_s"],
+        report[streams]["ours"]["tok_s"] if streams in report else 0.0,
+        section, tg=f"tg{args.new_tokens}", pp=f"pp{args.prefill_tokens}",
+        streams=streams))  # fmt: skip
+    print(f"llama.cpp: {orjson.dumps(section).decode()}", file=sys.stderr)
+    return section
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.engine", description=__doc__.split("\n")[0]
@@ -188,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--peer-llama-cpp",
+        default=str(peer_llama_cpp.DEFAULT_DIR),
+        metavar="DIR",
+        help="llama.cpp build: DIR/bin/llama-bench, llama-server (make bench-peers); none: skip",
+    )
     args = parser.parse_args(argv)
 
     from libs.common.log import setup_logging
@@ -290,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             report[streams], args.streams * args.prompt_tokens, 2 * cfg.num_params, matmul,
             len(ids) / ours_s))  # fmt: skip
         report["verdicts"] = verdicts(report, streams, f"prefill_{args.prefill_tokens}")
+    report["llama_cpp"] = llama_cpp_section(args, path, cfg.vocab_size, report)
     report["machine"]["loadavg_end"] = os.getloadavg()
     emit(report, args.json)
     return 0
