@@ -62,6 +62,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._fn(x)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight one product reads."""
+        return self.in_features * self.out_features * self._weight.element_size()
+
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         if self._weight.dtype != x.dtype:  # bf16 weights: the product runs in bf16
             bias = None if self._bias is None else self._bias.to(self._weight.dtype)
@@ -103,6 +108,10 @@ class QuantLinear:
         self._bias = bias
         lib = library()[0]
         self._gemv, self._gemm = lib.tq_gemv, lib.tq_gemm
+
+    @property
+    def nbytes(self) -> int:
+        return self._weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
@@ -156,6 +165,10 @@ class SplitLinear:
         self._parts = parts
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self._parts], dim=-1)

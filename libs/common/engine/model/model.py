@@ -162,6 +162,19 @@ class LlamaModel:
             x = layer(x, cos, sin, attn, plan)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (every product once; the embedding rows
+        looked up are negligible): the single-stream memory floor's numerator."""
+        total = self.lm_head.nbytes
+        for layer in self.layers:
+            mlp = layer.mlp
+            parts = [mlp.gate_up, mlp.down] if isinstance(mlp, DenseMLP) else [mlp.router]
+            if not isinstance(mlp, DenseMLP):  # routed: top_k experts' worth per token
+                per_expert = mlp.experts[0].gate_up.nbytes + mlp.experts[0].down.nbytes
+                total += mlp.top_k * per_expert
+            total += layer.qkv.nbytes + layer.o.nbytes + sum(p.nbytes for p in parts)
+        return total
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantWeight):
             return rows(self.embed, input_ids)

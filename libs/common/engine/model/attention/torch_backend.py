@@ -141,7 +141,7 @@ class TorchAttention(AttentionBackend):
         dec = plan.decode
         if self._kernel is not None and dec is not None and dec.mirror is not None:
             if not plan.prefills:  # a decode-only step: one kernel pass per K/V write
-                self._write_kv(layer, k, v, kc, vc, plan, dec)
+                self._write_kv(layer, k, v, plan)
                 return self._decode(layer, q, kc, vc, dec)
         k, v = k.to(kc.dtype), v.to(vc.dtype)
         kc.view(-1, hk, d).index_copy_(0, plan.slots, k)
@@ -191,10 +191,12 @@ class TorchAttention(AttentionBackend):
             o = o.index_select(0, plan.slots)
         return o.reshape(plan.slots.shape[0], self.num_heads * self.head_dim)
 
-    def _write_kv(self, layer, k, v, kc, vc, plan: TorchPlan, dec: _Decode) -> None:
+    def _write_kv(self, layer, k, v, plan: TorchPlan) -> None:
         """The step's new K/V into the pages and the mirror's continuing rows, rounded to the
         cache's dtype as `Tensor.to` rounds (nearest even), by `tq_scatter_heads`."""
         hk, d = self.num_kv_heads, self.head_dim
+        kc, vc = self.kv_cache.key(layer), self.kv_cache.value(layer)
+        dec = plan.decode
         mp = dec.mirror
         if dec.kernel_writes is None:
             heads = torch.arange(hk, dtype=torch.long)
