@@ -138,14 +138,17 @@ class QuantLinear:
         buffer = getattr(self._buffers, "value", None)
         if buffer is None or buffer.numel() < need:
             buffer = self._buffers.value = torch.empty(need, dtype=torch.float32)
+        onednn = onednn_usable(x.device)
         for start in range(0, self.out_features, step):
             stop = min(start + step, self.out_features)
             size = (stop - start) * self.in_features
             w = dequantize(self._weight, start, stop, buffer[:size].view(stop - start, -1))
-            if stop - start == self.out_features:
-                torch.mm(x, w.t(), out=y)
+            if onednn:  # reordered per slice: ~1% of the product, which then runs 0-18% faster
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+                part = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             else:
-                y[:, start:stop] = torch.mm(x, w.t())
+                part = torch.mm(x, w.t())
+            y[:, start:stop] = part
 
 
 def make_linear(weight, bias: torch.Tensor | None = None):
