@@ -22,6 +22,7 @@ from libs.common.engine.load.gguf import LoadedModel
 from libs.common.engine.load.model_config import ModelConfig
 from libs.common.engine.load.quantized import QuantWeight
 from libs.common.engine.model.fused import add_rms_norm, rms_norm, swiglu
+from libs.common.engine.model.fused_decode import FusedDecode
 from libs.common.engine.model.linear import fused_linear, make_linear
 from libs.common.engine.model.quant.ops import rows
 from libs.common.engine.model.rope import RotaryEmbedding, inverse_frequencies
@@ -153,13 +154,15 @@ class LlamaModel:
             prefix = f"layers.{i}."
             lw = {k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)}
             self.layers.append(DecoderLayer(c, lw, i))
+        self._fused = FusedDecode.build(self)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, attn, plan) -> torch.Tensor:
         x = self._embed(input_ids)
         cos, sin = self.rope.tables(positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn, plan)
+        if self._fused is None or not self._fused.run(x, cos, sin, attn, plan):
+            for layer in self.layers:
+                x = layer(x, cos, sin, attn, plan)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def weight_bytes_per_token(self) -> int:

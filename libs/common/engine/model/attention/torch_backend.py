@@ -60,6 +60,31 @@ class TorchPlan:
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+@dataclasses.dataclass(slots=True)
+class FusedDecodeArgs:
+    """Addresses and strides a fused decode layer needs (tq_step_t's K/V part, in order)."""
+
+    k_pages: int
+    v_pages: int
+    layer_stride: int  # bytes between two layers' pages
+    kv_type: int
+    paged_index: int
+    mirror_k: int
+    mirror_v: int
+    mirror_layer_stride: int  # bytes
+    n_mirror: int
+    mirror_src: int
+    mirror_dst: int
+    slot_stride: int  # elements
+    head_stride: int
+    slots: int
+    lens: int
+    scale: float
+
+    def pointers(self) -> tuple:
+        return dataclasses.astuple(self)
+
+
 class TorchAttention(AttentionBackend):
     """See AttentionBackend; works on any device torch supports."""
 
@@ -191,21 +216,54 @@ class TorchAttention(AttentionBackend):
             o = o.index_select(0, plan.slots)
         return o.reshape(plan.slots.shape[0], self.num_heads * self.head_dim)
 
-    def _write_kv(self, layer, k, v, plan: TorchPlan) -> None:
-        """The step's new K/V into the pages and the mirror's continuing rows, rounded to the
-        cache's dtype as `Tensor.to` rounds (nearest even), by `tq_scatter_heads`."""
-        hk, d = self.num_kv_heads, self.head_dim
-        kc, vc = self.kv_cache.key(layer), self.kv_cache.value(layer)
+    def fused_decode(self, plan: TorchPlan) -> FusedDecodeArgs | None:
+        """Where a fused decode layer (model/fused_decode.py) writes and reads K/V this step,
+        or None unless the step is decode-only and every row continues its mirror slot."""
         dec = plan.decode
+        if self._kernel is None or dec is None or dec.mirror is None or plan.prefills:
+            return None
         mp = dec.mirror
+        if mp.fill_pages is not None or dec.rows is not None:
+            return None
+        paged, src = self._kernel_writes(plan)
+        buffer, mirror = self.kv_cache.buffer, self.mirror.layer_tensor(0, 0)
+        whole = self.mirror.layer_tensor(1, 0) if self.kv_cache.num_layers > 1 else None
+        size = buffer.element_size()
+        mirror_layer = (whole.data_ptr() - mirror.data_ptr()) if whole is not None else 0
+        return FusedDecodeArgs(
+            buffer[0, 0].data_ptr(), buffer[0, 1].data_ptr(), buffer.stride(0) * size,
+            _KV_TYPES[buffer.dtype], paged.data_ptr(), mirror.data_ptr(),
+            self.mirror.layer_tensor(0, 1).data_ptr(), mirror_layer,
+            0 if src is None else src.shape[0], 0 if src is None else src.data_ptr(),
+            0 if src is None else mp.write_index.data_ptr(), mirror.stride(0), mirror.stride(1),
+            mp.slots.data_ptr(), mp.lens.data_ptr(), self.scale,
+        )  # fmt: skip
+
+    def fused_done(self, plan: TorchPlan) -> None:
+        """Every layer of a fused step ran: the mirror's slots are up to date."""
+        self.mirror.finish()
+
+    def _kernel_writes(self, plan: TorchPlan) -> tuple:
+        """Flat row indices of the step's K/V writes, built once a step: paged rows
+        (slot * Hk + h), and the continuing rows' token rows (None: no mirror writes)."""
+        dec = plan.decode
         if dec.kernel_writes is None:
+            hk, mp = self.num_kv_heads, dec.mirror
             heads = torch.arange(hk, dtype=torch.long)
             paged = (plan.slots.unsqueeze(1) * hk + heads).reshape(-1)
             src = None
             if mp.write_index is not None:
                 src = mp.keep_rows if dec.rows is None else dec.rows[mp.keep_rows]
             dec.kernel_writes = (paged, src)
-        paged, src = dec.kernel_writes
+        return dec.kernel_writes
+
+    def _write_kv(self, layer, k, v, plan: TorchPlan) -> None:
+        """The step's new K/V into the pages and the mirror's continuing rows, rounded to the
+        cache's dtype as `Tensor.to` rounds (nearest even), by `tq_scatter_heads`."""
+        hk, d = self.num_kv_heads, self.head_dim
+        kc, vc = self.kv_cache.key(layer), self.kv_cache.value(layer)
+        mp = plan.decode.mirror
+        paged, src = self._kernel_writes(plan)
         kind = _KV_TYPES[kc.dtype]
         scatter = self._kernel.tq_scatter_heads
         n = k.shape[0]
