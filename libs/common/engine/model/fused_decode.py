@@ -67,8 +67,6 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model) -> FusedDecode | None:
-        from libs.common.engine.model.model import DenseMLP
-
         lib = optional_library()
         if lib is None:
             return None
@@ -76,7 +74,8 @@ class FusedDecode:
         lib.tq_decode_layer.restype = _I
         layers, keep = [], []
         for layer in model.layers:
-            if layer.qk_norm is not None or not isinstance(layer.mlp, DenseMLP):
+            dense = all(hasattr(layer.mlp, n) for n in ("gate_up", "down", "size"))  # not routed
+            if layer.qk_norm is not None or not dense:
                 return None
             mats = [_matrix(m) for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
             if None in mats or any(m._bias is not None for m in (layer.qkv, layer.o)):
