@@ -100,7 +100,7 @@ async def test_bad_generate_requests_get_error_replies_and_worker_keeps_serving(
 async def test_info_shows_transport_and_pairing_facts(bus):
     info = await bus.request("tandem.prefill.p1.info", InfoRequest(), ServiceInfo)
     assert info.details["transport"] == "tcp" and info.details["page_size"] == 16
-    assert info.details["kv_dtype"] == "float32" and info.details["model_id"]
+    assert info.details["kv_dtype"] == "float32/native" and info.details["model_id"]
     orjson.dumps(info.details)  # plain data
 
 

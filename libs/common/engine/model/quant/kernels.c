@@ -425,24 +425,13 @@ int tq_gemm(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
 /* out[i] = fp32 row rows[i] of W (or row n0 + i when rows is NULL), i < count. */
 int tq_dequant_rows(int type, const uint8_t *w, size_t row_bytes, int k, const int64_t *rows,
                     int64_t n0, int count, float *out) {
-    const int bs = tq_block_size(type), bb = tq_block_bytes(type), nb = k / bs;
+    const int bs = tq_block_size(type), bb = tq_block_bytes(type);
     if (bb == 0 || k % bs != 0) return -1;
 #pragma omp parallel for schedule(static) if (count > 1)
     for (int i = 0; i < count; i++) {
         const int64_t r = rows ? rows[i] : n0 + i;
         const uint8_t *row = w + (size_t)r * row_bytes;
-        float *o = out + (size_t)i * k;
-#ifdef L
-        if (small_block(type)) {
-            for (int b = 0; b < nb; b++) {
-                vf wv[VN];
-                unpack32(type, row + (size_t)b * bb, wv);
-                for (int j = 0; j < VN; j++) v_store(o + (size_t)b * 32 + j * L, wv[j]);
-            }
-            continue;
-        }
-#endif
-        for (int b = 0; b < nb; b++) dequant_block(type, row + (size_t)b * bb, o + (size_t)b * bs);
+        dequant_row(type, row, k, out + (size_t)i * k);
     }
     return 0;
 }
