@@ -33,9 +33,18 @@ ARG REQUIREMENTS=requirements/base.txt
 ARG BUILD_APT_PACKAGES=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore
 
-RUN command -v gcc >/dev/null && [ -z "${BUILD_APT_PACKAGES}" ] \
+RUN if [ -n "${BUILD_APT_PACKAGES}" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends ${BUILD_APT_PACKAGES} \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+# gcc for the engine's CPU kernels (below): from the base image when it has it (an offline
+# build, `--network none`, needs that), else from apt.
+RUN command -v gcc >/dev/null \
     || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-        ${BUILD_APT_PACKAGES} && rm -rf /var/lib/apt/lists/*)
+        && rm -rf /var/lib/apt/lists/*) \
+    || { echo "the build stage needs gcc for the engine's kernels: a base image with gcc" \
+              "and libc6-dev, or a build with network access" >&2; exit 1; }
 
 # Images without the venv module (Debian/Ubuntu's own python3) get it from apt.
 RUN python3 -m venv /opt/venv \

@@ -6,10 +6,11 @@ Steps (each one fails the run with a message saying which):
   2. a Docker engine: when none answers, `dockerd` is started in the background (and
      stopped at the end)
   3. a local base image (images cannot be pulled here): `debootstrap --variant=minbase
-     bookworm` with python3 + `docker import`, built once and kept (tag tandem-base:bookworm)
+     bookworm` with python3 and gcc + `docker import`, built once and kept (tag
+     tandem-base:bookworm-gcc)
   4. the wheel folder (deploy/wheels), filled by `pip download` on the host, so that the
      image builds with `--network none`
-  5. our image, `docker build --network none --build-arg BASE_IMAGE=tandem-base:bookworm`
+  5. our image, `docker build --network none --build-arg BASE_IMAGE=tandem-base:bookworm-gcc`
   6. `up -d` with a private env file (free host ports, a random NATS password), then wait
      until every service's container reports healthy (Compose 1.29 has no `--wait`)
   7. chat completions through the router with the `openai` client, while subscribed to
@@ -42,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 WORKDIR = REPO / "run" / "compose-test"
-BASE_IMAGE = "tandem-base:bookworm"
+BASE_IMAGE = "tandem-base:bookworm-gcc"
 IMAGE = "tandem:compose-test"
 PROJECT = "tandem-compose-test"
 SERVICES = ("nats", "cache_master", "cache_store_1", "cache_store_2", "prefill", "decode", "router")
@@ -140,7 +141,9 @@ def ensure_base_image() -> None:
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="tandem-rootfs-") as tmp:
         rootfs = Path(tmp) / "rootfs"
         run([
-            "debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
+            "debootstrap", "--variant=minbase",
+            # gcc: the image's build stage compiles the engine's kernels offline.
+            "--include=python3,python3-venv,ca-certificates,gcc,libc6-dev",
             "bookworm", str(rootfs), DEBIAN_MIRROR,
         ])  # fmt: skip
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
