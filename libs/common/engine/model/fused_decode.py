@@ -48,7 +48,7 @@ class _Step(ctypes.Structure):
 def _matrix(linear) -> _Matrix | None:
     if not isinstance(linear, QuantLinear):
         return None
-    w = linear._weight
+    w = linear.weight
     return _Matrix(w.type_id, w.data.data_ptr(), w.data.stride(0))
 
 
@@ -78,7 +78,7 @@ class FusedDecode:
             if layer.qk_norm is not None or not dense:
                 return None
             mats = [_matrix(m) for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
-            if None in mats or any(m._bias is not None for m in (layer.qkv, layer.o)):
+            if None in mats or any(m.bias is not None for m in (layer.qkv, layer.o)):
                 return None
             norms = (layer.attn_norm.contiguous(), layer.ffn_norm.contiguous())
             keep.extend(norms)

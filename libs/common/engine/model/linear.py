@@ -113,6 +113,14 @@ class QuantLinear:
     def nbytes(self) -> int:
         return self._weight.nbytes
 
+    @property
+    def weight(self) -> QuantWeight:
+        return self._weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._bias
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if x.dtype != torch.float32:
