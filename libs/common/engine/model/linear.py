@@ -126,10 +126,10 @@ class QuantLinear:
         if x.dtype != torch.float32:
             raise TypeError(f"QuantLinear takes fp32 activations, got {x.dtype}")
         rows, w = x.shape[0], self._weight
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
         if rows > self.GEMM_ROWS:
-            self._sliced(x, y)
+            y = self._sliced(x)
         else:
+            y = torch.empty(rows, self.out_features, dtype=torch.float32)
             kernel = self._gemv if rows <= self.GEMV_ROWS else self._gemm
             n, k = self.out_features, self.in_features
             rc = kernel(w.type_id, w.data.data_ptr(), w.data.stride(0), n, k, x.data_ptr(),
@@ -140,8 +140,9 @@ class QuantLinear:
             y += self._bias
         return y
 
-    def _sliced(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _sliced(self, x: torch.Tensor) -> torch.Tensor:
         step = max(1, self.SLICE_VALUES // self.in_features)
+        y = None  # a single slice's product is the result as it is (no copy)
         need = min(step, self.out_features) * self.in_features
         buffer = getattr(self._buffers, "value", None)
         if buffer is None or buffer.numel() < need:
@@ -156,7 +157,12 @@ class QuantLinear:
                 part = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             else:
                 part = torch.mm(x, w.t())
+            if stop - start == self.out_features:
+                return part
+            if y is None:
+                y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
             y[:, start:stop] = part
+        return y
 
 
 def make_linear(weight, bias: torch.Tensor | None = None):
