@@ -40,9 +40,23 @@ _COMMON_FLAGS = [
 VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
     "avx512": (
         ["-march=x86-64-v4", "-mprefer-vector-width=512"],
-        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+        frozenset(
+            {
+                "avx512f",
+                "avx512bw",
+                "avx512cd",
+                "avx512vl",
+                "avx512dq",
+                "avx2",
+                "fma",
+                "f16c",
+                "bmi1",
+                "bmi2",
+                "movbe",
+            }
+        ),
     ),
-    "avx2": (["-march=x86-64-v3"], frozenset({"avx2", "fma", "f16c", "bmi2"})),
+    "avx2": (["-march=x86-64-v3"], frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})),
     "generic": ([], frozenset()),
 }
 
