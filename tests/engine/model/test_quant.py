@@ -12,6 +12,7 @@ from libs.common.engine.load.gguf import load_gguf
 from libs.common.engine.load.quantized import FORMATS, QuantWeight, stack_rows
 from libs.common.engine.model.linear import QuantLinear, SplitLinear, fused_linear
 from libs.common.engine.model.model import LlamaModel
+from libs.common.engine.model.quant import native
 from libs.common.engine.model.quant.native import VARIANTS, choose_variant, cpu_flags, library
 from libs.common.engine.model.quant.ops import dequantize, rows
 from tests.engine.model.test_families import make_core
@@ -56,6 +57,13 @@ def test_kernels_build_for_this_cpu_and_say_which():
     assert choose_variant(VARIANTS["avx2"][1] | {"avx512f"}, "x86_64") == "avx2"
     assert choose_variant(frozenset(VARIANTS["avx512"][1]), "x86_64") == "avx512"
     assert choose_variant(frozenset(VARIANTS["avx512"][1]), "aarch64") == "generic"
+
+
+def test_without_a_compiler_the_error_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(native.KernelsUnavailable, match="--weights fp32"):
+        native.build("generic", tmp_path)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

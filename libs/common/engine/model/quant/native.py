@@ -108,7 +108,10 @@ def build(variant: str, folder: pathlib.Path) -> pathlib.Path:
     """Compile one variant into folder/tq_<variant>.so (atomically); returns its path."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise KernelsUnavailable("no C compiler (cc) to build the quantized kernels")
+        raise KernelsUnavailable(
+            "no C compiler (cc) to build the quantized kernels: install gcc, point "
+            "TANDEM_KERNEL_DIR at prebuilt ones, or run with --weights fp32"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"tq_{variant}.so"
     torch_lib = _torch_lib()
