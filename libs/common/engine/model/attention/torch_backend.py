@@ -161,13 +161,13 @@ class TorchAttention(AttentionBackend):
     def forward(self, layer, q, k, v, plan: TorchPlan) -> torch.Tensor:
         kc, vc = self.kv_cache.key(layer), self.kv_cache.value(layer)
         hk, d = self.num_kv_heads, self.head_dim
-        # Stored in the cache's dtype; everything below reads K/V as stored (rounded) and
-        # computes in q's, so a chunk attends the same values whether cached or fresh.
         dec = plan.decode
         if self._kernel is not None and dec is not None and dec.mirror is not None:
             if not plan.prefills:  # a decode-only step: one kernel pass per K/V write
                 self._write_kv(layer, k, v, plan)
                 return self._decode(layer, q, kc, vc, dec)
+        # Stored in the cache's dtype; everything below reads K/V as stored (rounded) and
+        # computes in q's, so a chunk attends the same values whether cached or fresh.
         k, v = k.to(kc.dtype), v.to(vc.dtype)
         kc.view(-1, hk, d).index_copy_(0, plan.slots, k)
         vc.view(-1, hk, d).index_copy_(0, plan.slots, v)
@@ -266,16 +266,12 @@ class TorchAttention(AttentionBackend):
         paged, src = self._kernel_writes(plan)
         kind = _KV_TYPES[kc.dtype]
         scatter = self._kernel.tq_scatter_heads
-        n = k.shape[0]
-        for new, cache in ((k, kc), (v, vc)):
-            if new.stride(2) != 1 or new.stride(1) != d:
+        for kv, new, cache in ((0, k, kc), (1, v, vc)):
+            if new.stride(2) != 1 or new.stride(1) != d:  # rows may be strided, heads dense
                 new = new.contiguous()
-            scatter(new.data_ptr(), new.stride(0), n, hk, d, None, paged.data_ptr(),
+            scatter(new.data_ptr(), new.stride(0), new.shape[0], hk, d, None, paged.data_ptr(),
                     cache.data_ptr(), kind)  # fmt: skip
-        if src is not None:
-            for kv, new in ((0, k), (1, v)):
-                if new.stride(2) != 1 or new.stride(1) != d:
-                    new = new.contiguous()
+            if src is not None:
                 mirror = self.mirror.layer_tensor(layer, kv)
                 scatter(new.data_ptr(), new.stride(0), src.shape[0], hk, d, src.data_ptr(),
                         mp.write_index.data_ptr(), mirror.data_ptr(), kind)  # fmt: skip
