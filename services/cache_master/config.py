@@ -31,6 +31,24 @@ class CacheMasterConfig(CommonConfig):
     low_watermark: float = field(
         default=0.8, metadata={"help": "segment use (0-1) eviction brings a segment down to"}
     )
+    min_object_size: int = field(
+        default=64, metadata={"help": "smallest object a put may store, bytes (metadata bound)"}
+    )
+    max_pending_puts: int = field(
+        default=8192,
+        metadata={"help": "objects one client may have reserved and not yet put_end'ed"},
+    )
+    max_lease_pin: float = field(
+        default=120.0,
+        metadata={"help": "longest unbroken read lease of one object, seconds (>= --lease-ttl)"},
+    )
+    mount_timeout: float = field(
+        default=30.0, metadata={"help": "seconds an idle, unfinished store mount is kept"}
+    )
+    epoch: int = field(
+        default=0,
+        metadata={"help": "this master's epoch (0: from the clock); a higher one fences it"},
+    )
     sweep_interval: float = field(
         default=0.5,
         metadata={"help": "seconds between sweeps (dead stores, stale puts, ended leases)"},
@@ -40,8 +58,22 @@ class CacheMasterConfig(CommonConfig):
         super().validate()
         for name in ("heartbeat_timeout", "lease_ttl", "replicas", "max_object_size"):
             require_positive(self, name)
-        for name in ("put_timeout", "sweep_interval"):
+        for name in ("put_timeout", "sweep_interval", "min_object_size", "max_pending_puts"):
             require_positive(self, name)
+        for name in ("max_lease_pin", "mount_timeout"):
+            require_positive(self, name)
+        if self.epoch < 0:
+            raise ValueError(f"{flag_name('epoch')}: must be >= 0, got {self.epoch}")
+        if self.min_object_size > self.max_object_size:
+            raise ValueError(
+                f"{flag_name('min_object_size')}: must be <= --max-object-size "
+                f"({self.max_object_size}), got {self.min_object_size}"
+            )
+        if self.max_lease_pin < self.lease_ttl:
+            raise ValueError(
+                f"{flag_name('max_lease_pin')}: must be >= --lease-ttl ({self.lease_ttl}), "
+                f"got {self.max_lease_pin}"
+            )
         require_range(self, "high_watermark", 0.01, 1.0)
         require_range(self, "low_watermark", 0.0, 1.0)
         if self.low_watermark >= self.high_watermark:

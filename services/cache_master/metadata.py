@@ -42,6 +42,19 @@ class PoolLimits:
     high_watermark: float = 0.9
     low_watermark: float = 0.8
     alignment: int = 64
+    min_object_size: int = 64
+    max_pending_puts: int = 8192  # pending objects per client
+    max_lease_pin: float = 120.0  # longest unbroken lease of one object, seconds
+
+
+@dataclass
+class Repair:
+    """A copy of `obj` being made on `target` at `offset` (reserved there) from `source`."""
+
+    obj: PoolObject
+    source: Replica
+    target: Segment
+    offset: int
 
 
 class PoolMetadata:
@@ -54,7 +67,10 @@ class PoolMetadata:
         self.lru = Lru()  # complete keys, oldest first
         self.doomed: list[PoolObject] = []  # removed while leased: bytes held until expiry
         self.changes = Changes()
-        self.hits = self.misses = self.evictions = 0
+        self.hits = self.misses = self.evictions = self.repaired = 0
+        self.pending_by_client: dict[str, int] = {}
+        self.under_replicated: set[str] = set()  # keys to copy back up to `want` replicas
+        self.unplaced: set[str] = set()  # under-replicated, no store to copy to: wait a mount
 
     def take_changes(self) -> Changes:
         changes, self.changes = self.changes, Changes()
@@ -88,6 +104,8 @@ class PoolMetadata:
         for record in reported:
             if not self._adopt(segment, record):
                 rejected += 1
+        self.under_replicated |= self.unplaced  # a store more: maybe room for their copies
+        self.unplaced.clear()
         return segment, rejected
 
     def _adopt(self, segment: Segment, record: Any) -> bool:
@@ -102,14 +120,15 @@ class PoolMetadata:
         if obj is not None and (not obj.complete or (obj.size, obj.checksum) != (
             record.size, checksum)):  # fmt: skip
             return False  # a put in progress, or other bytes under the same key
-        if not 0 < record.size <= self.limits.max_object_size:
+        if not self.limits.min_object_size <= record.size <= self.limits.max_object_size:
             return False
         try:
             segment.allocator.allocate_at(record.offset, record.size)
         except AllocationError:
             return False
         if obj is None:
-            obj = PoolObject(key, record.size, checksum, [], complete=True)
+            obj = PoolObject(key, record.size, checksum, [], complete=True,
+                             want=self.limits.replicas)  # fmt: skip
             self.objects[key] = obj
             self.lru.add(key)
         obj.replicas.append(Replica(segment.store_id, record.offset))
@@ -143,6 +162,8 @@ class PoolMetadata:
             obj = self.objects.get(key)
             if obj is not None:
                 self.drop_replica(obj, segment, free=False)
+                if obj.complete and obj.replicas and len(obj.replicas) < obj.want:
+                    self.under_replicated.add(key)
         self.doomed = [o for o in self.doomed if self._prune_doomed(o, segment.store_id)]
 
     def _prune_doomed(self, obj: PoolObject, store_id: str) -> bool:
@@ -152,7 +173,7 @@ class PoolMetadata:
     # --- writes --------------------------------------------------------------------------
 
     def put_start(
-        self, specs: Sequence[Any], replicas: int, now: float
+        self, specs: Sequence[Any], replicas: int, now: float, client: str = ""
     ) -> tuple[str, list[tuple[str, str, list[Replica]]]]:
         """Reserve ranges for each spec; return the put id and (key, status, replicas).
 
@@ -167,11 +188,17 @@ class PoolMetadata:
         for spec in specs:  # refuse the whole batch before reserving anything
             check_key(spec.key)
             check_checksum(spec.checksum)
-            if spec.size <= 0:
-                raise PoolRequestError(400, f"size of {spec.key}: must be > 0, got {spec.size}")
+            if spec.size < self.limits.min_object_size:
+                raise PoolRequestError(400, f"size of {spec.key}: {spec.size} < the minimum "
+                                       f"object size {self.limits.min_object_size}")  # fmt: skip
             if spec.size > self.limits.max_object_size or (self.segments and spec.size > biggest):
                 limit = min(self.limits.max_object_size, biggest or self.limits.max_object_size)
                 raise PoolRequestError(413, f"size of {spec.key}: {spec.size} > limit {limit}")
+        pending = self.pending_by_client.get(client, 0)
+        if pending + len(specs) > self.limits.max_pending_puts:
+            raise PoolRequestError(429, f"client {client[:80]!r}: {pending} objects pending + "
+                                   f"{len(specs)} asked > the limit {self.limits.max_pending_puts}"
+                                   "; finish (put_end) or revoke puts first")  # fmt: skip
         put_id = secrets.token_hex(8)
         out = []
         for spec in specs:
@@ -179,7 +206,8 @@ class PoolMetadata:
                 out.append((spec.key, "exists", []))
                 continue
             obj = PoolObject(spec.key, spec.size, spec.checksum, [], put_id=put_id,
-                             put_deadline=now + self.limits.put_timeout)  # fmt: skip
+                             put_deadline=now + self.limits.put_timeout, want=want,
+                             client=client)  # fmt: skip
             for segment in self._placement(spec.size, want, now):
                 offset = segment.allocator.allocate(spec.size)
                 if offset is not None:  # _placement made room
@@ -189,6 +217,8 @@ class PoolMetadata:
                 out.append((spec.key, "full", []))
                 continue
             self.objects[spec.key] = obj
+            obj.counted = True
+            self.pending_by_client[client] = self.pending_by_client.get(client, 0) + 1
             out.append((spec.key, "ok", list(obj.replicas)))
         self.enforce_watermarks(now)
         return put_id, out
@@ -213,6 +243,7 @@ class PoolMetadata:
             if obj is None or obj.complete or obj.put_id != put_id or not obj.replicas:
                 continue
             obj.complete = True
+            self._unpend(obj)
             self.lru.add(key)
             for replica in obj.replicas:
                 self.changes.add(replica.store_id, obj, replica.offset)
@@ -236,19 +267,27 @@ class PoolMetadata:
 
     # --- reads ---------------------------------------------------------------------------
 
-    def get(self, keys: Iterable[str], now: float) -> list[tuple[str, PoolObject | None]]:
-        """Visible objects, each leased until now + lease_ttl; None for a miss."""
-        out: list[tuple[str, PoolObject | None]] = []
+    def get(self, keys: Iterable[str], now: float) -> list[tuple[str, PoolObject | None, str]]:
+        """(key, object, error): visible objects, each leased until now + lease_ttl; None
+        for a miss. Error `pinned` (and None): leasing it again would make its unbroken
+        lease longer than max_lease_pin, so it is refused until its lease ends."""
+        out: list[tuple[str, PoolObject | None, str]] = []
         for key in keys:
             obj = self.objects.get(key)
             if obj is None or not obj.complete or not obj.replicas:
                 self.misses += 1
-                out.append((key, None))
+                out.append((key, None, ""))
+                continue
+            if not obj.leased(now):
+                obj.lease_since = now
+            elif now + self.limits.lease_ttl > obj.lease_since + self.limits.max_lease_pin:
+                self.misses += 1
+                out.append((key, None, "pinned"))
                 continue
             self.hits += 1
             obj.lease_until = max(obj.lease_until, now + self.limits.lease_ttl)
             self.lru.touch(key)
-            out.append((key, obj))
+            out.append((key, obj, ""))
         return out
 
     def exists(self, keys: Iterable[str]) -> int:
@@ -330,6 +369,73 @@ class PoolMetadata:
         if self.objects.get(obj.key) is obj:
             del self.objects[obj.key]
         self.lru.discard(obj.key)
+        self._unpend(obj)
+
+    def _unpend(self, obj: PoolObject) -> None:
+        """`obj` is no longer pending: its client may reserve one more."""
+        if not obj.counted:
+            return
+        obj.counted = False
+        left = self.pending_by_client.get(obj.client, 0) - 1
+        if left > 0:
+            self.pending_by_client[obj.client] = left
+        else:
+            self.pending_by_client.pop(obj.client, None)
+
+    # --- re-replication ------------------------------------------------------------------
+
+    def plan_repairs(self, now: float, limit: int) -> list[Repair]:
+        """Reserve a range for one more copy of up to `limit` under-replicated objects, on
+        the least used store without one (evicting there if needed). Objects with no such
+        store wait in `unplaced` until a store mounts."""
+        out: list[Repair] = []
+        busy = set()
+        while self.under_replicated and len(out) < limit:
+            key = self.under_replicated.pop()
+            obj = self.objects.get(key)
+            if obj is None or not obj.complete or not obj.replicas or key in busy:
+                continue
+            if len(obj.replicas) >= obj.want:
+                continue
+            holders = {r.store_id for r in obj.replicas}
+            target = self._repair_target(obj.size, holders, now)
+            offset = target.allocator.allocate(obj.size) if target is not None else None
+            if target is None or offset is None:
+                self.unplaced.add(key)
+                continue
+            busy.add(key)
+            out.append(Repair(obj, obj.replicas[0], target, offset))
+        return out
+
+    def _repair_target(self, size: int, holders: set[str], now: float) -> Segment | None:
+        for segment in sorted(self.segments.values(), key=lambda s: (s.use, s.store_id)):
+            if segment.store_id in holders:
+                continue
+            if segment.allocator.largest_free < segment.allocator.aligned(size):
+                self.evict(segment, now, need=size)
+            if segment.allocator.largest_free >= segment.allocator.aligned(size):
+                return segment
+        return None
+
+    def finish_repair(self, repair: Repair, copied: bool) -> bool:
+        """The copy is written (`copied`) or failed: add the replica or free the range.
+        False when the object or the target went away meanwhile (nothing added)."""
+        target, obj = repair.target, repair.obj
+        if self.segments.get(target.store_id) is not target:
+            return False  # the target was dropped, and its allocator with it
+        alive = self.objects.get(obj.key) is obj and obj.complete
+        if not copied or not alive or obj.on(target.store_id) is not None:
+            target.allocator.free(repair.offset)
+            if alive and not copied:
+                self.unplaced.add(obj.key)  # retried when a store mounts
+            return False
+        obj.replicas.append(Replica(target.store_id, repair.offset))
+        target.keys.add(obj.key)
+        self.changes.add(target.store_id, obj, repair.offset)
+        self.repaired += 1
+        if len(obj.replicas) < obj.want:
+            self.under_replicated.add(obj.key)
+        return True
 
     # --- stats ---------------------------------------------------------------------------
 
@@ -343,6 +449,8 @@ class PoolMetadata:
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
+            "under_replicated": len(self.under_replicated) + len(self.unplaced),
+            "repaired": self.repaired,
             "stores": {
                 s.store_id: {"capacity": s.capacity, "used": s.used, "objects": len(s.keys)}
                 for s in self.segments.values()

@@ -49,6 +49,10 @@ class PoolObject:
     put_id: str = ""
     put_deadline: float = 0.0
     lease_until: float = 0.0
+    lease_since: float = 0.0  # when the current unbroken lease began
+    want: int = 1  # replicas asked for: a lost store's objects are copied back up to it
+    client: str = ""  # who reserved it (pending only)
+    counted: bool = False  # counted in its client's pending objects
 
     def leased(self, now: float) -> bool:
         return self.lease_until > now

@@ -5,8 +5,15 @@
             control loop: mount (retrying until a master answers), then heartbeats
     loop:   heartbeat every --heartbeat-interval; `known: false` (the master restarted
             or timed us out) or a gap in update numbers -> mount again, reporting what
-            this store holds; the master answers with the authoritative list
+            this store holds in chunks; the master answers with the authoritative list,
+            in pages (services/cache_master/mounts.py)
     stop:   unmount (clients stop being sent here), save the index, stop the engine
+
+Epochs (services/cache_master/epoch.py): the store keeps the highest master epoch it has
+seen, sends it with every request, and takes mount replies, index updates and copy
+orders only from that epoch; a reply from a higher one makes it mount there.
+`replicate` (PoolReplicate): the master asks this store to copy objects from another
+store's segment into its own (after a store was lost); each checksum is checked.
 
 Peers never ask this service for bytes over NATS: they read and write the segment
 directly through the transfer engine, with the descriptor the master hands out.
@@ -19,22 +26,28 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from libs.common.bus.connection import BusError
+from libs.common.bus.connection import BusError, Endpoint, HandlerError
 from libs.common.log import get_logger
 from libs.common.messages.control import MessageError
 from libs.common.messages.pool import (
     PoolCount,
     PoolHeartbeatReply,
+    PoolKeys,
     PoolMount,
+    PoolMountChunk,
+    PoolMountEnd,
+    PoolMountPage,
     PoolMountReply,
+    PoolReplicate,
     PoolStoreRef,
     PoolStoreUpdate,
+    chunk_records,
 )
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
 from services.cache_store.config import CacheStoreConfig
-from services.cache_store.segment import StoreSegment
+from services.cache_store.segment import StoreSegment, checksum
 
 log = get_logger(__name__)
 
@@ -51,7 +64,9 @@ class CacheStoreService(BaseService):
         self.segment: StoreSegment | None = None
         self.region: RegionDescriptor | None = None
         self.mounted = False
+        self.epoch = 0  # the highest master epoch seen
         self._update_seq = 0
+        self._early: list[PoolStoreUpdate] | None = None  # updates that came mid-mount
         self._remount = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._sub: Any = None
@@ -65,12 +80,17 @@ class CacheStoreService(BaseService):
             "transfer_endpoint": self.engine.endpoint if self.engine and self.region else "",
             "transfer": self.engine.info() if self.engine else {},
             "mounted": self.mounted,
+            "epoch": self.epoch,
             "objects": len(seg.index) if seg else 0,
             "used": seg.used if seg else 0,
         }
 
     def master(self, name: str) -> str:
         return self.subject("pool", "master", name)
+
+    def endpoints(self) -> list[Endpoint]:
+        subject = self.subject("pool", "store", self.config.service_id, "replicate")
+        return [Endpoint("replicate", subject, PoolReplicate, self._replicate, concurrent=True)]
 
     async def on_start(self) -> None:
         options = self.config.transfer_options(self._transport())
@@ -106,7 +126,7 @@ class CacheStoreService(BaseService):
             await asyncio.gather(task, return_exceptions=True)
         if self.mounted and self.bus.connected:
             try:  # so the master stops sending readers here at once, not after a timeout
-                ref = PoolStoreRef(self.config.service_id, self.region.region_id)
+                ref = PoolStoreRef(self.config.service_id, self.region.region_id, epoch=self.epoch)
                 await self.bus.request(self.master("unmount"), ref, PoolCount, timeout=2)
             except BusError as e:
                 log.warning("unmount failed", error=str(e))
@@ -151,22 +171,56 @@ class CacheStoreService(BaseService):
                 pass
 
     async def _mount(self) -> None:
-        request = PoolMount(self.config.service_id, self.region.to_dict(),
-                            list(self.segment.index.values()))  # fmt: skip
-        reply = await self.bus.request(self.master("mount"), request, PoolMountReply)
+        """Mount in chunks; take the master's list (pages) and the updates sent meanwhile."""
+        chunks = chunk_records(list(self.segment.index.values()))
+        sid, self._early = self.config.service_id, []
+        try:
+            begin = PoolMount(sid, self.region.to_dict(), chunks[0], epoch=self.epoch)
+            reply = await self._ask("mount", begin, PoolMountReply)
+            self.epoch, mount_id = reply.epoch, reply.mount_id
+            for index, chunk in enumerate(chunks[1:], 1):
+                message = PoolMountChunk(sid, mount_id, index, chunk, epoch=self.epoch)
+                await self._ask("mount_chunk", message, PoolCount)
+            end = PoolMountEnd(sid, mount_id, len(chunks), sum(map(len, chunks)), self.epoch)
+            reply = await self._ask("mount_end", end, PoolMountReply)
+            records = list(reply.records)
+            for page in range(1, reply.pages):
+                ask = PoolMountPage(sid, mount_id, page, epoch=self.epoch)
+                records += (await self._ask("mount_page", ask, PoolMountReply)).records
+            early, self._early = self._early, None
+        finally:
+            self._early = None
         self._remount.clear()
-        self.segment.replace(reply.records)
+        self.segment.replace(records)
         self._update_seq = reply.update_seq
         if not self.mounted:
-            log.info("segment mounted", objects=len(reply.records), rejected=reply.rejected,
-                     size=self.segment.size, endpoint=self.engine.endpoint)  # fmt: skip
+            log.info("segment mounted", objects=len(records), rejected=reply.rejected,
+                     size=self.segment.size, endpoint=self.engine.endpoint,
+                     chunks=len(chunks), epoch=self.epoch)  # fmt: skip
         self.mounted = True
+        for update in sorted(early, key=lambda u: u.seq):
+            self._apply(update)
+
+    async def _ask(self, name: str, message: Any, reply_type: type) -> Any:
+        """A mount step; a reply from a master below the highest epoch seen is refused."""
+        reply = await self.bus.request(self.master(name), message, reply_type)
+        if reply.epoch < self.epoch:
+            raise BusError(f"{name}: answered by a stale master (epoch {reply.epoch} < "
+                           f"{self.epoch})")  # fmt: skip
+        return reply
 
     async def _heartbeat(self) -> None:
-        ref = PoolStoreRef(self.config.service_id, self.region.region_id, self._update_seq)
+        ref = PoolStoreRef(self.config.service_id, self.region.region_id, self._update_seq,
+                           epoch=self.epoch)  # fmt: skip
         timeout = self.config.heartbeat_interval
         reply = await self.bus.request(self.master("heartbeat"), ref, PoolHeartbeatReply, timeout)
-        if not reply.known:
+        if reply.epoch < self.epoch:
+            return  # a stale master answered; it stops serving when it sees our epoch
+        if reply.epoch > self.epoch:
+            log.warning("a master with a higher epoch; mounting there", epoch=reply.epoch)
+            self.epoch = reply.epoch
+            self._remount.set()
+        elif not reply.known:
             log.warning("cache master does not know this store; mounting again")
             self._remount.set()
 
@@ -176,8 +230,20 @@ class CacheStoreService(BaseService):
         except MessageError as e:
             log.warning("bad index update ignored", error=str(e))
             return
-        if update.seq <= self._update_seq:
-            return  # already in the mount reply
+        if update.epoch < self.epoch:
+            return  # from a stale master
+        if self._early is not None:
+            self._early.append(update)  # mid-mount: applied after the master's list
+            return
+        if update.epoch > self.epoch:
+            self.epoch = update.epoch
+            self._remount.set()
+            return
+        self._apply(update)
+
+    def _apply(self, update: PoolStoreUpdate) -> None:
+        if update.epoch != self.epoch or update.seq <= self._update_seq:
+            return  # another master's, or already in the mount's list
         if update.seq != self._update_seq + 1:
             log.warning("index update gap; mounting again", got=update.seq,
                         expected=self._update_seq + 1)  # fmt: skip
@@ -185,3 +251,35 @@ class CacheStoreService(BaseService):
             return
         self._update_seq = update.seq
         self.segment.apply(update.records, update.removed)
+
+    # --- copies ordered by the master (re-replication) -----------------------------------
+
+    async def _replicate(self, req: PoolReplicate) -> PoolKeys:
+        """Copy each object from its source store into my segment; answer those whose
+        bytes match their checksum. Only the master of the highest epoch may order it."""
+        if req.epoch < self.epoch or not self.mounted:
+            raise HandlerError(
+                409,
+                f"copy order of epoch {req.epoch}; this store follows "
+                f"{self.epoch}" + ("" if self.mounted else " and is not mounted"),
+            )
+        size = self.segment.size
+        by_source: dict[str, list[Any]] = {}
+        for copy in req.copies:
+            if copy.offset < 0 or copy.size <= 0 or copy.offset + copy.size > size:
+                raise HandlerError(400, f"copy of {copy.key}: {copy.offset}+{copy.size} is "
+                                   f"outside this segment ({size} bytes)")  # fmt: skip
+            by_source.setdefault(copy.source, []).append(copy)
+        copied: list[str] = []
+        for source, copies in by_source.items():
+            try:
+                remote = RegionDescriptor.from_dict(req.segments[source])
+                ops = [(c.offset, c.source_offset, c.size) for c in copies]
+                await self.engine.read(self.region, remote, ops)
+            except Exception as e:  # TransferError, OSError, a bad descriptor: skip it
+                log.warning("copy from a store failed", source=source, error=str(e))
+                continue
+            view = self.segment.view
+            copied += [c.key for c in copies
+                       if checksum(view[c.offset : c.offset + c.size]) == c.checksum]  # fmt: skip
+        return PoolKeys(copied)

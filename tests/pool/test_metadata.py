@@ -27,7 +27,7 @@ def put(meta: PoolMetadata, keys, now=0.0, replicas=0, size=UNIT):
 def test_pending_object_is_invisible_until_put_end():
     meta = meta_with(1)
     put_id, _ = meta.put_start([PutSpec("k", UNIT, CK)], 0, 0.0)
-    assert meta.exists(["k"]) == 0 and meta.get(["k"], 0.0) == [("k", None)]
+    assert meta.exists(["k"]) == 0 and meta.get(["k"], 0.0) == [("k", None, "")]
     meta.put_end(put_id, ["k"])
     assert meta.exists(["k"]) == 1
 

@@ -37,6 +37,7 @@ async def test_bad_requests_get_error_replies_and_the_master_keeps_serving(pool,
             ("put_start", b'{"objects": "many"}', "400"),
             ("unmount", b'{"store_id": "no-such-store"}', "404"),
             ("mount", b'{"store_id": "x", "segment": {"length": 5}}', "400"),
+            ("mount_chunk", b'{"store_id": "x", "mount_id": "m", "index": 1}', "404"),
             ("get", b'{"keys": [1, 2]}', "400"),
         ]  # fmt: skip
         for name, body, code in cases:

@@ -2,7 +2,7 @@
 
 import os
 
-SIZES = [1, 63, 64, 65, 4096, 4097, 65536, 1 << 20, 3 * (1 << 20) + 5]
+SIZES = [64, 65, 127, 4096, 4097, 65536, 1 << 20, 3 * (1 << 20) + 5]
 
 
 async def test_put_then_get_returns_the_same_bytes_for_many_sizes(pool):

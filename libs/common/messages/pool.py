@@ -62,11 +62,14 @@ class PoolSlot(Record):
 
 
 class PoolFound(Record):
-    """get's answer for one key: its size, checksum and replicas (none: a miss)."""
+    """get's answer for one key: its size, checksum and replicas (none: a miss).
+    `error` "pinned": the object has been leased without a break for the master's
+    --max-lease-pin; it is not leased again until its lease ends (no replicas)."""
 
     size: int = 0
     checksum: str = ""
     replicas: list[PoolReplica] = field(default_factory=list)
+    error: str = ""
 
 
 def _check_segments(replicas: list[list[PoolReplica]], segments: dict[str, Any]) -> None:
@@ -77,23 +80,88 @@ def _check_segments(replicas: list[list[PoolReplica]], segments: dict[str, Any])
 
 
 class PoolMount(Message, tag="pool_mount"):
-    """Store -> master: mount (or re-mount) my segment; `records` is what it holds.
+    """Store -> master: begin a mount (or re-mount) of my segment; `records` is the first
+    chunk of what it holds, the rest follow as `PoolMountChunk`s, then `PoolMountEnd`.
 
-    A re-mount of the same region (same `segment.region_id`) keeps what the master knows
-    of it; a new region (the store restarted) replaces it with what is reported.
+    Nothing changes on the master until the end: then a re-mount of the same region (same
+    `segment.region_id`) keeps what the master knows of it, and a new region (the store
+    restarted) replaces it with what was reported. `epoch` is the highest master epoch the
+    store has seen: a master below it is stale and stops serving (docs/pool.md).
     """
 
     store_id: str
     segment: dict[str, Any]
     records: list[PoolRecord] = field(default_factory=list)
+    epoch: int = 0
+
+
+class PoolMountChunk(Message, tag="pool_mount_chunk"):
+    """Store -> master: chunk `index` (1, 2, ... in order) of mount `mount_id`'s records."""
+
+    store_id: str
+    mount_id: str
+    index: int
+    records: list[PoolRecord] = field(default_factory=list)
+    epoch: int = 0
+
+
+class PoolMountEnd(Message, tag="pool_mount_end"):
+    """Store -> master: the mount's last message; `chunks` counts the begin and every
+    chunk, `records` every record sent. The master applies the mount only if both match."""
+
+    store_id: str
+    mount_id: str
+    chunks: int
+    records: int
+    epoch: int = 0
+
+
+class PoolMountPage(Message, tag="pool_mount_page"):
+    """Store -> master: page `page` of a finished mount's authoritative record list."""
+
+    store_id: str
+    mount_id: str
+    page: int
+    epoch: int = 0
 
 
 class PoolMountReply(Message, tag="pool_mount_reply"):
-    """Master -> store: the objects the master now records on this store (authoritative)."""
+    """Master -> store. To the begin: `mount_id` (no records). To the end and to each
+    `PoolMountPage`: page `page` of `pages` of the objects the master now records on this
+    store (authoritative), as of index update `update_seq`; `rejected` counts reports the
+    master refused."""
 
     records: list[PoolRecord] = field(default_factory=list)
     rejected: int = 0
     update_seq: int = 0
+    epoch: int = 0
+    mount_id: str = ""
+    page: int = 0
+    pages: int = 0
+
+
+# A mount chunk or page holds at most this many records and about this many bytes (a key
+# is up to 256 chars), far below NATS's 1 MiB max payload.
+MOUNT_CHUNK_RECORDS = 8192
+MOUNT_CHUNK_BYTES = 512 << 10
+_RECORD_OVERHEAD = 80  # JSON of one record besides its key: names, offset, size, checksum
+
+
+def chunk_records(records: list[PoolRecord]) -> list[list[PoolRecord]]:
+    """`records` cut into chunks within MOUNT_CHUNK_RECORDS and ~MOUNT_CHUNK_BYTES (at
+    least one chunk, maybe empty)."""
+    chunks: list[list[PoolRecord]] = [[]]
+    size = 0
+    for record in records:
+        cost = len(record.key) + _RECORD_OVERHEAD
+        if chunks[-1] and (
+            len(chunks[-1]) >= MOUNT_CHUNK_RECORDS or size + cost > MOUNT_CHUNK_BYTES
+        ):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(record)
+        size += cost
+    return chunks
 
 
 class PoolStoreUpdate(Message, tag="pool_store_update"):
@@ -107,14 +175,17 @@ class PoolStoreUpdate(Message, tag="pool_store_update"):
     seq: int
     records: list[PoolRecord] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    epoch: int = 0
 
 
 class PoolStoreRef(Message, tag="pool_store_ref"):
-    """Names one store (unmount, heartbeat) and the region it serves."""
+    """Names one store (unmount, heartbeat) and the region it serves; `epoch`: the
+    highest master epoch the store has seen."""
 
     store_id: str
     region_id: int = 0
     update_seq: int = 0
+    epoch: int = 0
 
 
 class PoolHeartbeatReply(Message, tag="pool_heartbeat_reply"):
@@ -122,6 +193,18 @@ class PoolHeartbeatReply(Message, tag="pool_heartbeat_reply"):
 
     known: bool
     update_seq: int = 0
+    epoch: int = 0
+
+
+class PoolMasterEpoch(Message, tag="pool_master_epoch"):
+    """Master -> masters (publish on `tandem.pool.master.epoch`): I serve with `epoch`.
+
+    A master that hears a higher epoch is stale: it stops serving. One that hears a lower
+    one announces its own, so the stale one learns. Issue 26's election will set it.
+    """
+
+    epoch: int
+    master_id: str = ""
 
 
 class PoolPutStart(Message, tag="pool_put_start"):
@@ -129,6 +212,7 @@ class PoolPutStart(Message, tag="pool_put_start"):
 
     objects: list[PoolNewObject]
     replicas: int = 0  # 0: the master's --replicas
+    client: str = ""  # who asks: the master caps pending objects per client
 
 
 class PoolPutStartReply(Message, tag="pool_put_start_reply"):
@@ -140,6 +224,7 @@ class PoolPutStartReply(Message, tag="pool_put_start_reply"):
     slots: list[PoolSlot]
     segments: dict[str, dict[str, Any]] = field(default_factory=dict)
     put_timeout: float = 0.0
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         _check_segments([s.replicas for s in self.slots], self.segments)
@@ -191,3 +276,33 @@ class PoolStats(Message, tag="pool_stats"):
     misses: int
     evictions: int
     stores: dict[str, dict[str, int]] = field(default_factory=dict)
+    epoch: int = 0
+    under_replicated: int = 0
+    repaired: int = 0
+
+
+class PoolCopy(Record):
+    """One object a store is asked to copy into its own segment at `offset`, from
+    `source`'s segment at `source_offset`."""
+
+    key: str
+    size: int
+    checksum: str
+    offset: int
+    source: str
+    source_offset: int
+
+
+class PoolReplicate(Message, tag="pool_replicate"):
+    """Master -> store (request on `tandem.pool.store.<id>.replicate`): read `copies` from
+    the stores named (descriptors in `segments`) into my segment, check each checksum,
+    answer the keys copied (`PoolKeys`). Refused (409) below the store's highest epoch."""
+
+    epoch: int
+    copies: list[PoolCopy]
+    segments: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for copy in self.copies:
+            if copy.source not in self.segments:
+                raise ValueError(f"store {copy.source!r} has no segment")

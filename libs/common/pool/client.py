@@ -81,8 +81,9 @@ class LocalMemory:
 
 @dataclass(frozen=True)
 class GetResult:
-    """`error` is "" (ok), "missing", "too_large", "unreachable", "checksum" or
-    "lease_expired"; `size` is the object's size (bytes written when ok)."""
+    """`error` is "" (ok), "missing", "too_large", "unreachable", "checksum",
+    "lease_expired" or "pinned" (leased without a break for the master's --max-lease-pin:
+    a miss until its lease ends); `size` is the object's size (bytes written when ok)."""
 
     key: str
     size: int = 0
@@ -125,6 +126,8 @@ class PoolClient:
         self, bus: Bus, engine: TransferEngine, prefix: str = "tandem", timeout: float = 5.0
     ):
         self.bus, self.engine, self.prefix, self.timeout = bus, engine, prefix, timeout
+        # Who this client is to the master, which caps pending puts per client.
+        self.client_id = getattr(bus, "name", "") or ""
 
     def _subject(self, name: str) -> str:
         return f"{self.prefix}.pool.master.{name}"
@@ -178,7 +181,7 @@ class PoolClient:
         todo: dict[int, list[PoolReplica]] = {}  # index -> replicas left to try
         for i, obj in enumerate(found):
             if not obj.replicas:
-                results[i] = GetResult(keys[i], 0, "missing")
+                results[i] = GetResult(keys[i], 0, obj.error or "missing")
             elif obj.size > caps[i]:
                 results[i] = GetResult(keys[i], obj.size, "too_large")
             else:
@@ -255,7 +258,9 @@ class PoolClient:
         """Store `memory[offsets[i] : offsets[i] + sizes[i]]` as object `keys[i]`.
 
         `replicas` 0 uses the master's default. Raises RemoteError (400/413) when the
-        master refuses the batch as a whole (bad key, size <= 0 or above its limit).
+        master refuses the batch as a whole (bad key, size below --min-object-size or above
+        --max-object-size: 400/413; this client's pending puts over --max-pending-puts:
+        429).
         """
         if not len(keys) == len(offsets) == len(sizes):
             raise ValueError("keys, offsets and sizes: lengths differ")
@@ -280,7 +285,8 @@ class PoolClient:
                 raise ValueError(f"offsets/sizes: {off}+{size} outside local memory")
         sums = [checksum(view[o : o + n]) for o, n in zip(offsets, sizes, strict=True)]
         objects = [PoolNewObject(*o) for o in zip(keys, sizes, sums, strict=True)]
-        reply = await self._ask("put_start", PoolPutStart(objects, replicas), PoolPutStartReply)
+        start = PoolPutStart(objects, replicas, client=self.client_id)
+        reply = await self._ask("put_start", start, PoolPutStartReply)
         if len(reply.slots) != len(keys):
             raise BusError(f"{self._subject('put_start')}: answers do not match the keys")
         errors = {i: slot.status for i, slot in enumerate(reply.slots) if slot.status != "ok"}
