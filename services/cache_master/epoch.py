@@ -16,7 +16,9 @@ from __future__ import annotations
 import secrets
 import time
 
-RANDOM_BITS = 16
+from libs.common.messages.pool import EPOCH_RANDOM_BITS, epoch_ceiling
+
+RANDOM_BITS = EPOCH_RANDOM_BITS
 
 
 def pick_epoch(configured: int = 0, now_ns: int | None = None) -> int:
@@ -27,6 +29,11 @@ def pick_epoch(configured: int = 0, now_ns: int | None = None) -> int:
         return configured
     ms = (time.time_ns() if now_ns is None else now_ns) // 1_000_000
     return (ms << RANDOM_BITS) | secrets.randbits(RANDOM_BITS)
+
+
+def plausible(epoch: int) -> bool:
+    """Not above what the clock allows a day from now (messages/pool.py)."""
+    return epoch <= epoch_ceiling(time.time_ns())
 
 
 def outranks(epoch: int, master_id: str, other_epoch: int, other_id: str) -> bool:

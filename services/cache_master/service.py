@@ -43,7 +43,7 @@ from libs.common.messages.pool import (
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor
 from services.cache_master.config import CacheMasterConfig
-from services.cache_master.epoch import outranks, pick_epoch
+from services.cache_master.epoch import outranks, pick_epoch, plausible
 from services.cache_master.metadata import PoolLimits, PoolMetadata
 from services.cache_master.mounts import Mounts
 from services.cache_master.objects import Changes, PoolRequestError, PutSpec, Replica
@@ -168,6 +168,10 @@ class CacheMasterService(BaseService):
             return
         if (other.epoch, other.master_id) == (self.epoch, self.config.service_id):
             return  # our own
+        if not plausible(other.epoch):
+            log.warning("implausible epoch announcement ignored", epoch=other.epoch,
+                        master=other.master_id[:80])  # fmt: skip
+            return
         if outranks(self.epoch, self.config.service_id, other.epoch, other.master_id):
             self._fence(other.epoch, f"master {other.master_id!r}")
         elif not self.fenced_by:
@@ -175,6 +179,8 @@ class CacheMasterService(BaseService):
 
     def _seen(self, epoch: int, store_id: str) -> None:
         """A store has seen `epoch`: above ours, this master is stale."""
+        if not plausible(epoch):
+            raise HandlerError(400, f"epoch {epoch}: above what the clock allows; refused")
         if epoch > self.epoch:
             self._fence(epoch, f"store {store_id!r}")
         if self.fenced_by:

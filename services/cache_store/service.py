@@ -22,6 +22,7 @@ directly through the transfer engine, with the descriptor the master hands out.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -42,6 +43,7 @@ from libs.common.messages.pool import (
     PoolStoreRef,
     PoolStoreUpdate,
     chunk_records,
+    epoch_ceiling,
 )
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine
@@ -172,6 +174,7 @@ class CacheStoreService(BaseService):
 
     async def _mount(self) -> None:
         """Mount in chunks; take the master's list (pages) and the updates sent meanwhile."""
+        started = time.monotonic()
         chunks = chunk_records(list(self.segment.index.values()))
         sid, self._early = self.config.service_id, []
         try:
@@ -193,10 +196,10 @@ class CacheStoreService(BaseService):
         self._remount.clear()
         self.segment.replace(records)
         self._update_seq = reply.update_seq
-        if not self.mounted:
-            log.info("segment mounted", objects=len(records), rejected=reply.rejected,
-                     size=self.segment.size, endpoint=self.engine.endpoint,
-                     chunks=len(chunks), epoch=self.epoch)  # fmt: skip
+        log.info("segment mounted", objects=len(records), rejected=reply.rejected,
+                 size=self.segment.size, endpoint=self.engine.endpoint, chunks=len(chunks),
+                 pages=reply.pages, epoch=self.epoch,
+                 seconds=round(time.monotonic() - started, 3))  # fmt: skip
         self.mounted = True
         for update in sorted(early, key=lambda u: u.seq):
             self._apply(update)
@@ -204,7 +207,10 @@ class CacheStoreService(BaseService):
     async def _ask(self, name: str, message: Any, reply_type: type) -> Any:
         """A mount step; a reply from a master below the highest epoch seen is refused."""
         reply = await self.bus.request(self.master(name), message, reply_type)
-        if reply.epoch < self.epoch:
+        epoch = getattr(reply, "epoch", self.epoch)  # a chunk's PoolCount has none
+        if epoch > epoch_ceiling(time.time_ns()):
+            raise BusError(f"{name}: implausible master epoch {epoch}")
+        if epoch < self.epoch:
             raise BusError(f"{name}: answered by a stale master (epoch {reply.epoch} < "
                            f"{self.epoch})")  # fmt: skip
         return reply
@@ -214,8 +220,8 @@ class CacheStoreService(BaseService):
                            epoch=self.epoch)  # fmt: skip
         timeout = self.config.heartbeat_interval
         reply = await self.bus.request(self.master("heartbeat"), ref, PoolHeartbeatReply, timeout)
-        if reply.epoch < self.epoch:
-            return  # a stale master answered; it stops serving when it sees our epoch
+        if reply.epoch < self.epoch or reply.epoch > epoch_ceiling(time.time_ns()):
+            return  # a stale master answered (it stops serving when it sees our epoch)
         if reply.epoch > self.epoch:
             log.warning("a master with a higher epoch; mounting there", epoch=reply.epoch)
             self.epoch = reply.epoch
@@ -230,15 +236,11 @@ class CacheStoreService(BaseService):
         except MessageError as e:
             log.warning("bad index update ignored", error=str(e))
             return
-        if update.epoch < self.epoch:
-            return  # from a stale master
         if self._early is not None:
             self._early.append(update)  # mid-mount: applied after the master's list
             return
-        if update.epoch > self.epoch:
-            self.epoch = update.epoch
-            self._remount.set()
-            return
+        # Anyone may publish here: an update of another epoch (stale, or a lie) is
+        # ignored; a higher epoch is learnt only from a master's reply.
         self._apply(update)
 
     def _apply(self, update: PoolStoreUpdate) -> None:
@@ -257,7 +259,7 @@ class CacheStoreService(BaseService):
     async def _replicate(self, req: PoolReplicate) -> PoolKeys:
         """Copy each object from its source store into my segment; answer those whose
         bytes match their checksum. Only the master of the highest epoch may order it."""
-        if req.epoch < self.epoch or not self.mounted:
+        if req.epoch != self.epoch or not self.mounted:
             raise HandlerError(
                 409,
                 f"copy order of epoch {req.epoch}; this store follows "

@@ -167,3 +167,68 @@ def test_changes_report_visible_and_removed_objects_per_store():
     meta.remove(["k"], now=100.0)
     changes = meta.take_changes()
     assert changes.removed == {"s0": ["k"], "s1": ["k"]}
+
+
+def test_objects_below_the_minimum_size_are_refused_in_puts_and_mount_reports():
+    meta = meta_with(1, min_object_size=128)
+    with pytest.raises(PoolRequestError, match="minimum object size 128") as e:
+        meta.put_start([PutSpec("k", 127, CK)], 0, 0.0)
+    assert e.value.code == 400
+    small = PoolRecord("small", 0, 64, CK)
+    assert meta.mount("s0", {"region_id": 100, "length": 10 * UNIT}, [small], 1.0)[1] == 1
+
+
+def test_a_client_over_its_pending_cap_is_refused_and_others_are_not():
+    meta = meta_with(1, units=64, max_pending_puts=4)
+    put_id, _ = meta.put_start([PutSpec(f"a{i}", UNIT, CK) for i in range(3)], 0, 0.0, "a")
+    with pytest.raises(PoolRequestError, match="limit 4") as e:
+        meta.put_start([PutSpec("a9", UNIT, CK), PutSpec("a8", UNIT, CK)], 0, 0.0, "a")
+    assert e.value.code == 429
+    meta.put_start([PutSpec(f"b{i}", UNIT, CK) for i in range(4)], 0, 0.0, "b")  # another
+    meta.put_end(put_id, ["a0"])
+    meta.put_revoke(put_id, ["a1"])
+    assert meta.pending_by_client["a"] == 1  # a2 only
+    meta.put_start([PutSpec("a9", UNIT, CK), PutSpec("a8", UNIT, CK)], 0, 0.0, "a")
+    assert meta.expire_puts(1000.0) == 7 and meta.pending_by_client == {}
+
+
+def test_an_object_is_never_leased_without_a_break_past_max_lease_pin():
+    meta = meta_with(1, lease_ttl=10.0, max_lease_pin=25.0)
+    put(meta, ["k"])
+    for now in (0.0, 5.0, 10.0, 15.0):  # each lease would end by 25
+        assert meta.get(["k"], now)[0][2] == ""
+    assert meta.get(["k"], 16.0)[0] == ("k", None, "pinned")  # would end at 26
+    assert meta.objects["k"].lease_until == 25.0
+    assert meta.get(["k"], 25.5)[0][2] == ""  # the lease ended: a new one begins
+
+
+def test_a_lost_store_s_objects_get_one_more_replica_on_a_store_without_one():
+    meta = meta_with(3, replicas=2)
+    put(meta, [f"k{i}" for i in range(6)])
+    lost = set(meta.segments["s0"].keys)
+    assert lost
+    meta.segments["s1"].last_seen = meta.segments["s2"].last_seen = 50.0
+    assert meta.expire_stores(55.0, timeout=10.0) == ["s0"]  # silent since 0
+    assert meta.under_replicated == lost
+    repairs = meta.plan_repairs(0.0, limit=100)
+    assert {r.obj.key for r in repairs} == lost
+    for r in repairs:
+        assert r.target.store_id not in {x.store_id for x in r.obj.replicas}
+        assert r.source.store_id != "s0"
+    meta.take_changes()
+    assert all(meta.finish_repair(r, copied=True) for r in repairs)
+    assert all(len(meta.objects[k].replicas) == 2 for k in lost)
+    assert set(meta.take_changes().added) <= {"s1", "s2"} and meta.repaired == len(lost)
+
+
+def test_a_failed_copy_frees_its_range_and_waits_for_a_mount():
+    meta = meta_with(3, replicas=2)
+    put(meta, ["k"])
+    holder = meta.objects["k"].replicas[0].store_id
+    meta.unmount(holder)
+    (repair,) = meta.plan_repairs(0.0, limit=10)
+    used = repair.target.used
+    assert not meta.finish_repair(repair, copied=False)
+    assert repair.target.used == used - UNIT and meta.unplaced == {"k"}
+    meta.mount("s9", {"region_id": 9, "length": 10 * UNIT}, [], 1.0)
+    assert meta.under_replicated == {"k"}

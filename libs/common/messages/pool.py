@@ -196,6 +196,19 @@ class PoolHeartbeatReply(Message, tag="pool_heartbeat_reply"):
     epoch: int = 0
 
 
+# A master epoch is (milliseconds since 1970 << 16) | 16 bits (epoch.py in cache_master);
+# one above what the clock allows a day from now is a lie or a bug, refused everywhere
+# (a forged 2**63 would otherwise fence every master for good).
+EPOCH_RANDOM_BITS = 16
+EPOCH_CLOCK_SLACK_MS = 86_400_000
+
+
+def epoch_ceiling(now_ns: int) -> int:
+    """The highest plausible master epoch at `now_ns` (time.time_ns())."""
+    ms = now_ns // 1_000_000 + EPOCH_CLOCK_SLACK_MS
+    return (ms << EPOCH_RANDOM_BITS) | ((1 << EPOCH_RANDOM_BITS) - 1)
+
+
 class PoolMasterEpoch(Message, tag="pool_master_epoch"):
     """Master -> masters (publish on `tandem.pool.master.epoch`): I serve with `epoch`.
 
