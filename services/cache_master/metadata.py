@@ -47,16 +47,6 @@ class PoolLimits:
     max_lease_pin: float = 120.0  # longest unbroken lease of one object, seconds
 
 
-@dataclass
-class Repair:
-    """A copy of `obj` being made on `target` at `offset` (reserved there) from `source`."""
-
-    obj: PoolObject
-    source: Replica
-    target: Segment
-    offset: int
-
-
 class PoolMetadata:
     """Segments and objects of the pool, in memory; see the module docstring."""
 
@@ -381,61 +371,6 @@ class PoolMetadata:
             self.pending_by_client[obj.client] = left
         else:
             self.pending_by_client.pop(obj.client, None)
-
-    # --- re-replication ------------------------------------------------------------------
-
-    def plan_repairs(self, now: float, limit: int) -> list[Repair]:
-        """Reserve a range for one more copy of up to `limit` under-replicated objects, on
-        the least used store without one (evicting there if needed). Objects with no such
-        store wait in `unplaced` until a store mounts."""
-        out: list[Repair] = []
-        busy = set()
-        while self.under_replicated and len(out) < limit:
-            key = self.under_replicated.pop()
-            obj = self.objects.get(key)
-            if obj is None or not obj.complete or not obj.replicas or key in busy:
-                continue
-            if len(obj.replicas) >= obj.want:
-                continue
-            holders = {r.store_id for r in obj.replicas}
-            target = self._repair_target(obj.size, holders, now)
-            offset = target.allocator.allocate(obj.size) if target is not None else None
-            if target is None or offset is None:
-                self.unplaced.add(key)
-                continue
-            busy.add(key)
-            out.append(Repair(obj, obj.replicas[0], target, offset))
-        return out
-
-    def _repair_target(self, size: int, holders: set[str], now: float) -> Segment | None:
-        for segment in sorted(self.segments.values(), key=lambda s: (s.use, s.store_id)):
-            if segment.store_id in holders:
-                continue
-            if segment.allocator.largest_free < segment.allocator.aligned(size):
-                self.evict(segment, now, need=size)
-            if segment.allocator.largest_free >= segment.allocator.aligned(size):
-                return segment
-        return None
-
-    def finish_repair(self, repair: Repair, copied: bool) -> bool:
-        """The copy is written (`copied`) or failed: add the replica or free the range.
-        False when the object or the target went away meanwhile (nothing added)."""
-        target, obj = repair.target, repair.obj
-        if self.segments.get(target.store_id) is not target:
-            return False  # the target was dropped, and its allocator with it
-        alive = self.objects.get(obj.key) is obj and obj.complete
-        if not copied or not alive or obj.on(target.store_id) is not None:
-            target.allocator.free(repair.offset)
-            if alive and not copied:
-                self.unplaced.add(obj.key)  # retried when a store mounts
-            return False
-        obj.replicas.append(Replica(target.store_id, repair.offset))
-        target.keys.add(obj.key)
-        self.changes.add(target.store_id, obj, repair.offset)
-        self.repaired += 1
-        if len(obj.replicas) < obj.want:
-            self.under_replicated.add(obj.key)
-        return True
 
     # --- stats ---------------------------------------------------------------------------
 

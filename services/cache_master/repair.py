@@ -2,7 +2,7 @@
 
     sweep declares store X dead -> objects it held with fewer replicas than asked for are
     marked (metadata.under_replicated) -> a round: reserve a range on another store for
-    each (plan_repairs) -> ask each target store to copy them from a surviving replica
+    each (replication.plan_repairs) -> ask each target store to copy them from a surviving replica
     (request `tandem.pool.store.<target>.replicate`, PoolReplicate; the store reads with
     its transfer engine and checks each checksum) -> add the replicas it copied, free the
     ranges of the others (finish_repair) -> publish the stores' index updates.
@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from libs.common.bus.connection import Bus, BusError
 from libs.common.log import get_logger
 from libs.common.messages.pool import PoolCopy, PoolKeys, PoolReplicate
-from services.cache_master.metadata import PoolMetadata, Repair
+from services.cache_master.metadata import PoolMetadata
+from services.cache_master.replication import Repair, finish_repair, plan_repairs
 
 log = get_logger(__name__)
 
@@ -59,7 +60,7 @@ class Repairer:
                 return  # nothing could be copied now; the next sweep tries again
 
     async def round(self) -> int:
-        planned = self.meta.plan_repairs(time.monotonic(), ROUND_OBJECTS)
+        planned = plan_repairs(self.meta, time.monotonic(), ROUND_OBJECTS)
         by_target: dict[str, list[Repair]] = {}
         for repair in planned:
             by_target.setdefault(repair.target.store_id, []).append(repair)
@@ -67,7 +68,7 @@ class Repairer:
         copied = 0
         for repairs, keys in zip(by_target.values(), results, strict=True):
             for repair in repairs:
-                copied += self.meta.finish_repair(repair, repair.obj.key in keys)
+                copied += finish_repair(self.meta, repair, repair.obj.key in keys)
         await self.publish()
         if planned:
             log.info("objects re-replicated", copied=copied, planned=len(planned),

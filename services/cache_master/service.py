@@ -23,7 +23,6 @@ from libs.common.messages.pool import (
     PoolGetReply,
     PoolHeartbeatReply,
     PoolKeys,
-    PoolMasterEpoch,
     PoolMount,
     PoolMountChunk,
     PoolMountEnd,
@@ -43,7 +42,7 @@ from libs.common.messages.pool import (
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor
 from services.cache_master.config import CacheMasterConfig
-from services.cache_master.epoch import outranks, pick_epoch, plausible
+from services.cache_master.epoch import MasterEpoch
 from services.cache_master.metadata import PoolLimits, PoolMetadata
 from services.cache_master.mounts import Mounts
 from services.cache_master.objects import Changes, PoolRequestError, PutSpec, Replica
@@ -77,11 +76,11 @@ class CacheMasterService(BaseService):
             )
         )
         self.mounts = Mounts(idle_timeout=config.mount_timeout)
-        self.epoch = config.epoch  # 0: picked at start (epoch.py); an election may set it
-        self.fenced_by = 0  # the higher epoch that made this master stop serving
+        self.fence = MasterEpoch(self.bus, self.subject("pool", "master", "epoch"),
+                                 config.service_id, self._on_fenced)  # fmt: skip
+        self.fence.value = config.epoch  # 0: picked at start; an election may set it
         self._event_seq: dict[str, int] = {}
         self._sweeper: asyncio.Task | None = None
-        self._epoch_sub: Any = None
         self._fence_task: asyncio.Task | None = None
         self.repairer = Repairer(self.bus, self.meta, config.subject_prefix, self._publish_changes)
 
@@ -91,7 +90,7 @@ class CacheMasterService(BaseService):
             "lease_ttl": self.config.lease_ttl,
             "replicas": self.config.replicas,
             "epoch": self.epoch,
-            "fenced_by": self.fenced_by,
+            "fenced_by": self.fence.fenced_by,
             "stores": len(self.meta.segments),
             "objects": len(self.meta.lru),
         }
@@ -121,16 +120,14 @@ class CacheMasterService(BaseService):
         ]
 
     async def on_start(self) -> None:
-        self.epoch = pick_epoch(self.epoch)
-        self.repairer.epoch = self.epoch
         try:
             await keep_kv_stream(self.bus, self.config.subject_prefix)
         except Exception as e:  # events still flow on core NATS without the stream
             log.warning("kv events stream unavailable", error=str(e) or type(e).__name__)
         # Before the endpoints: a running master with a higher epoch fences this one
         # before any store could mount here.
-        self._epoch_sub = await self.bus.subscribe(self._epoch_subject, self._on_epoch)
-        await self._announce()
+        await self.fence.start()
+        self.repairer.epoch = self.epoch
         log.info("master epoch", epoch=self.epoch)
         self._sweeper = asyncio.create_task(self._sweep_loop())
 
@@ -140,68 +137,23 @@ class CacheMasterService(BaseService):
             await asyncio.gather(self._sweeper, return_exceptions=True)
             self._sweeper = None
         await self.repairer.stop()
-        sub, self._epoch_sub = self._epoch_sub, None
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception as e:  # closed connection: nothing to unsubscribe from
-                log.debug("unsubscribe failed", error=str(e))
+        await self.fence.stop()
 
     # --- the epoch (epoch.py) ------------------------------------------------------------
 
     @property
-    def _epoch_subject(self) -> str:
-        return self.subject("pool", "master", "epoch")
+    def epoch(self) -> int:
+        return self.fence.value
 
-    async def _announce(self) -> None:
-        try:
-            await self.bus.publish(self._epoch_subject,
-                                   PoolMasterEpoch(self.epoch, self.config.service_id))  # fmt: skip
-        except Exception as e:  # the next sweep announces again
-            log.warning("epoch announcement failed", error=str(e))
-
-    async def _on_epoch(self, msg: Any) -> None:
-        try:
-            other = PoolMasterEpoch.decode(msg.data)
-        except ValueError as e:
-            log.warning("bad epoch announcement ignored", error=str(e))
-            return
-        if (other.epoch, other.master_id) == (self.epoch, self.config.service_id):
-            return  # our own
-        if not plausible(other.epoch):
-            log.warning("implausible epoch announcement ignored", epoch=other.epoch,
-                        master=other.master_id[:80])  # fmt: skip
-            return
-        if outranks(self.epoch, self.config.service_id, other.epoch, other.master_id):
-            self._fence(other.epoch, f"master {other.master_id!r}")
-        elif not self.fenced_by:
-            await self._announce()  # so the stale one learns
-
-    def _seen(self, epoch: int, store_id: str) -> None:
-        """A store has seen `epoch`: above ours, this master is stale."""
-        if not plausible(epoch):
-            raise HandlerError(400, f"epoch {epoch}: above what the clock allows; refused")
-        if epoch > self.epoch:
-            self._fence(epoch, f"store {store_id!r}")
-        if self.fenced_by:
-            raise HandlerError(409, f"master epoch {self.epoch} is stale: epoch "
-                               f"{self.fenced_by} serves the pool")  # fmt: skip
-
-    def _fence(self, epoch: int, by: str) -> None:
-        if self.fenced_by:
-            return
-        self.fenced_by = epoch
-        log.error("a master with a higher epoch exists; this one stops serving (restart it "
-                  "to take over)", epoch=self.epoch, higher=epoch, seen_from=by)  # fmt: skip
+    def _on_fenced(self) -> None:
+        """A higher epoch exists: stop serving and stop publishing (no more sweeps)."""
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._fence_task = asyncio.create_task(self.bus.stop_services())
 
     def _unfenced(self, handler: Any) -> Any:
         async def guarded(req: Any) -> Any:
-            if self.fenced_by:
-                raise HandlerError(409, f"master epoch {self.epoch} is stale: epoch "
-                                   f"{self.fenced_by} serves the pool")  # fmt: skip
+            self.fence.check()  # requests queued before the endpoints went away
             return await handler(req)
 
         return guarded
@@ -210,7 +162,7 @@ class CacheMasterService(BaseService):
 
     async def _mount(self, req: PoolMount) -> PoolMountReply:
         """Begin a mount (mounts.py): nothing changes until its end."""
-        self._seen(req.epoch, req.store_id)
+        self.fence.seen(req.epoch, req.store_id)
         if not req.store_id:
             raise HandlerError(400, "store_id: required")
         try:
@@ -222,14 +174,14 @@ class CacheMasterService(BaseService):
         return PoolMountReply(epoch=self.epoch, mount_id=session.mount_id)
 
     async def _mount_chunk(self, req: PoolMountChunk) -> PoolCount:
-        self._seen(req.epoch, req.store_id)
+        self.fence.seen(req.epoch, req.store_id)
         session = self._call(self.mounts.chunk, req.store_id, req.mount_id, req.index,
                              req.records, time.monotonic())  # fmt: skip
         return PoolCount(len(session.records))
 
     async def _mount_end(self, req: PoolMountEnd) -> PoolMountReply:
         """All chunks in: mount with every record at once, answer page 0 of the list."""
-        self._seen(req.epoch, req.store_id)
+        self.fence.seen(req.epoch, req.store_id)
         now = time.monotonic()
         session = self._call(self.mounts.end, req.store_id, req.mount_id, req.chunks,
                              req.records, now)  # fmt: skip
@@ -250,7 +202,7 @@ class CacheMasterService(BaseService):
         return self._page(session, 0)
 
     async def _mount_page(self, req: PoolMountPage) -> PoolMountReply:
-        self._seen(req.epoch, req.store_id)
+        self.fence.seen(req.epoch, req.store_id)
         session = self._call(self.mounts.page, req.store_id, req.mount_id, req.page,
                              time.monotonic())  # fmt: skip
         return self._page(session, req.page)
@@ -261,7 +213,7 @@ class CacheMasterService(BaseService):
                               pages=len(session.pages))  # fmt: skip
 
     async def _unmount(self, req: PoolStoreRef) -> PoolCount:
-        self._seen(req.epoch, req.store_id)
+        self.fence.seen(req.epoch, req.store_id)
         if not self.meta.unmount(req.store_id):
             raise HandlerError(404, f"unknown store segment {req.store_id!r}")
         log.info("store unmounted", store=req.store_id)
@@ -269,7 +221,7 @@ class CacheMasterService(BaseService):
         return PoolCount(1)
 
     async def _heartbeat(self, req: PoolStoreRef) -> PoolHeartbeatReply:
-        self._seen(req.epoch, req.store_id)
+        self.fence.seen(req.epoch, req.store_id)
         segment = self.meta.heartbeat(req.store_id, req.region_id, time.monotonic())
         if segment is None:
             return PoolHeartbeatReply(known=False, epoch=self.epoch)
@@ -353,7 +305,7 @@ class CacheMasterService(BaseService):
         self.meta.enforce_watermarks(now)
         await self._publish(self.meta.take_changes())
         self.repairer.kick()
-        await self._announce()
+        await self.fence.announce()
 
     async def _publish_changes(self) -> None:
         await self._publish(self.meta.take_changes())

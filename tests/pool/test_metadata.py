@@ -5,6 +5,7 @@ import pytest
 from libs.common.messages.pool import PoolRecord
 from services.cache_master.metadata import PoolLimits, PoolMetadata
 from services.cache_master.objects import PoolRequestError, PutSpec
+from services.cache_master.replication import finish_repair, plan_repairs
 
 CK = "0123456789abcdef"
 UNIT = 4096
@@ -210,13 +211,13 @@ def test_a_lost_store_s_objects_get_one_more_replica_on_a_store_without_one():
     meta.segments["s1"].last_seen = meta.segments["s2"].last_seen = 50.0
     assert meta.expire_stores(55.0, timeout=10.0) == ["s0"]  # silent since 0
     assert meta.under_replicated == lost
-    repairs = meta.plan_repairs(0.0, limit=100)
+    repairs = plan_repairs(meta, 0.0, limit=100)
     assert {r.obj.key for r in repairs} == lost
     for r in repairs:
         assert r.target.store_id not in {x.store_id for x in r.obj.replicas}
         assert r.source.store_id != "s0"
     meta.take_changes()
-    assert all(meta.finish_repair(r, copied=True) for r in repairs)
+    assert all(finish_repair(meta, r, copied=True) for r in repairs)
     assert all(len(meta.objects[k].replicas) == 2 for k in lost)
     assert set(meta.take_changes().added) <= {"s1", "s2"} and meta.repaired == len(lost)
 
@@ -226,9 +227,9 @@ def test_a_failed_copy_frees_its_range_and_waits_for_a_mount():
     put(meta, ["k"])
     holder = meta.objects["k"].replicas[0].store_id
     meta.unmount(holder)
-    (repair,) = meta.plan_repairs(0.0, limit=10)
+    (repair,) = plan_repairs(meta, 0.0, limit=10)
     used = repair.target.used
-    assert not meta.finish_repair(repair, copied=False)
+    assert not finish_repair(meta, repair, copied=False)
     assert repair.target.used == used - UNIT and meta.unplaced == {"k"}
     meta.mount("s9", {"region_id": 9, "length": 10 * UNIT}, [], 1.0)
     assert meta.under_replicated == {"k"}
