@@ -175,8 +175,11 @@ class CacheMasterService(BaseService):
 
     async def _mount_chunk(self, req: PoolMountChunk) -> PoolCount:
         self.fence.seen(req.epoch, req.store_id)
+        now = time.monotonic()
         session = self._call(self.mounts.chunk, req.store_id, req.mount_id, req.index,
-                             req.records, time.monotonic())  # fmt: skip
+                             req.records, now)  # fmt: skip
+        # A long mount of a store already mounted (a re-mount after a gap) keeps it alive.
+        self.meta.heartbeat(req.store_id, int(session.descriptor.get("region_id", 0)), now)
         return PoolCount(len(session.records))
 
     async def _mount_end(self, req: PoolMountEnd) -> PoolMountReply:

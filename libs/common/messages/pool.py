@@ -5,8 +5,10 @@ the same errors as every other message. A batch is a list of typed records, one 
 object, each checked like any field (`pool_get_reply.objects[3].size: Expected `int`...`).
 
     store                        master (tandem.pool.master.*, queue group)      client
-      |-- PoolMount ------------->| segment descriptor + what the store holds       |
+      |-- PoolMount, PoolMountChunk.., PoolMountEnd -->| segment + what it holds,|
+      |<-- PoolMountReply pages (PoolMountPage) -------| in bounded chunks        |
       |-- PoolStoreRef (heartbeat, 1 s) -->|                                        |
+      |<-- PoolReplicate (copy from another store) ---| after a store is lost    |
       |<== PoolStoreUpdate =======| objects added/removed on this store (publish)   |
       |                           |<-- PoolPutStart (keys, sizes, checksums) ------|
       |                           |--> PoolPutStartReply (where to write) -------->|
@@ -14,6 +16,9 @@ object, each checked like any field (`pool_get_reply.objects[3].size: Expected `
       |                           |<-- PoolPutFinish (put_end / put_revoke) -------|
       |                           |<-- PoolKeys (get) -> PoolGetReply + lease -----|
       |======== bytes, transfer engine read (store segment -> client) ===========>|
+
+Store <-> master messages carry the master epoch (services/cache_master/epoch.py); masters
+announce theirs with `PoolMasterEpoch`.
 
 Keys are page keys (kv_hash: 32 hex chars), checksums xxh3-64 as 16 hex chars, segments
 transfer-engine RegionDescriptor dicts (checked by RegionDescriptor.from_dict where used),
