@@ -81,12 +81,17 @@ class Mounts:
         session.pages = chunk_records(records)
         session.update_seq = update_seq
 
+    def done(self, session: MountSession) -> None:
+        """The store has every page (a one-page answer goes with the end's reply)."""
+        if self.sessions.get(session.store_id) is session:
+            del self.sessions[session.store_id]
+
     def page(self, store_id: str, mount_id: str, page: int, now: float) -> MountSession:
         session = self._find(store_id, mount_id, now)
         if session.pages is None or not 0 <= page < len(session.pages):
             raise PoolRequestError(404, f"mount {mount_id}: no page {page}")
         if page == len(session.pages) - 1:
-            del self.sessions[store_id]  # the last page read: done
+            self.done(session)
         return session
 
     def expire(self, now: float) -> int:

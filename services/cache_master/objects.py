@@ -53,6 +53,7 @@ class PoolObject:
     want: int = 1  # replicas asked for: a lost store's objects are copied back up to it
     client: str = ""  # who reserved it (pending only)
     counted: bool = False  # counted in its client's pending objects
+    repair_failures: int = 0  # failed copies back up to `want` (replication.py)
 
     def leased(self, now: float) -> bool:
         return self.lease_until > now

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from services.cache_master.metadata import PoolMetadata
 from services.cache_master.objects import PoolObject, Replica, Segment
 
+MAX_TRIES = 3  # failed copies of one object before it waits for a store to mount
+
 
 @dataclass
 class Repair:
@@ -36,11 +38,10 @@ def plan_repairs(meta: PoolMetadata, now: float, limit: int) -> list[Repair]:
     the least used store without one (evicting there if needed). Objects with no such
     store wait in `unplaced` until a store mounts."""
     out: list[Repair] = []
-    busy = set()
     while meta.under_replicated and len(out) < limit:
         key = meta.under_replicated.pop()
         obj = meta.objects.get(key)
-        if obj is None or not obj.complete or not obj.replicas or key in busy:
+        if obj is None or not obj.complete or not obj.replicas:
             continue
         if len(obj.replicas) >= obj.want:
             continue
@@ -50,7 +51,6 @@ def plan_repairs(meta: PoolMetadata, now: float, limit: int) -> list[Repair]:
         if target is None or offset is None:
             meta.unplaced.add(key)
             continue
-        busy.add(key)
         out.append(Repair(obj, obj.replicas[0], target, offset))
     return out
 
@@ -75,8 +75,10 @@ def finish_repair(meta: PoolMetadata, repair: Repair, copied: bool) -> bool:
     alive = meta.objects.get(obj.key) is obj and obj.complete
     if not copied or not alive or obj.on(target.store_id) is not None:
         target.allocator.free(repair.offset)
-        if alive and not copied:
-            meta.unplaced.add(obj.key)  # retried when a store mounts
+        if alive and not copied:  # retried next sweep; after MAX_TRIES, at the next mount
+            obj.repair_failures += 1
+            retry = obj.repair_failures < MAX_TRIES
+            (meta.under_replicated if retry else meta.unplaced).add(obj.key)
         return False
     obj.replicas.append(Replica(target.store_id, repair.offset))
     target.keys.add(obj.key)

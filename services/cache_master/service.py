@@ -202,7 +202,10 @@ class CacheMasterService(BaseService):
                  capacity=segment.capacity, chunks=req.chunks)  # fmt: skip
         # The store takes the records from the pages; events only, no index update.
         await self._publish(self.meta.take_changes(), update_stores=False)
-        return self._page(session, 0)
+        reply = self._page(session, 0)
+        if reply.pages == 1:
+            self.mounts.done(session)
+        return reply
 
     async def _mount_page(self, req: PoolMountPage) -> PoolMountReply:
         self.fence.seen(req.epoch, req.store_id)

@@ -222,7 +222,7 @@ def test_a_lost_store_s_objects_get_one_more_replica_on_a_store_without_one():
     assert set(meta.take_changes().added) <= {"s1", "s2"} and meta.repaired == len(lost)
 
 
-def test_a_failed_copy_frees_its_range_and_waits_for_a_mount():
+def test_a_failed_copy_frees_its_range_is_retried_then_waits_for_a_mount():
     meta = meta_with(3, replicas=2)
     put(meta, ["k"])
     holder = meta.objects["k"].replicas[0].store_id
@@ -230,6 +230,10 @@ def test_a_failed_copy_frees_its_range_and_waits_for_a_mount():
     (repair,) = plan_repairs(meta, 0.0, limit=10)
     used = repair.target.used
     assert not finish_repair(meta, repair, copied=False)
-    assert repair.target.used == used - UNIT and meta.unplaced == {"k"}
+    assert repair.target.used == used - UNIT and meta.under_replicated == {"k"}  # retried
+    for _ in range(2):
+        (repair,) = plan_repairs(meta, 0.0, limit=10)
+        assert not finish_repair(meta, repair, copied=False)
+    assert meta.under_replicated == set() and meta.unplaced == {"k"}  # 3 failures: wait
     meta.mount("s9", {"region_id": 9, "length": 10 * UNIT}, [], 1.0)
     assert meta.under_replicated == {"k"}
