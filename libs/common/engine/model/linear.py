@@ -83,16 +83,23 @@ class Linear:
         return F.linear(x, self._weight, self._bias)
 
 
+# Formats whose products take x as 16-bit integers in the AVX2 / AVX-512 builds.
+X16_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+
+
 class QuantLinear:
     """y = x @ W^T + b for a block-quantized weight [out, in] (same contract as Linear;
     x and y fp32).
 
-    Up to `GEMV_ROWS` rows of x (decode steps of a few streams): `tq_gemv` dequantizes each
-    block once, in registers, and dots it with every row. Up to `GEMM_ROWS` (a decode
-    batch): `tq_gemm` dequantizes four weight rows at a time into a buffer that stays in
-    cache and multiplies them with every row of x. More (a prefill chunk): the weight is
-    dequantized `SLICE_VALUES` at a time into a per-thread buffer and each slice multiplied
-    with torch's GEMM, whose blocking wins once the fp32 slice is reused by enough rows.
+    Up to `GEMM_ROWS` rows of x (decode steps, short prefill chunks): for Q4_0, Q4_1 and
+    Q8_0 (X16_FORMATS) on AVX2 / AVX-512, x is rounded to 16-bit integers with a scale per
+    32 values and the products run in integers (`tq_gemv` / `tq_gemm`, the same code for
+    every row count: a row has the same bits in any batch). Other formats: `tq_gemv`
+    dequantizes each block once, in registers, for up to `GEMV_ROWS` rows; `tq_gemm`
+    dequantizes four weight rows at a time into a buffer that stays in cache. More rows (a
+    prefill chunk): the weight is dequantized `SLICE_VALUES` at a time into a per-thread
+    buffer and each slice multiplied with torch's GEMM, whose blocking wins once the fp32
+    slice is reused by enough rows; x is rounded first as the integer path rounds it.
     """
 
     GEMV_ROWS = 4
@@ -100,7 +107,7 @@ class QuantLinear:
     SLICE_VALUES = 1 << 21  # 8 MiB of fp32 a slice
     _buffers = threading.local()
 
-    __slots__ = ("_bias", "_gemm", "_gemv", "_weight", "in_features", "out_features")
+    __slots__ = ("_bias", "_gemm", "_gemv", "_round_x", "_weight", "in_features", "out_features")
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -108,6 +115,10 @@ class QuantLinear:
         self._bias = bias
         lib = library()[0]
         self._gemv, self._gemm = lib.tq_gemv, lib.tq_gemm
+        # The integer products take x rounded to 16 bits a block (kernels.c): the wide
+        # path rounds x the same way, so the two differ by summation order only.
+        x16 = lib.tq_activation_bits() == 16 and weight.kind in X16_FORMATS
+        self._round_x = lib.tq_round_x16 if x16 else None
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +152,10 @@ class QuantLinear:
         return y
 
     def _sliced(self, x: torch.Tensor) -> torch.Tensor:
+        if self._round_x is not None:
+            rounded = torch.empty_like(x)
+            self._round_x(x.data_ptr(), x.shape[0], self.in_features, rounded.data_ptr())
+            x = rounded
         step = max(1, self.SLICE_VALUES // self.in_features)
         y = None  # a single slice's product is the result as it is (no copy)
         need = min(step, self.out_features) * self.in_features

@@ -47,6 +47,10 @@ static inline float h2f(const uint8_t *p) {
     return f;
 }
 
+/* Bits of x in the Q4_0 / Q4_1 / Q8_0 products of this build: 16 (quantized per block,
+ * see the 16-bit activation products below) or 32 (fp32, the generic build). */
+int tq_activation_bits(void);
+
 int tq_block_size(int type) {
     return (type == TQ_Q4_K || type == TQ_Q5_K || type == TQ_Q6_K) ? 256 : 32;
 }
@@ -216,59 +220,221 @@ static inline void unpack32(int type, const uint8_t *b, vf *w) {
 }
 #endif
 
-#if defined(__AVX512F__)
-/* q . x of one Q4_0 / Q4_1 / Q8_0 block, unscaled (16 lanes to be summed later). */
-static inline __m512 block_dot(int type, const uint8_t *blk, const float *xb) {
-    __m512 lo, hi;
-    if (type == TQ_Q8_0) {
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-    } else {
-        const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (type == TQ_Q4_1 ? 4 : 2)));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
-    }
-    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
-}
-
-/* One weight row of a 32-value format times one row of x, on AVX-512. The scales of 16
- * blocks at a time are gathered and converted together; the constant parts (Q4_1's min m,
- * Q4_0's -8 d) multiply the block sums of x, xsum, as one vector per 16 blocks. */
-static float row_dot_avx512(int type, const uint8_t *row, int nb, int bb, const float *x,
-                            const float *xsum) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
-    const __m512i offsets = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(bb));
-    float ds[16];
-    for (int g = 0; g < nb; g += 16) {
-        const int n = nb - g < 16 ? nb - g : 16;
-        const __mmask16 live = (__mmask16)((1u << n) - 1u);
-        const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets,
-                                                          row + (size_t)g * bb, 1);
-        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
-        if (type != TQ_Q8_0) {
-            const __m512 xs = _mm512_maskz_loadu_ps(live, xsum + g);
-            const __m512 c = type == TQ_Q4_1
-                ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)))
-                : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-            accm = _mm512_fmadd_ps(c, xs, accm);
-        }
-        _mm512_storeu_ps(ds, d);
-        const uint8_t *blk = row + (size_t)g * bb;
-        const float *xb = x + (size_t)g * 32;
-        int j = 0;
-        for (; j + 1 < n; j += 2, blk += 2 * bb, xb += 64) {
-            acc0 = _mm512_fmadd_ps(block_dot(type, blk, xb), _mm512_set1_ps(ds[j]), acc0);
-            acc1 = _mm512_fmadd_ps(block_dot(type, blk + bb, xb + 32), _mm512_set1_ps(ds[j + 1]), acc1);
-        }
-        if (j < n) acc0 = _mm512_fmadd_ps(block_dot(type, blk, xb), _mm512_set1_ps(ds[j]), acc0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), accm));
-}
-#endif
 
 static inline int small_block(int type) { return type == TQ_Q4_0 || type == TQ_Q4_1 || type == TQ_Q8_0; }
+
+/* ---- products with 16-bit activations (Q4_0, Q4_1, Q8_0 weights) -----------------------
+ *
+ * Each 32-value block of a row of x is quantized to int16 with its own scale (dx = max |x|
+ * / 32767), and a block's dot product is taken in integers: dw * dx * sum(qw * qx), plus
+ * Q4_1's min (Q4_0's -8 dw) times the block's sum dx * sum(qx). The integer products run
+ * 32 at a time (vpmaddwd, or VNNI's vpdpwssd) where fp32 takes 16, and a weight's nibbles
+ * need no conversion to float. x's rounding to 16 bits is ~1.5e-5 of a block's largest
+ * |x| per value: last-position logits stay within ~1e-4 of the fp32 product's. (8-bit
+ * activations, llama.cpp's choice for these formats, were measured on the default model
+ * at 8.6e-2 relative logit error with greedy flips at a top-2 margin of 0.13:
+ * docs/engine.md.)
+ *
+ * Every row of x goes through the same sequence of operations whatever the number of
+ * rows beside it (a decode step of 1 stream or of 100): a row's result has the same bits
+ * in any batch. */
+/* out = x rounded as quantize_x (below) rounds it, in fp32 (q * d per value): the wide products
+ * (a prefill, dequantized weights times x through oneDNN) take this x, so that a row's
+ * result differs between the wide and the integer paths by fp32 summation order only,
+ * as before x was quantized, and a chunked prefill agrees with an unchunked one. */
+int tq_round_x16(const float *x, int m, int k, float *out) {
+    if (k % 32) return -1;
+#pragma omp parallel for schedule(static) if (m > 16)
+    for (int t = 0; t < m; t++)
+        for (int b = 0; b < k / 32; b++) {
+            const float *xb = x + (size_t)t * k + (size_t)b * 32;
+            float *ob = out + (size_t)t * k + (size_t)b * 32, amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            const float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            for (int i = 0; i < 32; i++) ob[i] = nearbyintf(xb[i] * id) * d;
+        }
+    return 0;
+}
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+#define TQ_QX 1
+#if defined(__AVX512F__)
+#define TQ_PAIRS 1 /* x in pairs of blocks, see quantize_x */
+#else
+#define TQ_PAIRS 0
+#endif
+
+/* x rows quantized: `q` [m][kp] int16 (kp = k rounded up to 64), `d` [m][nbp] block
+ * scales and `s` [m][nbp] block sums of the quantized values, d * sum(q) (not of x itself:
+ * the min's term then carries x's rounding as the nibbles' term does, and the two cancel
+ * as they do in fp32); nbp = kp / 32, padding blocks zero. With TQ_PAIRS a pair of
+ * blocks A, B is laid out [A0-15 B0-15 A16-31 B16-31], the order in which the AVX-512
+ * loop unpacks their weights; else each block is in order. */
+typedef struct {
+    int16_t *q;
+    float *d, *s;
+    int kp, nbp;
+} tq_xq_t;
+
+static int quantize_x(const float *x, int m, int k, tq_xq_t *xq) {
+    const int nb = k / 32;
+    xq->kp = (k + 63) / 64 * 64;
+    xq->nbp = xq->kp / 32;
+    xq->q = malloc(sizeof(int16_t) * (size_t)m * xq->kp + sizeof(float) * 2 * (size_t)m * xq->nbp);
+    if (!xq->q) return -2;
+    xq->d = (float *)(xq->q + (size_t)m * xq->kp);
+    xq->s = xq->d + (size_t)m * xq->nbp;
+    for (int t = 0; t < m; t++) {
+        int16_t *qt = xq->q + (size_t)t * xq->kp;
+        float *dt = xq->d + (size_t)t * xq->nbp, *st = xq->s + (size_t)t * xq->nbp;
+        memset(qt, 0, sizeof(int16_t) * (size_t)xq->kp);
+        for (int b = nb; b < xq->nbp; b++) dt[b] = st[b] = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)t * k + (size_t)b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            const float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            int16_t *at = TQ_PAIRS ? qt + (size_t)(b / 2) * 64 + (b % 2) * 16 : qt + (size_t)b * 32;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                const int32_t v = (int32_t)nearbyintf(xb[i] * id);
+                at[i < 16 ? i : i + (TQ_PAIRS ? 16 : 0)] = (int16_t)v;
+                sum += v;
+            }
+            dt[b] = d;
+            st[b] = d * (float)sum;
+        }
+    }
+    return 0;
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* out[t] = row . x_t for g <= TQ_GROUP rows of quantized x (rows t0 .. t0 + g - 1): a
+ * block at a time, its 32 weights as two vectors of 16 int16. */
+static inline __attribute__((always_inline)) void rows_dot_qx(
+    int type, const uint8_t *row, int nb, int bb, const tq_xq_t *xq, int t0, int g, float *out) {
+    __m256 acc[TQ_GROUP];
+    float accm[TQ_GROUP];
+    for (int t = 0; t < g; t++) { acc[t] = _mm256_setzero_ps(); accm[t] = 0.0f; }
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (size_t)b * bb;
+        const float d = h2f(blk), c = type == TQ_Q4_1 ? h2f(blk + 2) : -8.0f * d;
+        __m256i lo, hi;
+        if (type == TQ_Q8_0) {
+            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        } else {
+            const __m256i bytes = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i *)(blk + (type == TQ_Q4_1 ? 4 : 2))));
+            lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+            hi = _mm256_srli_epi16(bytes, 4);
+        }
+        for (int t = 0; t < g; t++) {
+            const size_t at = (size_t)(t0 + t) * xq->nbp + b;
+            const int16_t *xp = xq->q + (size_t)(t0 + t) * xq->kp + (size_t)b * 32;
+            const __m256i p = _mm256_add_epi32(
+                _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
+                _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xq->d[at]), acc[t]);
+            if (type != TQ_Q8_0) accm[t] += c * xq->s[at];
+        }
+    }
+    for (int t = 0; t < g; t++) out[t] = v_sum(acc[t]) + accm[t];
+}
+#else
+static inline __m512i dot_s16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* Two blocks' weights as int16 in x's pair order: lo = [A0-15 B0-15], hi = [A16-31 B16-31]. */
+static inline void unpack_pair(int type, const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
+    if (type == TQ_Q8_0) {
+        *lo = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 2))),
+            _mm_loadu_si128((const __m128i *)(b + 2)), 1));
+        *hi = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 18))),
+            _mm_loadu_si128((const __m128i *)(b + 18)), 1));
+        return;
+    }
+    const int off = type == TQ_Q4_1 ? 4 : 2;
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + off))),
+        _mm_loadu_si128((const __m128i *)(b + off)), 1));
+    *lo = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
+    *hi = _mm512_srli_epi16(bytes, 4);
+}
+
+/* out[t] = row . x_t for g <= TQ_GROUP rows of quantized x (rows t0 .. t0 + g - 1). */
+static inline __attribute__((always_inline)) void rows_dot_qx(
+    int type, const uint8_t *row, int nb, int bb, const tq_xq_t *xq, int t0, int g, float *out) {
+    __m512 acc[TQ_GROUP], accm[TQ_GROUP], sc[TQ_GROUP];
+    for (int t = 0; t < g; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(bb));
+    /* lanes 0-7 hold block A's sums, 8-15 block B's */
+    const __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int g0 = 0; g0 < nb; g0 += 16) {
+        const int n = nb - g0 < 16 ? nb - g0 : 16;
+        const __mmask16 live = (__mmask16)((1u << n) - 1u);
+        const uint8_t *grp = row + (size_t)g0 * bb;
+        const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, grp, 1);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+        const __m512 c = type == TQ_Q4_1
+            ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)))
+            : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        for (int t = 0; t < g; t++) {
+            const size_t at = (size_t)(t0 + t) * xq->nbp + g0;
+            sc[t] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xq->d + at));
+            if (type != TQ_Q8_0) accm[t] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(live, xq->s + at), accm[t]);
+        }
+        for (int j = 0; j < n; j += 2) {
+            const uint8_t *a = grp + (size_t)j * bb, *b = j + 1 < n ? a + bb : a;
+            __m512i lo, hi;
+            unpack_pair(type, a, b, &lo, &hi);
+            const __m512i idx = _mm512_add_epi32(which, _mm512_set1_epi32(j));
+            for (int t = 0; t < g; t++) {
+                const int16_t *xp = xq->q + (size_t)(t0 + t) * xq->kp + (size_t)(g0 + j) * 32;
+                const __m512i p = dot_s16(dot_s16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp)),
+                                          hi, _mm512_loadu_si512(xp + 32));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, sc[t]), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < g; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], accm[t]));
+}
+
+#endif /* AVX2 / AVX-512 loops */
+
+/* y = x W^T for a Q4_0 / Q4_1 / Q8_0 weight, any m, x quantized as above. */
+static int gemm_qx(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+                   int m, float *y, int ldy) {
+    tq_xq_t xq;
+    if (quantize_x(x, m, k, &xq) != 0) return -2;
+    const int nb = k / 32, bb = tq_block_bytes(type);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < n_out; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        for (int t0 = 0; t0 < m; t0 += TQ_GROUP) {
+            const int g = m - t0 < TQ_GROUP ? m - t0 : TQ_GROUP;
+            float out[TQ_GROUP];
+            switch (g) { /* one copy of the loop per group size, its accumulators in registers */
+            case 1: rows_dot_qx(type, row, nb, bb, &xq, t0, 1, out); break;
+            case 2: rows_dot_qx(type, row, nb, bb, &xq, t0, 2, out); break;
+            case 3: rows_dot_qx(type, row, nb, bb, &xq, t0, 3, out); break;
+            default: rows_dot_qx(type, row, nb, bb, &xq, t0, 4, out); break;
+            }
+            for (int t = 0; t < g; t++) y[(size_t)(t0 + t) * ldy + n] = out[t];
+        }
+    }
+    free(xq.q);
+    return 0;
+}
+#endif
 
 /* y[t, n] = sum_k x[t, k] * W[n, k] for t < m (m <= TQ_MAX_ROWS), n < n_out; x is [m][k],
  * y is [m][ldy] (columns n_out written). k is a multiple of the block size. */
@@ -276,19 +442,8 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
             int m, float *y, int ldy) {
     const int bs = tq_block_size(type), bb = tq_block_bytes(type), nb = k / bs;
     if (bb == 0 || k % bs != 0 || m < 1 || m > TQ_MAX_ROWS) return -1;
-#if defined(__AVX512F__)
-    if (m == 1 && small_block(type)) {
-        float xsum[nb];
-        for (int b = 0; b < nb; b++) {
-            float sum = 0.0f;
-            for (int i = 0; i < 32; i++) sum += x[b * 32 + i];
-            xsum[b] = sum;
-        }
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < n_out; n++)
-            y[n] = row_dot_avx512(type, w + (size_t)n * row_bytes, nb, bb, x, xsum);
-        return 0;
-    }
+#ifdef TQ_QX
+    if (small_block(type)) return gemm_qx(type, w, row_bytes, n_out, k, x, m, y, ldy);
 #endif
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < n_out; n++) {
@@ -372,6 +527,9 @@ int tq_gemm(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
             int m, float *y, int ldy) {
     const int bs = tq_block_size(type);
     if (tq_block_bytes(type) == 0 || k % bs != 0 || m < 1) return -1;
+#ifdef TQ_QX
+    if (small_block(type)) return gemm_qx(type, w, row_bytes, n_out, k, x, m, y, ldy);
+#endif
     const int tiles = (n_out + TQ_NR - 1) / TQ_NR;
     int failed = 0;
 #pragma omp parallel
@@ -742,4 +900,12 @@ int tq_decode_layer(const tq_layer_t *ly, const tq_step_t *S, int layer, float *
     for (int t = 0; t < m; t++)
         for (int i = 0; i < ly->hidden; i++) x[(size_t)t * ly->hidden + i] += S->tmp[(size_t)t * ly->hidden + i];
     return rc;
+}
+
+int tq_activation_bits(void) {
+#ifdef TQ_QX
+    return 16;
+#else
+    return 32;
+#endif
 }

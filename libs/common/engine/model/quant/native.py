@@ -154,6 +154,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tq_block_size.restype = i
     lib.tq_block_bytes.argtypes = [i]
     lib.tq_block_bytes.restype = i
+    lib.tq_round_x16.argtypes = [p, i, i, p]
+    lib.tq_round_x16.restype = i
+    lib.tq_activation_bits.argtypes = []
+    lib.tq_activation_bits.restype = i
     return lib
 
 
@@ -175,7 +179,8 @@ def library(variant: str | None = None) -> tuple[ctypes.CDLL, str]:
     _torch_lib()  # torch (and its OpenMP runtime) first: the library reuses that runtime
     lib = _declare(ctypes.CDLL(str(path)))
     isa = sorted(flags & {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "amx_tile"})
-    log.info("quant.kernels", variant=variant, path=str(path), built=built, cpu_flags=isa)
+    log.info("quant.kernels", variant=variant, path=str(path), built=built, cpu_flags=isa,
+             activation_bits=lib.tq_activation_bits())  # fmt: skip
     return lib, variant
 
 
