@@ -245,10 +245,25 @@ class TransferConfig(CommonConfig):
         default=10.0,
         metadata={"help": "seconds a KV transfer connection may stall before it fails (tcp)"},
     )
+    transfer_first_frame_timeout: float = field(
+        default=10.0,
+        metadata={"help": "seconds a new transfer connection has to send an admitted op (tcp)"},
+    )
+    transfer_frame_timeout: float = field(
+        default=10.0,
+        metadata={"help": "seconds a started transfer frame may take, +1 s per MiB (tcp)"},
+    )
+    transfer_max_connections_per_ip: int = field(
+        default=64,
+        metadata={"help": "transfer server connections one source IP may hold (tcp)"},
+    )
 
     def validate(self) -> None:
         super().validate()
         require_positive(self, "transfer_stall_timeout")
+        require_range(self, "transfer_first_frame_timeout", 0.01, 3600)
+        require_range(self, "transfer_frame_timeout", 0.01, 3600)
+        require_range(self, "transfer_max_connections_per_ip", 1, 256)
 
     def transfer_options(self, transport: str) -> dict[str, Any]:
         """create_engine keywords from these flags for `transport` (shm and rdma take
@@ -259,6 +274,9 @@ class TransferConfig(CommonConfig):
             "host": self.transfer_host,
             "advertise_host": self.transfer_advertise_host or None,
             "stall_timeout_s": self.transfer_stall_timeout,
+            "first_frame_timeout_s": self.transfer_first_frame_timeout,
+            "frame_timeout_s": self.transfer_frame_timeout,
+            "max_connections_per_ip": self.transfer_max_connections_per_ip,
         }
 
 

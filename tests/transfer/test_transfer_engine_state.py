@@ -35,7 +35,9 @@ async def test_methods_need_a_running_engine() -> None:
     assert engine.info() == {"transport": "tcp", "endpoint": None, "state": "stopped",
                              "regions": 0, "connections_per_peer": 3,
                              "slice_bytes": 1 << 20, "stall_timeout_s": 10.0, "busy_poll_us": 50.0,
-                             "thread_send_bytes": 1 << 20,
+                             "thread_send_bytes": 1 << 20, "first_frame_timeout_s": 10.0,
+                             "frame_timeout_s": 10.0, "max_server_connections": 256,
+                             "max_connections_per_ip": 64,
                              "peer_connections": 0, "server_connections": 0}  # fmt: skip
 
 

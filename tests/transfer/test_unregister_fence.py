@@ -155,12 +155,12 @@ async def test_shm_unregister_waits_for_a_peer_batch_still_copying(shm_pair) -> 
 
 def test_tcp_cut_from_a_stale_user_list_spares_the_connection_s_op_on_another_region() -> None:
     from libs.common.transfer.region import RegionTable
-    from libs.common.transfer.tcp.server import _OpFence
+    from libs.common.transfer.tcp.fence import OpFence
 
     table = RegionTable()
     one, two = table.add(bytearray(64)), table.add(bytearray(64))
     left, right = socket.socketpair()
-    fence = _OpFence(left)
+    fence = OpFence(left)
     try:
         fence.start(two.region_id)  # the connection has moved on to region two
         fence(one)  # a cut for region one, from a list taken before it left

@@ -11,13 +11,16 @@ from __future__ import annotations
 class AccessRefused(Exception):
     """An op was refused by the region owner's checks (region, token, bounds).
 
-    Raised inside the engines; it carries only a reason that is safe to send back
-    to the peer (never the token, never memory contents).
+    Raised inside the engines; `reason` is safe to send back to the peer (never the
+    token, never memory contents); `detail` may say more and is only logged (a TCP
+    server answers an unknown region and a wrong token with the same `reason`, so a
+    prober learns nothing about which regions exist, and logs which one it was).
     """
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, detail: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.detail = detail or reason
 
 
 class TransferError(Exception):

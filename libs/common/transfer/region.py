@@ -32,6 +32,10 @@ from libs.common.transfer.ops import check_range
 # Compared against when the region id is unknown, so that "unknown region" and
 # "wrong token" take the same time and a prober learns nothing from timing.
 _DUMMY_TOKEN = bytes(TOKEN_BYTES)
+# The one answer to a peer for both (and for a region unregistered meanwhile): which of
+# them it was is only logged (AccessRefused.detail), so replies do not tell a prober
+# which region ids exist.
+REFUSED = "unknown region or wrong token"
 # How long `remove` waits for cut-off ops to leave; a cut op leaves within one copy.
 _DRAIN_TIMEOUT_S = 5.0
 
@@ -143,7 +147,7 @@ class RegionTable:
         # gone, or `remove` sees the op and cuts it.
         if not region.live:
             self.leave(region, cut)
-            raise AccessRefused(f"unknown region {region_id}")
+            raise AccessRefused(REFUSED, f"unknown region {region_id} (unregistered)")
         return region
 
     def leave(self, region: Region, cut: Callable[[Region], None]) -> None:
@@ -162,17 +166,18 @@ class RegionTable:
     def check(self, region_id: int, token: bytes, offset: int, length: int) -> Region:
         """The access check for an op from a peer; raises AccessRefused.
 
-        Order matters only for the message: the token is compared in constant time
-        whether or not the region exists, and bounds are checked with overflow-safe
-        arithmetic before any memory is touched.
+        The token is compared in constant time whether or not the region exists, an
+        unknown region and a wrong token get the same `reason` (REFUSED; `detail` tells
+        them apart for the log), and bounds are checked with overflow-safe arithmetic
+        before any memory is touched (only a token holder learns the region's length).
         """
         region = self._regions.get(region_id)
         expected = region.token if region is not None else _DUMMY_TOKEN
         token_ok = hmac.compare_digest(expected, token)
         if region is None:
-            raise AccessRefused(f"unknown region {region_id}")
+            raise AccessRefused(REFUSED, f"unknown region {region_id}")
         if not token_ok:
-            raise AccessRefused(f"wrong token for region {region_id}")
+            raise AccessRefused(REFUSED, f"wrong token for region {region_id}")
         if not check_range(offset, length, region.length):
             raise AccessRefused(
                 f"range {offset}+{length} outside region {region_id} ({region.length} bytes)"

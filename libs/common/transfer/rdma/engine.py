@@ -157,7 +157,7 @@ class RdmaTransferEngine(TransferEngine):
             self._regions.check(exchange.region_id, bytes.fromhex(exchange.token or "00" * 16),
                                 0, 0)  # fmt: skip
         except AccessRefused as exc:
-            self._log.warning("rdma peer refused", peer=exchange.engine_id, reason=exc.reason)
+            self._log.warning("rdma peer refused", peer=exchange.engine_id, reason=exc.detail)
             raise ValueError(f"token: {exc.reason}") from None
         for qp in self._accepted.pop(exchange.engine_id, []):
             qp.close()  # a reconnecting peer replaces its old QPs

@@ -22,6 +22,7 @@ from libs.common.transfer.engine import EngineState, TransferEngine
 from libs.common.transfer.errors import AccessRefused, TransferError
 from libs.common.transfer.ops import Op, batch_bytes, slice_ops, slice_size, spread
 from libs.common.transfer.region import Region
+from libs.common.transfer.tcp.admission import ServerLimits
 from libs.common.transfer.tcp.client import Connection
 from libs.common.transfer.tcp.frame import KIND_READ, KIND_WRITE, MAX_FRAME_BYTES
 from libs.common.transfer.tcp.server import TcpTransferServer
@@ -60,6 +61,9 @@ class TcpTransferEngine(TransferEngine):
     thread_send_bytes: a batch part at least this long is sent from a worker thread
     (blocking sendmsg, no GIL held during the copy), so two connections' sends use
     two cores; 0: every part is sent from the event loop. See tcp_send.
+    first_frame_timeout_s, frame_timeout_s, max_server_connections,
+    max_connections_per_ip: the server's deadlines and caps against silent, slow and
+    hostile peers (admission.ServerLimits, docs/security.md).
     """
 
     transport = "tcp"
@@ -75,6 +79,9 @@ class TcpTransferEngine(TransferEngine):
         connect_timeout_s: float = 5.0,
         batch_timeout_s: float = 60.0,
         max_server_connections: int = 256,
+        max_connections_per_ip: int = 64,
+        first_frame_timeout_s: float = 10.0,
+        frame_timeout_s: float = 10.0,
         stall_timeout_s: float = 10.0,
         busy_poll_us: float = 50.0,
         busy_poll_bytes: int = 256 << 10,
@@ -89,8 +96,9 @@ class TcpTransferEngine(TransferEngine):
             raise ValueError(f"slice_bytes: must be in (0, {MAX_FRAME_BYTES}], got {slice_bytes}")
         if connect_timeout_s <= 0 or batch_timeout_s <= 0 or stall_timeout_s <= 0:
             raise ValueError("connect_timeout_s/batch_timeout_s/stall_timeout_s: must be positive")
-        if max_server_connections < 1:
-            raise ValueError("max_server_connections: must be >= 1")
+        limits = ServerLimits(
+            first_frame_timeout_s, frame_timeout_s, max_server_connections, max_connections_per_ip
+        )
         if not 0 <= busy_poll_us <= 10_000:
             raise ValueError(f"busy_poll_us: must be in [0, 10000], got {busy_poll_us}")
         if thread_send_bytes < 0:
@@ -110,7 +118,7 @@ class TcpTransferEngine(TransferEngine):
         self._thread_bytes = thread_send_bytes
         self._executor: ThreadPoolExecutor | None = None
         self._server = TcpTransferServer(
-            self._regions, host, port, max_server_connections, self._log, stall_s=stall_timeout_s,
+            self._regions, host, port, limits, self._log, stall_s=stall_timeout_s,
             poll_s=self._poll_s,
         )  # fmt: skip
         self._peers: dict[str, list[Connection]] = {}
@@ -128,12 +136,17 @@ class TcpTransferEngine(TransferEngine):
 
     def info(self) -> dict[str, object]:
         out = super().info()
+        limits = self._server.limits
         out.update(
             connections_per_peer=self._lanes,
             slice_bytes=self._slice_bytes,
             stall_timeout_s=self._stall_s,
             busy_poll_us=self._poll_us,
             thread_send_bytes=self._thread_bytes,
+            first_frame_timeout_s=limits.first_frame_s,
+            frame_timeout_s=limits.frame_s,
+            max_server_connections=limits.max_connections,
+            max_connections_per_ip=limits.max_per_ip,
             server_connections=self._server.num_connections,
             peer_connections=sum(c.alive for conns in self._peers.values() for c in conns),
         )

@@ -6,16 +6,18 @@ release the GIL, so the threads move bytes while the service's event loop keeps
 running, and there is no per-op event-loop round trip. Payloads go straight from the
 socket into the region (`recv_into` on a memoryview slice) and from the region into the
 socket (`sendmsg` of a memoryview slice): no intermediate copies. A thread waiting for
-the next request spins on poll(0) for `poll_s` before it sleeps in the
-kernel (`recv_polled`): a peer's next small batch is then served without a wake-up.
+the next request spins on poll(0) for `poll_s` before it sleeps in the kernel
+(`sockio.wait_readable`): a peer's next small batch is then served without a wake-up.
 
 Every op is checked (region id, constant-time token compare, bounds) before any
-byte of its payload is read into the region; see tcp_frame for the protocol.
+byte of its payload is read into the region; see tcp_frame for the protocol. Which
+connections are kept, and how long a frame may take, is admission.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import select
 import socket
 import threading
@@ -24,6 +26,8 @@ from typing import Any
 
 from libs.common.transfer.errors import AccessRefused
 from libs.common.transfer.region import Region, RegionTable
+from libs.common.transfer.tcp.admission import Admission, PeerConnection, ServerLimits
+from libs.common.transfer.tcp.fence import OpFence
 from libs.common.transfer.tcp.frame import (
     FLAG_LAST,
     KIND_ACK,
@@ -39,93 +43,35 @@ from libs.common.transfer.tcp.frame import (
     pack_response,
     set_liveness,
 )
+from libs.common.transfer.tcp.sockio import (
+    FrameTimeout,
+    recv_exact,
+    send_all,
+    set_tick,
+    wait_readable,
+)
 
 _DRAIN_CHUNK = 1 << 16
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> int:
-    """Fill `view` from a blocking socket; return the bytes received (< len on EOF)."""
-    got, total = 0, view.nbytes
-    while got < total:
-        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-def recv_polled(sock: socket.socket, view: memoryview, poll_s: float, ready: Any) -> int:
-    """recv_exact, but first spin for up to `poll_s` on `ready` (a select.poll of the
-    socket) until something arrives.
-
-    A thread asleep in recv pays a scheduler wake-up when the next request lands; a
-    peer that sends its next batch right after an ACK is served without it. poll(0)
-    answers "nothing yet" cheaper than a non-blocking recv that
-    raises, and releases the GIL each time, so the spin does not hold the service's
-    event loop for more than one syscall at a time.
-    """
-    if poll_s > 0:
-        end = time.perf_counter() + poll_s
-        while not ready(0) and time.perf_counter() < end:
-            pass
-    return recv_exact(sock, view)
-
-
-def send_all(sock: socket.socket, buffers: list[Any]) -> None:
-    """sendmsg every buffer (blocking socket), resuming after partial sends."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        sent = sock.sendmsg(views[:1024])
-        while sent and views:
-            if sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
-class _OpFence:
-    """Unregister's hold on one server connection: the region its op is moving bytes for
-    right now, and the cut (`RegionTable.remove` calls it with the region going away).
-
-    The cut shuts the connection down only while that same region's op is running (a
-    cut from a stale list of users must not kill the connection's next op, on another
-    region), and never races the socket's close (a reused descriptor number)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._lock = threading.Lock()
-        self._region_id = 0  # region ids are never 0
-
-    def start(self, region_id: int) -> None:
-        with self._lock:
-            self._region_id = region_id
-
-    def end(self) -> None:
-        with self._lock:
-            self._region_id = 0
-
-    def __call__(self, region: Region) -> None:
-        with self._lock:
-            if self._region_id == region.region_id:
-                with contextlib.suppress(OSError):  # recv/send in the thread return at once
-                    self._sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        with self._lock:
-            self._sock.close()
-
-
 class TcpTransferServer:
-    """Listens on (host, port); serves ops against `regions` until `stop()`."""
+    """Listens on (host, port); serves ops against `regions` until `stop()`.
+
+    Peers that are silent, slow or without a token cannot hold the port (docs/security.md,
+    "Transfer ports"): a new connection must send a request that passes the access check
+    within `first_frame_s`; once a frame has begun, its header must be in within
+    `frame_s` and its payload within `frame_s` plus one second per MIN_RATE bytes; the
+    caps and who gives way are admission.Admission's. A proven connection may idle
+    between frames for as long as its peer is alive (keepalive, `stall_s`): peers pool
+    their connections.
+    """
 
     def __init__(
         self,
         regions: RegionTable,
         host: str,
         port: int,
-        max_connections: int,
+        limits: ServerLimits,
         log: Any,
         *,
         stall_s: float = 10.0,
@@ -134,20 +80,23 @@ class TcpTransferServer:
         self._regions = regions
         self._host = host
         self._port = port
-        self._max_connections = max_connections
+        self._limits = limits
+        self._admission = Admission(limits.max_connections, limits.max_per_ip)
         self._log = log
         self._stall_s = stall_s
         self._poll_s = poll_s
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # admission and thread start, against stop()
         self._stopping = threading.Event()
 
     @property
     def num_connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
+        return len(self._admission)
+
+    @property
+    def limits(self) -> ServerLimits:
+        return self._limits
 
     @property
     def port(self) -> int:
@@ -169,11 +118,11 @@ class TcpTransferServer:
                 self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         with self._lock:
-            conns = list(self._conns.items())
-        for sock, _ in conns:
+            conns = self._admission.all()
+        for conn in conns:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        threads = [t for _, t in conns]
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        threads = [c.thread for c in conns if c.thread is not None]
         if self._accept_thread is not None:
             threads.append(self._accept_thread)
         for thread in threads:
@@ -186,41 +135,59 @@ class TcpTransferServer:
                 sock, peer = listener.accept()
             except OSError:
                 return  # listener shut down
-            peer_name = f"{peer[0]}:{peer[1]}"
+            conn = PeerConnection(sock, peer[0], f"{peer[0]}:{peer[1]}")
             with self._lock:
-                crowded = len(self._conns) >= self._max_connections
-                if not crowded:
-                    thread = threading.Thread(
-                        target=self._serve, args=(sock, peer_name), daemon=True,
-                        name=f"tandem-transfer-{peer_name}",
+                kept, evicted = self._admission.admit(conn)
+                if kept:
+                    conn.thread = threading.Thread(
+                        target=self._serve, args=(conn,), daemon=True,
+                        name=f"tandem-transfer-{conn.name}",
                     )  # fmt: skip
-                    self._conns[sock] = thread
-                    thread.start()  # under the lock: stop() never joins an unstarted thread
-            if crowded:
-                self._log.warning("transfer connection refused: too many", peer=peer_name)
+                    conn.thread.start()  # under the lock: stop() never joins an unstarted one
+            if evicted is not None:
+                self._log.warning("transfer connection evicted: no admitted op yet",
+                                  peer=evicted.name, by=conn.name)  # fmt: skip
+                with contextlib.suppress(OSError):  # its thread wakes and closes it
+                    evicted.sock.shutdown(socket.SHUT_RDWR)
+            if not kept:
+                self._log.warning(
+                    "transfer connection refused: too many", peer=conn.name,
+                    from_ip=self._admission.count(conn.ip), total=len(self._admission),
+                )  # fmt: skip
                 sock.close()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        fence = _OpFence(sock)
+    def _serve(self, conn: PeerConnection) -> None:
+        sock, peer = conn.sock, conn.name
+        fence = OpFence(sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_liveness(sock, self._stall_s)  # a cut link must not hold this thread
-            self._serve_frames(sock, peer, fence)
+            set_tick(sock, self._limits.tick_s)
+            self._serve_frames(conn, fence)
+        except FrameTimeout as exc:
+            self._log.warning("transfer peer too slow: connection closed", peer=peer,
+                              error=str(exc), proven=conn.proven)  # fmt: skip
         except OSError as exc:
             if not self._stopping.is_set():
                 self._log.warning("transfer connection error", peer=peer, error=str(exc))
         finally:
             with self._lock:
-                self._conns.pop(sock, None)
+                self._admission.release(conn)
             fence.close()
 
-    def _serve_frames(self, sock: socket.socket, peer: str, cut: _OpFence) -> None:
+    def _serve_frames(self, conn: PeerConnection, cut: OpFence) -> None:
+        sock, peer, limits = conn.sock, conn.name, self._limits
         header = memoryview(bytearray(REQUEST.size))
         poller = select.poll()
         poller.register(sock, select.POLLIN)
+        # Until an op is admitted, everything must happen before this.
+        first_deadline = time.monotonic() + limits.first_frame_s
         failed_batch: int | None = None  # batch refused on this connection, until LAST
         while True:
-            got = recv_polled(sock, header, self._poll_s, poller.poll)
+            deadline = math.inf if conn.proven else first_deadline
+            if not wait_readable(poller.poll, self._poll_s, deadline):
+                raise FrameTimeout(f"no admitted request within {limits.first_frame_s}s")
+            got = recv_exact(sock, header, limits.frame_s, deadline)
             if got != REQUEST.size:
                 if got:
                     self._log.warning("transfer peer disconnected mid-header", peer=peer)
@@ -236,24 +203,26 @@ class TcpTransferServer:
             if length > MAX_FRAME_BYTES:
                 self._log.warning("transfer refused oversized frame", peer=peer, length=length)
                 return
+            budget = limits.payload_budget(length)
             if failed_batch is not None and failed_batch != batch_id:
                 failed_batch = None  # a new batch starts clean
             if failed_batch is None:
                 cut.start(region_id)
                 try:
                     region = self._regions.enter(region_id, token, offset, length, cut)
+                    conn.proven = True
                 except AccessRefused as exc:
                     cut.end()
                     self._log.warning(
-                        "transfer op refused", peer=peer, reason=exc.reason,
+                        "transfer op refused", peer=peer, reason=exc.detail,
                         batch_id=batch_id, op_index=op_index,
                     )  # fmt: skip
                     reason = error_payload(exc.reason)
                     send_all(sock, [pack_response(KIND_ERR, op_index, batch_id, len(reason)),
-                                    reason])  # fmt: skip
+                                    reason], limits.frame_s)  # fmt: skip
                     failed_batch = batch_id
             if failed_batch == batch_id:
-                if kind == KIND_WRITE and not self._drain(sock, length, peer):
+                if kind == KIND_WRITE and not self._drain(sock, length, peer, deadline, budget):
                     return
             elif not self._apply(
                 sock,
@@ -265,22 +234,24 @@ class TcpTransferServer:
                 batch_id=batch_id,
                 offset=offset,
                 length=length,
+                budget=budget,
             ):
                 return
             if flags & FLAG_LAST:
                 if failed_batch != batch_id:
-                    sock.sendall(pack_response(KIND_ACK, op_index, batch_id, 0))
+                    send_all(sock, [pack_response(KIND_ACK, op_index, batch_id, 0)],
+                             limits.frame_s)  # fmt: skip
                 failed_batch = None
 
     def _apply(
-        self, sock: socket.socket, peer: str, region: Region, cut: _OpFence, *,
-        kind: int, op_index: int, batch_id: int, offset: int, length: int,
+        self, sock: socket.socket, peer: str, region: Region, cut: OpFence, *,
+        kind: int, op_index: int, batch_id: int, offset: int, length: int, budget: float,
     ) -> bool:  # fmt: skip
         """Move one admitted op's bytes (region entered by `_serve_frames`); False when
         the connection is done for (peer gone, or the region unregistered meanwhile)."""
         try:
             if kind == KIND_WRITE:
-                got = recv_exact(sock, region.view[offset : offset + length])
+                got = recv_exact(sock, region.view[offset : offset + length], budget)
                 if got != length:
                     self._log.warning(
                         "transfer peer disconnected mid-payload", peer=peer,
@@ -290,18 +261,23 @@ class TcpTransferServer:
                     return False
             else:
                 source = region.view[offset : offset + length]
-                send_all(sock, [pack_response(KIND_DATA, op_index, batch_id, length), source])
+                send_all(sock, [pack_response(KIND_DATA, op_index, batch_id, length), source],
+                         budget)  # fmt: skip
         finally:
             self._regions.leave(region, cut)
             cut.end()
         return True
 
-    def _drain(self, sock: socket.socket, length: int, peer: str) -> bool:
-        """Discard a refused WRITE's payload so the stream stays in sync."""
+    def _drain(
+        self, sock: socket.socket, length: int, peer: str, deadline: float, budget: float
+    ) -> bool:
+        """Discard a refused WRITE's payload so the stream stays in sync (within the
+        frame's budget, and for an unproven connection its first-frame deadline)."""
+        deadline = min(deadline, time.monotonic() + budget)
         scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK) or 1))
         left = length
         while left:
-            got = recv_exact(sock, scratch[: min(left, scratch.nbytes)])
+            got = recv_exact(sock, scratch[: min(left, scratch.nbytes)], math.inf, deadline)
             if got == 0:
                 self._log.warning("transfer peer disconnected mid-payload", peer=peer)
                 return False
