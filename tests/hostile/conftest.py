@@ -25,6 +25,8 @@ from tests.router.e2e_cluster import wait_healthy
 API_KEY = "sk-hostile-" + secrets.token_hex(8)
 WORKER_ARGS = ["--num-threads", "1", "--kv-cache-mb", "64", "--transport", "tcp",
                "--handoff-timeout", "60"]  # fmt: skip
+# runs first (pytest_collection_modifyitems): tests/hostile/test_transfer_ports.py
+FLOOD_FIRST = "test_a_silent_flood_on_every_transfer_port_before_any_kv_moved"
 # service id -> (service, extra flags)
 PROCESSES = {
     "m1": ("cache_master", ["--replicas", "1"]),
@@ -50,7 +52,7 @@ class Hostile:
         """Labels of the cluster's processes that have exited."""
         return [label for label, p in self.cluster.procs.items() if p.poll() is not None]
 
-    async def completion_works(self, prompt: str = "The capital of France is") -> dict:
+    async def completion_works(self, prompt: str | list[int] = "The capital of France is") -> dict:
         """A valid greedy request through the router: every worker still serves."""
         body = {"model": "default", "prompt": prompt, "max_tokens": 2, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
@@ -60,6 +62,16 @@ class Hostile:
                 assert r.status == 200, out
         assert out["usage"]["completion_tokens"] == 2, out
         return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The transfer-port flood runs first of this package's tests: it must find the
+    cluster before any KV has moved (no pooled transfer connections yet)."""
+    slots = [i for i, item in enumerate(items) if "tests/hostile/" in item.nodeid]
+    ours = [items[i] for i in slots]
+    ours.sort(key=lambda item: not item.name.startswith(FLOOD_FIRST))  # stable
+    for i, item in zip(slots, ours, strict=True):
+        items[i] = item
 
 
 @pytest.fixture(scope="package")

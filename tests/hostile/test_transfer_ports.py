@@ -1,8 +1,14 @@
-"""The TCP transfer port under random hostile frames: without a region's own token no byte
-of memory changes or leaves, whatever the region id, offset, length or payload; the whole
-backing memory (two registered regions and the unregistered bytes around them) is hashed
-before and after. tests/transfer/ covers each refusal alone (wrong token, stale region,
-forged length, garbage header, oversized frame, disconnects); this is the randomized sweep.
+"""The TCP transfer ports under hostile peers.
+
+- On the real cluster (tests/hostile/conftest.py), before any KV has moved: hundreds of
+  silent connections to every worker's and store's transfer port, then a disaggregated
+  request succeeds (this once failed: the ports' 256 slots were full of silent peers).
+- Random hostile frames: without a region's own token no byte of memory changes or
+  leaves, whatever the region id, offset, length or payload; the whole backing memory
+  (two registered regions and the unregistered bytes around them) is hashed before and
+  after. tests/transfer/ covers each refusal alone (wrong token, stale region, forged
+  length, garbage header, oversized frame, disconnects, deadlines, caps); this is the
+  randomized sweep.
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ import asyncio
 import hashlib
 import random
 import socket
+import time
 
+import nats
 import pytest
 
+from libs.common.messages.control import InfoRequest, ServiceInfo
 from libs.common.transfer.tcp.engine import TcpTransferEngine
 from libs.common.transfer.tcp.frame import (
     FLAG_LAST,
@@ -28,9 +37,66 @@ from libs.common.transfer.tcp.frame import (
     VERSION,
     pack_request,
 )
+from tests.hostile.conftest import PROCESSES, Hostile
+from tests.router.e2e_cluster import metric
 
 FRAMES = 2000
 PAGE = 4096
+FLOOD = 300  # silent connections per transfer port, as in the incident
+
+
+async def _transfer_info(url: str) -> dict[str, dict]:
+    """service id -> its transfer engine's info, for every worker and store."""
+    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=3)
+    try:
+        out = {}
+        for sid, (service, _) in PROCESSES.items():
+            if service in ("prefill", "decode", "cache_store"):
+                reply = await nc.request(f"tandem.{service}.{sid}.info", InfoRequest().encode(),
+                                         timeout=10)  # fmt: skip
+                out[sid] = ServiceInfo.decode(reply.data).details["transfer"]
+        return out
+    finally:
+        await nc.close()
+
+
+def _silent(endpoint: str, count: int) -> list[socket.socket]:
+    host, port = endpoint.rsplit(":", 1)
+    return [socket.create_connection((host, int(port)), timeout=5) for _ in range(count)]
+
+
+@pytest.mark.slow
+async def test_a_silent_flood_on_every_transfer_port_before_any_kv_moved_does_not_fail_a_request(
+    hostile: Hostile,
+):
+    """Runs first in this package (conftest orders it, FLOOD_FIRST): no worker has a pooled transfer
+    connection yet, so the request's KV writes need new connections to flooded ports, from
+    the same address (127.0.0.1) as the flood."""
+    before = await _transfer_info(hostile.nats.url)
+    assert all(i["transport"] == "tcp" for i in before.values()), before
+    assert not any(i["peer_connections"] for i in before.values()), f"KV moved already: {before}"
+    flood: list[socket.socket] = []
+    try:
+        for info in before.values():
+            flood += await asyncio.to_thread(_silent, info["endpoint"], FLOOD)
+        held = {sid: i["server_connections"]
+                for sid, i in (await _transfer_info(hostile.nats.url)).items()}  # fmt: skip
+        routed = await metric(hostile.url, "tandem:router_decisions_total", role="prefill")
+        prompt = random.Random(5).choices(range(1000, 20000), k=300)  # > --disagg-threshold
+        started = time.monotonic()
+        out = await hostile.completion_works(prompt)
+        took = time.monotonic() - started
+        assert await metric(hostile.url, "tandem:router_decisions_total", role="prefill") == (
+            routed + 1
+        ), "the request was not disaggregated: no KV crossed a transfer port"
+        after = await _transfer_info(hostile.nats.url)
+        assert after["p1"]["peer_connections"] > 0, after  # prefill wrote into decode's pages
+    finally:
+        for sock in flood:
+            sock.close()
+    print(f"\ntransfer ports: {FLOOD} silent connections on each of {sorted(before)}; held "
+          f"after the flood {held}; then a disaggregated request of {len(prompt)} tokens "
+          f"answered 200 in {took:.2f}s ({out['usage']})")  # fmt: skip
 
 
 @pytest.fixture
