@@ -114,7 +114,10 @@ def malformed() -> Iterator[tuple[str, bytes]]:
     for text in ("null", "[]", '"text"', "1e400", "true", "-1"):
         yield f"json {text}", text.encode()
     yield "deep nesting", b"[" * 100_000 + b"]" * 100_000
-    yield "huge", b'{"v": 1, "pad": "' + b"x" * (MAX_PAYLOAD - 64) + b'"}'
+    # exactly nats-server's max_payload: the largest message the bus carries
+    yield "huge", b'{"v": 1, "pad": "' + b"x" * (MAX_PAYLOAD - 19) + b'"}'
+    # one byte more: the client refuses to send it (counted, and required)
+    yield "over max_payload", b'{"v": 1, "pad": "' + b"x" * (MAX_PAYLOAD - 18) + b'"}'
 
 
 def mutations(message) -> Iterator[tuple[str, bytes]]:
@@ -151,8 +154,24 @@ def _extremes(value) -> list[tuple[str, object]]:
     return [*_WRONG, *_EXTREMES.get(type(value), [])]
 
 
-def _fits(payload: bytes) -> bool:
-    return len(payload) < MAX_PAYLOAD - 1024
+def _must_refuse(label: str, message) -> bool:
+    """Whether input `label` (of `malformed` or `mutations(message)`) is invalid for the
+    subject that takes `message`: not a message at all, the wrong schema version or type
+    tag, a field of the wrong type. Extreme values of the right type may be valid. An
+    empty body reads as `{}`, and the type tag may be left out (schema.py), so `empty`
+    and `huge` (a version and an unknown field) are valid where `{}` is (`info`,
+    `stats`); an object is the right type for a field that holds a record."""
+    if label in ("schema version 999", "another type"):
+        return True
+    if label.endswith("=wrong type object"):
+        return not isinstance(message.to_dict()[label.split("=")[0]], dict)
+    if label in ("empty", "huge"):
+        try:
+            type(message).decode(b"{}")
+        except ValueError:
+            return True
+        return False
+    return label in {name for name, _ in malformed()}
 
 
 async def _check_alive(hostile: Hostile, nc) -> None:
@@ -176,10 +195,14 @@ async def nc(hostile: Hostile):
 async def test_bad_request_gets_an_error_reply_and_the_service_keeps_serving(
     hostile: Hostile, nc, subject
 ):
+    assert nc.max_payload == MAX_PAYLOAD  # `huge` is exactly the largest message
     cases = [*malformed(), *mutations(REQUESTS[subject])]
-    failures, answered, refused = [], 0, 0
+    failures, answered, refused, too_big = [], 0, 0, 0
     for label, payload in cases:
-        if not _fits(payload):
+        if len(payload) > nc.max_payload:  # the bus cannot carry it: the client refuses
+            with pytest.raises(nats.errors.MaxPayloadError):
+                await nc.request(subject, payload, timeout=20)
+            too_big += 1
             continue
         try:
             reply = await nc.request(subject, payload, timeout=20)
@@ -190,10 +213,17 @@ async def test_bad_request_gets_an_error_reply_and_the_service_keeps_serving(
         code = (reply.headers or {}).get("Nats-Service-Error-Code")
         if code is not None:
             refused += 1
-            if not code.isdigit() or int(code) >= 500:
+            if not code.isdigit() or not 400 <= int(code) < 500:
                 failures.append(f"{label}: error {code}: {reply.headers.get('Nats-Service-Error')}")
-    print(f"nats {subject}: {answered} inputs, {refused} refused with 4xx, {len(failures)} bad")
+        elif _must_refuse(label, REQUESTS[subject]):
+            failures.append(f"{label}: accepted ({len(payload)} bytes), must be refused")
+    print(f"nats {subject}: {answered} inputs answered, {refused} refused with 4xx, "
+          f"{too_big} over max_payload refused by the client, {len(failures)} bad")  # fmt: skip
     assert not failures, "\n".join(failures)
+    assert too_big >= 1 and answered + too_big == len(cases)
+    message = REQUESTS[subject]
+    must = sum(_must_refuse(label, message) for label, p in cases if len(p) <= MAX_PAYLOAD)
+    assert refused >= must > 0, (refused, must)
     await _check_alive(hostile, nc)
 
 
@@ -203,12 +233,17 @@ async def test_bad_published_message_is_dropped_and_the_service_keeps_serving(
 ):
     message = PUBLISHED[subject]
     cases = [*malformed(), *(mutations(message) if message is not None else [])]
-    sent = 0
+    sent, too_big = 0, 0
     for _label, payload in cases:
-        if _fits(payload):
+        if len(payload) > nc.max_payload:  # the bus cannot carry it: the client refuses
+            with pytest.raises(nats.errors.MaxPayloadError):
+                await nc.publish(subject, payload)
+            too_big += 1
+        else:
             await nc.publish(subject, payload)
             sent += 1
+    assert too_big >= 1 and sent + too_big == len(cases)
     await nc.flush()
     await asyncio.sleep(1.0)  # let every subscriber read them
-    print(f"nats {subject}: {sent} inputs published")
+    print(f"nats {subject}: {sent} inputs published, {too_big} over max_payload refused")
     await _check_alive(hostile, nc)
