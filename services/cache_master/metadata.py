@@ -28,6 +28,7 @@ from services.cache_master.objects import (
     Segment,
     check_checksum,
     check_key,
+    check_mac,
 )
 
 
@@ -102,13 +103,14 @@ class PoolMetadata:
         """Take a store's report of one object it holds, if it fits what is known."""
         try:
             key, checksum = check_key(record.key), check_checksum(record.checksum)
+            mac = check_mac(record.mac)
         except PoolRequestError:
             return False
         obj = self.objects.get(key)
         if obj is not None and obj.on(segment.store_id) is not None:
             return obj.on(segment.store_id).offset == record.offset  # already known here
-        if obj is not None and (not obj.complete or (obj.size, obj.checksum) != (
-            record.size, checksum)):  # fmt: skip
+        if obj is not None and (not obj.complete or (obj.size, obj.checksum, obj.mac) != (
+            record.size, checksum, mac)):  # fmt: skip
             return False  # a put in progress, or other bytes under the same key
         if not self.limits.min_object_size <= record.size <= self.limits.max_object_size:
             return False
@@ -118,7 +120,7 @@ class PoolMetadata:
             return False
         if obj is None:
             obj = PoolObject(key, record.size, checksum, [], complete=True,
-                             want=self.limits.replicas)  # fmt: skip
+                             want=self.limits.replicas, mac=mac)  # fmt: skip
             self.objects[key] = obj
             self.lru.add(key)
         obj.replicas.append(Replica(segment.store_id, record.offset))
@@ -178,6 +180,7 @@ class PoolMetadata:
         for spec in specs:  # refuse the whole batch before reserving anything
             check_key(spec.key)
             check_checksum(spec.checksum)
+            check_mac(spec.mac)
             if spec.size < self.limits.min_object_size:
                 raise PoolRequestError(400, f"size of {spec.key}: {spec.size} < the minimum "
                                        f"object size {self.limits.min_object_size}")  # fmt: skip
@@ -197,7 +200,7 @@ class PoolMetadata:
                 continue
             obj = PoolObject(spec.key, spec.size, spec.checksum, [], put_id=put_id,
                              put_deadline=now + self.limits.put_timeout, want=want,
-                             client=client)  # fmt: skip
+                             client=client, mac=spec.mac)  # fmt: skip
             for segment in self._placement(spec.size, want, now):
                 offset = segment.allocator.allocate(spec.size)
                 if offset is not None:  # _placement made room
@@ -306,6 +309,35 @@ class PoolMetadata:
                 self.doomed.append(obj)
             else:
                 self._delete(obj)
+            done += 1
+        return done
+
+    def drop_bad(self, reports: Iterable[Any], now: float) -> int:
+        """Forget replicas a reader found bad (bytes failing their checksum or MAC tag).
+
+        Only a report that matches the record drops anything: same checksum and tag, the
+        replica on the same store at the same offset. A late report (the object was
+        removed and put again, or placed elsewhere) or one about another object's bytes
+        does nothing. A leased replica's range is freed when the lease ends; an object
+        left with no replica is gone, one left with fewer than asked is re-replicated
+        from a good one.
+        """
+        done = 0
+        for report in reports:
+            obj = self.objects.get(report.key)
+            if obj is None or not obj.complete or (obj.checksum, obj.mac) != (
+                report.checksum, report.mac):  # fmt: skip
+                continue
+            replica, segment = obj.on(report.store), self.segments.get(report.store)
+            if replica is None or segment is None or replica.offset != report.offset:
+                continue
+            if obj.leased(now):  # held (invisible) until the lease ends: reap frees it
+                held = PoolObject(obj.key, obj.size, obj.checksum, [replica], complete=True,
+                                  lease_until=obj.lease_until)  # fmt: skip
+                self.doomed.append(held)
+            self.drop_replica(obj, segment, free=not obj.leased(now))
+            if obj.replicas and len(obj.replicas) < obj.want:
+                self.under_replicated.add(obj.key)
             done += 1
         return done
 

@@ -21,6 +21,7 @@ from services.cache_master.allocator import OffsetAllocator
 
 KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")
 CHECKSUM_RE = re.compile(r"^[0-9a-f]{16}$")
+MAC_RE = re.compile(r"^(?:[0-9a-f]{8}\.[0-9a-f]{32})?$")  # libs/common/pool/integrity.py
 
 
 class PutSpec(NamedTuple):
@@ -29,6 +30,7 @@ class PutSpec(NamedTuple):
     key: str
     size: int
     checksum: str
+    mac: str = ""  # the writer's MAC tag; the master records it, only readers check it
 
 
 @dataclass
@@ -54,6 +56,7 @@ class PoolObject:
     client: str = ""  # who reserved it (pending only)
     counted: bool = False  # counted in its client's pending objects
     repair_failures: int = 0  # failed copies back up to `want` (replication.py)
+    mac: str = ""  # the writer's MAC tag over key and bytes ("" written without one)
 
     def leased(self, now: float) -> bool:
         return self.lease_until > now
@@ -98,11 +101,12 @@ class Changes:
     `pool`) for each store; they are the same facts seen by two readers.
     """
 
-    added: dict[str, list[tuple[str, int, int, str]]] = field(default_factory=dict)
+    added: dict[str, list[tuple[str, int, int, str, str]]] = field(default_factory=dict)
     removed: dict[str, list[str]] = field(default_factory=dict)
 
     def add(self, store_id: str, obj: PoolObject, offset: int) -> None:
-        self.added.setdefault(store_id, []).append((obj.key, offset, obj.size, obj.checksum))
+        self.added.setdefault(store_id, []).append((obj.key, offset, obj.size, obj.checksum,
+                                                       obj.mac))  # fmt: skip
 
     def remove(self, store_id: str, key: str) -> None:
         self.removed.setdefault(store_id, []).append(key)
@@ -133,3 +137,9 @@ def check_checksum(checksum: Any) -> str:
     if not isinstance(checksum, str) or not CHECKSUM_RE.match(checksum):
         raise PoolRequestError(400, f"checksum {str(checksum)[:40]!r}: expected 16 hex chars")
     return checksum
+
+
+def check_mac(mac: Any) -> str:
+    if not isinstance(mac, str) or not MAC_RE.match(mac):
+        raise PoolRequestError(400, f"mac {str(mac)[:60]!r}: expected '' or 8.32 hex chars")
+    return mac

@@ -19,6 +19,7 @@ from libs.common.log import get_logger
 from libs.common.messages.control import InfoRequest, KvEvent, Message
 from libs.common.messages.pool import (
     PoolCount,
+    PoolDrop,
     PoolFound,
     PoolGetReply,
     PoolHeartbeatReply,
@@ -109,6 +110,7 @@ class CacheMasterService(BaseService):
             "get": (PoolKeys, self._get),
             "exists": (PoolKeys, self._exists),
             "remove": (PoolKeys, self._remove),
+            "drop": (PoolDrop, self._drop),
             "stats": (InfoRequest, self._stats),
         }
         # Not concurrent: each endpoint serves its requests one at a time, in order; every
@@ -195,7 +197,7 @@ class CacheMasterService(BaseService):
             obj = self.meta.objects.get(key)
             replica = obj.on(req.store_id) if obj is not None else None
             if obj is not None and obj.complete and replica is not None:
-                records.append(PoolRecord(key, replica.offset, obj.size, obj.checksum))
+                records.append(PoolRecord(key, replica.offset, obj.size, obj.checksum, obj.mac))
         session.rejected = rejected
         self.mounts.finish(session, records, segment.update_seq)
         log.info("store mounted", store=req.store_id, objects=len(records), rejected=rejected,
@@ -236,7 +238,7 @@ class CacheMasterService(BaseService):
     # --- objects -------------------------------------------------------------------------
 
     async def _put_start(self, req: PoolPutStart) -> PoolPutStartReply:
-        specs = [PutSpec(o.key, o.size, o.checksum) for o in req.objects]
+        specs = [PutSpec(o.key, o.size, o.checksum, o.mac) for o in req.objects]
         put_id, results = self._call(self.meta.put_start, specs, req.replicas, time.monotonic(),
                                      req.client)  # fmt: skip
         await self._publish(self.meta.take_changes())  # evictions made room
@@ -258,7 +260,7 @@ class CacheMasterService(BaseService):
         looked = self.meta.get(req.keys, time.monotonic())
         found = [obj for _, obj, _ in looked]
         objects = [
-            PoolFound(obj.size, obj.checksum, _replicas(obj.replicas))
+            PoolFound(obj.size, obj.checksum, _replicas(obj.replicas), mac=obj.mac)
             if obj
             else PoolFound(error=error)
             for _, obj, error in looked
@@ -272,6 +274,16 @@ class CacheMasterService(BaseService):
     async def _remove(self, req: PoolKeys) -> PoolCount:
         count = self.meta.remove(req.keys, time.monotonic())
         await self._publish(self.meta.take_changes())
+        return PoolCount(count)
+
+    async def _drop(self, req: PoolDrop) -> PoolCount:
+        """Replicas a reader found bad (metadata.drop_bad: only exact matches count)."""
+        count = self.meta.drop_bad(req.copies, time.monotonic())
+        if count:
+            log.warning("bad replicas dropped on a reader's report", count=count,
+                        keys=[c.key for c in req.copies[:8]])  # fmt: skip
+        await self._publish(self.meta.take_changes())
+        self.repairer.kick()
         return PoolCount(count)
 
     async def _stats(self, _req: InfoRequest) -> PoolStats:

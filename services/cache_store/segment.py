@@ -3,7 +3,7 @@
     memory:  engine.allocate(size)                   (anonymous; lost on exit)
          or  mmap(MAP_SHARED) of --segment-file      (kept across restarts and upgrades)
 
-    index:   key -> (offset, size, checksum), as the master confirmed it (mount reply,
+    index:   key -> (offset, size, checksum, MAC tag), as the master confirmed it (mount reply,
              then PoolStoreUpdate messages). With a segment file it is saved next to it,
              PATH.index.json, written to a temporary file and renamed (never half-written).
 
@@ -114,8 +114,9 @@ class StoreSegment:
             data = orjson.loads(path.read_bytes())
             if data.get("v") != INDEX_VERSION or data.get("size") != self.size:
                 return []
-            records = [PoolRecord(str(k), int(o), int(n), str(c))
-                       for k, o, n, c in data.get("objects", [])]  # fmt: skip
+            # A row without a MAC tag (an index saved before tags): "" (integrity off).
+            records = [PoolRecord(str(k), int(o), int(n), str(c), str(m[0]) if m else "")
+                       for k, o, n, c, *m in data.get("objects", [])]  # fmt: skip
         except (OSError, ValueError, TypeError, AttributeError):
             return []  # an unreadable index: start empty rather than serve doubtful bytes
         return [r for r in records if self.verify(r)]
@@ -139,7 +140,7 @@ class StoreSegment:
             return
         if self._mm is not None:
             self._mm.flush()
-        rows = [(r.key, r.offset, r.size, r.checksum) for r in records]
+        rows = [(r.key, r.offset, r.size, r.checksum, r.mac) for r in records]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(orjson.dumps({"v": INDEX_VERSION, "size": self.size, "objects": rows}))
         os.replace(tmp, path)

@@ -16,11 +16,13 @@ object, each checked like any field (`pool_get_reply.objects[3].size: Expected `
       |                           |<-- PoolPutFinish (put_end / put_revoke) -------|
       |                           |<-- PoolKeys (get) -> PoolGetReply + lease -----|
       |======== bytes, transfer engine read (store segment -> client) ===========>|
+      |                           |<-- PoolDrop (a replica failed checksum/MAC) ----|
 
 Store <-> master messages carry the master epoch (services/cache_master/epoch.py); masters
 announce theirs with `PoolMasterEpoch`.
 
-Keys are page keys (kv_hash: 32 hex chars), checksums xxh3-64 as 16 hex chars, segments
+Keys are page keys (kv_hash: 32 hex chars), checksums xxh3-64 as 16 hex chars, MAC tags
+`<key id>.<mac>` (8 + 32 hex chars, libs/common/pool/integrity.py) or "", segments
 transfer-engine RegionDescriptor dicts (checked by RegionDescriptor.from_dict where used),
 each sent once per reply however many replicas name its store.
 """
@@ -35,12 +37,14 @@ from libs.common.messages.schema import Message, Record
 
 
 class PoolRecord(Record):
-    """One object on one store: where its bytes are and their checksum."""
+    """One object on one store: where its bytes are, their checksum and the writer's MAC
+    tag (libs/common/pool/integrity.py; "" if written with integrity off)."""
 
     key: str
     offset: int
     size: int
     checksum: str
+    mac: str = ""
 
 
 class PoolReplica(Record):
@@ -51,11 +55,13 @@ class PoolReplica(Record):
 
 
 class PoolNewObject(Record):
-    """An object a put wants room for (its bytes are not sent: the checksum is theirs)."""
+    """An object a put wants room for (its bytes are not sent: the checksum and the MAC
+    tag are theirs)."""
 
     key: str
     size: int
     checksum: str
+    mac: str = ""
 
 
 class PoolSlot(Record):
@@ -67,7 +73,7 @@ class PoolSlot(Record):
 
 
 class PoolFound(Record):
-    """get's answer for one key: its size, checksum and replicas (none: a miss).
+    """get's answer for one key: its size, checksum, MAC tag and replicas (none: a miss).
     `error` "pinned": the object has been leased without a break for the master's
     --max-lease-pin; it is not leased again until its lease ends (no replicas)."""
 
@@ -75,6 +81,7 @@ class PoolFound(Record):
     checksum: str = ""
     replicas: list[PoolReplica] = field(default_factory=list)
     error: str = ""
+    mac: str = ""
 
 
 def _check_segments(replicas: list[list[PoolReplica]], segments: dict[str, Any]) -> None:
@@ -149,7 +156,8 @@ class PoolMountReply(Message, tag="pool_mount_reply"):
 # is up to 256 chars), far below NATS's 1 MiB max payload.
 MOUNT_CHUNK_RECORDS = 8192
 MOUNT_CHUNK_BYTES = 512 << 10
-_RECORD_OVERHEAD = 80  # JSON of one record besides its key: names, offset, size, checksum
+# JSON of one record besides its key and MAC tag: names, offset, size, checksum.
+_RECORD_OVERHEAD = 90
 
 
 def chunk_records(records: list[PoolRecord]) -> list[list[PoolRecord]]:
@@ -158,7 +166,7 @@ def chunk_records(records: list[PoolRecord]) -> list[list[PoolRecord]]:
     chunks: list[list[PoolRecord]] = [[]]
     size = 0
     for record in records:
-        cost = len(record.key) + _RECORD_OVERHEAD
+        cost = len(record.key) + len(record.mac) + _RECORD_OVERHEAD
         if chunks[-1] and (
             len(chunks[-1]) >= MOUNT_CHUNK_RECORDS or size + cost > MOUNT_CHUNK_BYTES
         ):
@@ -259,6 +267,25 @@ class PoolKeys(Message, tag="pool_keys"):
     """A batch of keys (get, exists, remove; put_end's reply: the keys made visible)."""
 
     keys: list[str]
+
+
+class PoolBadCopy(Record):
+    """A replica a reader found bad: its bytes at `offset` on `store` failed the checksum
+    or the MAC tag the reader was given with them (both repeated here)."""
+
+    key: str
+    store: str
+    offset: int
+    checksum: str
+    mac: str = ""
+
+
+class PoolDrop(Message, tag="pool_drop"):
+    """Client -> master (`drop`): forget these bad replicas. Only a report that matches
+    the master's record (same checksum and tag, same store and offset) drops anything,
+    so a late or mistaken report cannot remove other bytes (docs/pool.md, "Integrity")."""
+
+    copies: list[PoolBadCopy]
 
 
 class PoolCount(Message, tag="pool_count"):

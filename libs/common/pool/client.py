@@ -12,13 +12,17 @@ the transfer engine moves them between `mem` and the stores' segments.
 Guarantees:
   - batch_put: an object is visible only after all its replicas are written (two-phase:
     put_start -> write -> put_end; a failed write is revoked). A key already in the pool
-    answers `exists` and is never overwritten. Each object's xxh3-64 checksum, computed
-    here from the bytes sent, is recorded by the master.
-  - batch_get: the bytes at `offsets[i]` are valid only where `results[i].ok`. They are
-    checked against the recorded checksum; a mismatch removes the object from the pool
-    and reports a miss (`checksum`). A read that ends after its lease (counted from when
-    the request was sent) is refused (`lease_expired`): the store may have reused those
-    bytes. Replicas are tried in turn when a store cannot be reached.
+    answers `exists` and is never overwritten. Each object's xxh3-64 checksum and, with a
+    cluster secret (`mac`), its MAC tag over key and bytes (integrity.py), computed here
+    from the bytes sent, are recorded by the master.
+  - batch_get: the bytes at `offsets[i]` are valid only where `results[i].ok`. With a
+    secret they must match the recorded MAC tag, made with this client's secret
+    (`mac`); without one, the recorded checksum (`checksum`). A bad copy falls through to
+    the next replica, and is reported to the master (which drops that replica) only when
+    provably bad (see `_check`); a miss only when no replica was good. A read that ends
+    after its lease (counted from when the request was sent) is refused
+    (`lease_expired`): the store may have reused those bytes. Replicas are tried in turn
+    when a store cannot be reached.
   - Errors that concern the whole call (the master unreachable, a malformed batch) raise
     `BusError`/`RemoteError`; per-object outcomes are in the results.
 """
@@ -32,11 +36,14 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from libs.common.bus.connection import Bus, BusError
+from libs.common.bus.connection import Bus, BusError, RemoteError
 from libs.common.log import get_logger
 from libs.common.messages.control import InfoRequest
 from libs.common.messages.pool import (
+    PoolBadCopy,
     PoolCount,
+    PoolDrop,
+    PoolFound,
     PoolGetReply,
     PoolKeys,
     PoolNewObject,
@@ -46,6 +53,7 @@ from libs.common.messages.pool import (
     PoolReplica,
     PoolStats,
 )
+from libs.common.pool.integrity import KvMac
 from libs.common.transfer import RegionDescriptor, TransferEngine, TransferError
 from libs.common.transfer.region import buffer_view
 
@@ -81,9 +89,10 @@ class LocalMemory:
 
 @dataclass(frozen=True)
 class GetResult:
-    """`error` is "" (ok), "missing", "too_large", "unreachable", "checksum",
-    "lease_expired" or "pinned" (leased without a break for the master's --max-lease-pin:
-    a miss until its lease ends); `size` is the object's size (bytes written when ok)."""
+    """`error` is "" (ok), "missing", "too_large", "unreachable", "checksum", "mac" (no
+    replica carried a tag this client's secret verifies), "lease_expired" or "pinned"
+    (leased without a break for the master's --max-lease-pin: a miss until its lease ends);
+    `size` is the object's size (bytes written when ok)."""
 
     key: str
     size: int = 0
@@ -123,11 +132,23 @@ class PoolClient:
     """Client of the KV pool; see the module docstring for the guarantees."""
 
     def __init__(
-        self, bus: Bus, engine: TransferEngine, prefix: str = "tandem", timeout: float = 5.0
+        self,
+        bus: Bus,
+        engine: TransferEngine,
+        prefix: str = "tandem",
+        timeout: float = 5.0,
+        mac: KvMac | None = None,
     ):
         self.bus, self.engine, self.prefix, self.timeout = bus, engine, prefix, timeout
         # Who this client is to the master, which caps pending puts per client.
         self.client_id = getattr(bus, "name", "") or ""
+        self.mac = mac  # None: integrity off (checksums only)
+        if mac is None:
+            log.warning("KV pool integrity OFF: no --kv-secret-file / TANDEM_KV_SECRET_FILE; "
+                        "any NATS credential holder can put KV this worker will decode from "
+                        "(docs/security.md)")  # fmt: skip
+        else:
+            log.info("KV pool integrity on (HMAC-SHA256 tags)", key_id=mac.key_id)
 
     def _subject(self, name: str) -> str:
         return f"{self.prefix}.pool.master.{name}"
@@ -186,6 +207,7 @@ class PoolClient:
                 results[i] = GetResult(keys[i], obj.size, "too_large")
             else:
                 todo[i] = list(obj.replicas)
+        bad: list[PoolBadCopy] = []  # replicas whose bytes provably failed
         while todo:  # each round reads every pending key from its next replica
             groups: dict[str, list[int]] = {}
             for i, replicas in todo.items():
@@ -199,15 +221,24 @@ class PoolClient:
             outcomes = await _all(reads)
             for group, ok in zip(groups.values(), outcomes, strict=True):
                 for i in group:
-                    todo[i].pop(0)
-                    if ok or not todo[i]:
+                    replica, obj = todo[i].pop(0), found[i]
+                    data = memory.view[offsets[i] : offsets[i] + obj.size]
+                    error, provable = self._check(keys[i], data, obj) if ok else (
+                        "unreachable", False)  # fmt: skip
+                    if provable:
+                        bad.append(PoolBadCopy(keys[i], replica.store, replica.offset,
+                                               obj.checksum, obj.mac))  # fmt: skip
+                    # A tag of another secret is the same on every replica: stop there.
+                    if not error or not todo[i] or (error == "mac" and not provable):
                         del todo[i]
-                        results[i] = GetResult(keys[i], found[i].size, "" if ok else "unreachable")
+                        results[i] = GetResult(keys[i], obj.size, error)
         if loop.time() > deadline:
             log.error("pool read outlived its lease; bytes refused", keys=len(keys),
                       lease_ttl=reply.lease_ttl)  # fmt: skip
             return [r if not r.ok else GetResult(r.key, r.size, "lease_expired") for r in results]
-        return await self._verify(results, memory, offsets, reply)
+        if bad:  # read within the lease: the bytes were the replica's, not a reused range
+            await self._report_bad(bad)
+        return results
 
     async def _transfer(
         self, kind: str, memory: LocalMemory, segment: dict[str, Any], ops: list, store: str
@@ -225,27 +256,28 @@ class PoolClient:
             return False
         return True
 
-    async def _verify(
-        self,
-        results: list[GetResult],
-        memory: LocalMemory,
-        offsets: Sequence[int],
-        reply: PoolGetReply,
-    ) -> list[GetResult]:
-        bad: list[str] = []
-        out: list[GetResult] = []
-        for i, result in enumerate(results):
-            if result.ok:
-                data = memory.view[offsets[i] : offsets[i] + result.size]
-                if checksum(data) != reply.objects[i].checksum:
-                    bad.append(result.key)
-                    result = GetResult(result.key, result.size, "checksum")
-            out.append(result)
-        if bad:
-            log.error("pool object failed its checksum; removing it", keys=bad[:8],
-                      count=len(bad))  # fmt: skip
-            await self._ask("remove", PoolKeys(bad), PoolCount)
-        return out
+    def _check(self, key: str, data: memoryview, obj: PoolFound) -> tuple[str, bool]:
+        """(error, provably bad) for bytes read as `obj`: "" (good), "checksum" or "mac".
+
+        Provably bad: the bytes fail their checksum (integrity off), or a tag made with
+        this client's secret (integrity on). A tag of another secret, or none, is a miss
+        here but not evidence against the copy: a reader with the wrong secret must not
+        report good data (docs/pool.md, "Integrity")."""
+        if self.mac is None:
+            return ("", False) if checksum(data) == obj.checksum else ("checksum", True)
+        if not self.mac.mine(obj.mac):
+            return "mac", False
+        return ("", False) if self.mac.verify(key, data, obj.mac) else ("mac", True)
+
+    async def _report_bad(self, bad: list[PoolBadCopy]) -> None:
+        """Ask the master to drop bad replicas (it drops only exact matches). A failed
+        report is logged: the reader's results stand either way."""
+        log.error("pool replicas failed their checksum or MAC; reporting them", count=len(bad),
+                  copies=[(b.key, b.store) for b in bad[:8]])  # fmt: skip
+        try:
+            await self._ask("drop", PoolDrop(bad), PoolCount)
+        except (BusError, RemoteError) as e:
+            log.warning("bad replicas not reported", error=str(e))
 
     async def batch_put(
         self,
@@ -283,8 +315,11 @@ class PoolClient:
         for off, size in zip(offsets, sizes, strict=True):
             if off < 0 or size < 0 or off + size > view.nbytes:
                 raise ValueError(f"offsets/sizes: {off}+{size} outside local memory")
-        sums = [checksum(view[o : o + n]) for o, n in zip(offsets, sizes, strict=True)]
-        objects = [PoolNewObject(*o) for o in zip(keys, sizes, sums, strict=True)]
+        spans = [view[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+        sums = [checksum(data) for data in spans]
+        macs = [self.mac.tag(k, d) for k, d in zip(keys, spans, strict=True)] if self.mac else [
+            ""] * len(keys)  # fmt: skip
+        objects = [PoolNewObject(*o) for o in zip(keys, sizes, sums, macs, strict=True)]
         start = PoolPutStart(objects, replicas, client=self.client_id)
         reply = await self._ask("put_start", start, PoolPutStartReply)
         if len(reply.slots) != len(keys):
