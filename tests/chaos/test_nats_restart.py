@@ -121,32 +121,75 @@ async def test_nats_restart_under_load_every_service_reconnects_within_10s_and_s
           f"failed {failed}, wrong {len(load.wrong())}")  # fmt: skip
 
 
-async def test_nats_quick_restart_mid_stream_leaves_no_request_hanging(chaos, http):
-    """The usual restart: down for a moment, shorter than --worker-timeout, with streams
-    in flight, 3 times. Messages the old server held, or published before the router
-    subscribed again, are lost; no request may wait for them."""
-    case, want = CASES["nats_blip"], chaos.want["nats_blip"]
-    streams = [Stream(http, chaos.url, ids, case.max_tokens, case.ignore_eos, timeout=60)
-               for ids in case.prompts]  # fmt: skip
+# How a stream cut by lost chunks ends (services/router/dispatch.py `_check_lost`).
+LOST = ("lost in transit", "went silent across a NATS reconnect")
+# Tokens per blip stream: long enough to be in flight across the restarts (the case's
+# own 64 could end during the first one here); its first 64 are the case's reference.
+BLIP_TOKENS = 256
+
+
+def _streams(chaos, http) -> list[Stream]:
+    case = CASES["nats_blip"]
+    return [Stream(http, chaos.url, ids, BLIP_TOKENS, case.ignore_eos, timeout=90)
+            for ids in case.prompts]  # fmt: skip
+
+
+async def _blips(chaos, http) -> tuple[list[Stream], list[float], list[str]]:
+    """The usual restart: down for a moment, shorter than --worker-timeout, with 4 streams
+    in flight, 3 times. The streams once ended, when (s after the last restart), and the
+    texts of the same requests made afterwards (greedy: what each stream should be)."""
+    streams = _streams(chaos, http)
     try:
         for s in streams:
             await s.wait_tokens(2, timeout=60)
+        running = sum(not s.task.done() for s in streams)
         for _ in range(BLIPS):  # each restart a new chance to lose chunks in flight
             chaos.kill_nats()
             chaos.start_nats()
             await asyncio.sleep(1.5)
         restarted = time.monotonic()
-        await asyncio.wait_for(asyncio.gather(*(s.task for s in streams)), 90)
+        await asyncio.wait_for(asyncio.gather(*(s.task for s in streams)), 120)
     finally:
         for s in streams:
             s.task.cancel()
-    ends = [round(s.ended_at - restarted, 1) for s in streams]
-    for s, text in zip(streams, want, strict=True):
+    assert running == len(streams), f"only {running} streams were in flight at the first restart"
+    again = _streams(chaos, http)
+    await asyncio.wait_for(asyncio.gather(*(s.task for s in again)), 120)
+    assert all(s.outcome.ok for s in again), [s.outcome for s in again]
+    want = chaos.want["nats_blip"]
+    assert all(s.text.startswith(text) for s, text in zip(again, want, strict=True))
+    return streams, [round(s.ended_at - restarted, 1) for s in streams], [s.text for s in again]
+
+
+async def test_nats_quick_restart_mid_stream_leaves_no_request_hanging(chaos, http):
+    """Messages the old server held, or published before the router subscribed again,
+    are lost; no request may wait for them: each stream in flight across the restarts is
+    whole, or ends with a named loss after an exact prefix, within 20 s of the last
+    restart; the same requests afterwards are whole and equal the reference."""
+    streams, ends, texts = await _blips(chaos, http)
+    for s, text in zip(streams, texts, strict=True):
         assert s.outcome.status == 200, s.outcome
-        assert text.startswith(s.text) if s.outcome.error else s.text == text
+        if s.outcome.error:
+            assert any(why in s.outcome.error for why in LOST), s.outcome
+            assert text.startswith(s.text) and len(s.text) < len(text), (s.text, text)
+        else:
+            assert s.text == text, (s.text, text)
     assert max(ends) < 20, ends
-    again = await complete(http, chaos.url, case.prompts[0], case.max_tokens, case.ignore_eos)
-    assert again.ok and again.text == want[0], again
     errors = [s.outcome.error[:70] for s in streams if s.outcome.error]
     print(f"\nnats quick restart x{BLIPS}: {len(streams) - len(errors)}/{len(streams)} streams "
-          f"whole, errors {errors}; ended {ends}s after the last restart")  # fmt: skip
+          f"whole, errors {errors}; ended {ends}s after the last restart; the same "
+          f"requests afterwards whole")  # fmt: skip
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the router ends a stream whose chunks NATS lost (dispatch.py _check_lost) and "
+    "cannot resume it (0/4 streams whole, 2026-12-05); a resume makes this XPASS: then "
+    "drop the mark",
+)
+async def test_nats_quick_restart_mid_stream_every_stream_survives(chaos, http):
+    """What the restart test intends: a NATS blip shorter than --worker-timeout, with
+    every worker live, cuts no stream: all 4 are whole and exact."""
+    streams, _, texts = await _blips(chaos, http)
+    whole = [s.outcome.ok and s.text == text for s, text in zip(streams, texts, strict=True)]
+    assert all(whole), [s.outcome.error[:70] for s in streams]
