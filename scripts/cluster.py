@@ -193,6 +193,21 @@ def worker_threads(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: half for name in names if not environ.get(name)}
 
 
+def kv_secret_file(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
+    """The pool's KV secret for `make run`: TANDEM_KV_SECRET_FILE if set, else run/kv.secret,
+    made once (32 random bytes, hex, mode 0600) and kept, so objects in a kept segment file
+    stay readable across runs. The services get the path through their environment."""
+    if environ.get("TANDEM_KV_SECRET_FILE"):
+        return {}
+    path = run_dir / "kv.secret"
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32) + "\n")
+    return {"TANDEM_KV_SECRET_FILE": str(path)}
+
+
 async def _run(args: argparse.Namespace) -> int:
     # NATS refuses clients without credentials: NATS_USER/NATS_PASSWORD as in compose.yaml,
     # else a password made for this run (the services get it through their environment).
@@ -208,6 +223,7 @@ async def _run(args: argparse.Namespace) -> int:
     prefixer = LogPrefixer()
     env = {} if os.environ.get("TANDEM_LOG_FORMAT") else {"TANDEM_LOG_FORMAT": "console"}
     env.update(worker_threads(os.environ))
+    env.update(kv_secret_file(os.environ, REPO / "run"))
     cluster = LocalCluster(
         nats_server.url,
         args={"router": ["--port", str(args.router_port)]},

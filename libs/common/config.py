@@ -303,6 +303,14 @@ class WorkerConfig(TransferConfig):
     no_pool: bool = field(
         default=False, metadata={"help": "do not read from or write to the KV pool (L3)"}
     )
+    kv_secret_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding the cluster's KV secret: pool objects are MAC-tagged "
+            "with it and only tags it verifies are read (unset: integrity off, logged; "
+            "docs/security.md)"
+        },
+    )
     no_decode_mirror: bool = field(
         default=False,
         metadata={"help": "no dense K/V copy of decoding sequences (up to --kv-cache-mb again)"},

@@ -95,3 +95,14 @@ def test_a_matching_report_drops_one_replica_and_its_range_waits_for_the_lease()
     good = replicas[1]
     assert meta.drop_bad([report("k", good.store_id, good.offset)], 12.0) == 1
     assert meta.exists(["k"]) == 0 and meta.segments[good.store_id].used == 0
+
+
+def test_make_run_makes_one_private_secret_file_and_keeps_it(tmp_path):
+    from scripts.cluster import kv_secret_file
+
+    env = kv_secret_file({}, tmp_path / "run")
+    path = tmp_path / "run" / "kv.secret"
+    assert env == {"TANDEM_KV_SECRET_FILE": str(path)} and path.stat().st_mode & 0o777 == 0o600
+    first = KvMac.from_file(path).key_id
+    assert kv_secret_file({}, tmp_path / "run") == env and KvMac.from_file(path).key_id == first
+    assert kv_secret_file({"TANDEM_KV_SECRET_FILE": "/elsewhere"}, tmp_path / "run") == {}

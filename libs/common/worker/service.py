@@ -30,6 +30,7 @@ from libs.common.engine.engine import Engine
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import CancelRequest, LoadReport, MessageError, SamplingSpec
 from libs.common.pool.client import PoolClient
+from libs.common.pool.integrity import load_kv_mac
 from libs.common.pool.tier import PoolTier
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
@@ -160,7 +161,8 @@ class WorkerService(BaseService):
         self.kv_region = self.transfer.register(self.engine.core.kv_cache.buffer)
         if not self.config.no_pool and not self.config.no_prefix_cache:
             # Pool pages enter through the prefix cache, so the pool needs it on.
-            client = PoolClient(self.bus, self.transfer, self.config.subject_prefix)
+            client = PoolClient(self.bus, self.transfer, self.config.subject_prefix,
+                                mac=load_kv_mac(self.config.kv_secret_file))  # fmt: skip
             self.pool = PoolTier(client, self.engine, self.transfer)
         await keep_kv_stream(self.bus, self.config.subject_prefix)
         self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self._on_cancel_msg)
