@@ -47,6 +47,7 @@ from libs.common.transfer.tcp.sockio import (
     FrameTimeout,
     recv_exact,
     send_all,
+    send_small,
     set_tick,
     wait_readable,
 )
@@ -239,8 +240,7 @@ class TcpTransferServer:
                 return
             if flags & FLAG_LAST:
                 if failed_batch != batch_id:
-                    send_all(sock, [pack_response(KIND_ACK, op_index, batch_id, 0)],
-                             limits.frame_s)  # fmt: skip
+                    send_small(sock, pack_response(KIND_ACK, op_index, batch_id, 0), limits.frame_s)
                 failed_batch = None
 
     def _apply(

@@ -89,6 +89,17 @@ def wait_readable(ready: Any, poll_s: float, deadline: float) -> bool:
             return True
 
 
+def send_small(sock: socket.socket, data: bytes, budget_s: float) -> None:
+    """`send_all` of one short buffer (an ACK): one `send` when the socket takes it whole,
+    as it does unless the peer has stopped reading."""
+    try:
+        sent = sock.send(data)
+    except BlockingIOError:
+        sent = 0
+    if sent != len(data):
+        send_all(sock, [memoryview(data)[sent:]], budget_s)
+
+
 def send_all(sock: socket.socket, buffers: list[Any], budget_s: float = math.inf) -> None:
     """sendmsg every buffer (blocking socket), resuming after partial sends;
     FrameTimeout when the peer has not taken them `budget_s` after the first short send
