@@ -15,7 +15,10 @@ a registered buffer, TCP transport) runs when the package imports (bench/pool_mo
 Rows of system `floor` (bench/pool_floor.py) measure, in the same run, what the calls are
 built on: a NATS round trip three ways (raw protocol, stock nats-py, the Bus), the
 transfer engine's read/write of one object and its xxh3, and from those the floor of a
-single get and put; `--no-floor` skips them.
+single get and put; `--no-floor` skips them. Rows of system `mac` and `tandem-*+mac`
+(bench/pool_integrity.py, first, on an empty pool) measure the keyed MAC tags: hashing
+GB/s, and put/get of one object with integrity off and on, alternating;
+`--no-integrity` skips them, `--only-integrity` runs nothing else (no Mooncake).
 Load averages are recorded: on a shared machine compare ratios from one run.
 """
 
@@ -36,6 +39,7 @@ import structlog
 
 from bench.pool_common import CASES, BenchProcs, row, timed
 from bench.pool_floor import bounds, bytes_floor, round_trips
+from bench.pool_integrity import integrity_rows, overheads
 from libs.common import event_loop
 from libs.common.bus.connection import Bus
 from libs.common.pool.client import LocalMemory, PoolClient
@@ -63,7 +67,10 @@ async def run_tandem(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         try:
             client = PoolClient(bus, engine, timeout=30)
             await _wait_stores(client, 2)
-            rows = await _measure(client, engine, transport, args)
+            rows = [] if args.no_integrity else await integrity_rows(client, engine, args)
+            if args.only_integrity:
+                return rows
+            rows += await _measure(client, engine, transport, args)
             if not args.no_floor:
                 rows += await round_trips(nats_server.url, bus, procs, args)
                 rows += bounds(rows)
@@ -186,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake even if present")
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the floor rows (bench/pool_floor.py)")  # fmt: skip
+    parser.add_argument("--no-integrity", action="store_true",
+                        help="skip the MAC rows (bench/pool_integrity.py)")  # fmt: skip
+    parser.add_argument("--only-integrity", action="store_true",
+                        help="only the MAC rows (and no Mooncake)")  # fmt: skip
     args = parser.parse_args(argv)
     # stdout carries the table / JSON; logs go to stderr.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -201,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = event_loop.run(run_tandem(args, Path(tmp)))
         meta["load_mid"] = os.getloadavg()
         mooncake = "skipped (--no-mooncake)"
-        if not args.no_mooncake:
+        if not args.no_mooncake and not args.only_integrity:
             from bench.pool_mooncake import run_mooncake
 
             mooncake, more = run_mooncake(args, Path(tmp))
             rows += more
     meta.update(load_after=os.getloadavg(), mooncake=mooncake,
-                ratios=ratios(rows, f"tandem-{args.transport}"))  # fmt: skip
+                ratios=ratios(rows, f"tandem-{args.transport}"),
+                integrity=overheads(rows), host=platform.node(),
+                cpu=platform.processor() or platform.machine())  # fmt: skip
     if args.json:
         sys.stdout.write(orjson.dumps({"meta": meta, "rows": rows}, option=orjson.OPT_INDENT_2)
                          .decode() + "\n")  # fmt: skip
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['system']:14} {r['op']:14} {r['case']:7} {r['ops_per_s']:>10.0f} ops/s "
                   f"{r['gbps']:>7.3f} GB/s  p50 {r['p50_us']:>8.0f} us  "
                   f"p99 {r['p99_us']:>8.0f} us")  # fmt: skip
-        print("\n" + "\n".join(meta["ratios"]))
+        print("\n" + "\n".join(meta["ratios"] + meta["integrity"]))
         print(f"\nload average before {meta['load_before']}, after {meta['load_after']}; "
               f"mooncake: {mooncake}")  # fmt: skip
     return 0
