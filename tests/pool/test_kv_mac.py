@@ -106,3 +106,21 @@ def test_make_run_makes_one_private_secret_file_and_keeps_it(tmp_path):
     first = KvMac.from_file(path).key_id
     assert kv_secret_file({}, tmp_path / "run") == env and KvMac.from_file(path).key_id == first
     assert kv_secret_file({"TANDEM_KV_SECRET_FILE": "/elsewhere"}, tmp_path / "run") == {}
+
+
+def test_a_store_index_keeps_tags_and_reads_an_index_saved_before_them(tmp_path):
+    import orjson
+
+    from libs.common.messages.pool import PoolRecord
+    from services.cache_store.segment import INDEX_VERSION, StoreSegment, checksum
+
+    data = bytearray(os.urandom(8192))
+    segment = StoreSegment(memoryview(data), tmp_path / "seg", None)
+    tag = KvMac(SECRET).tag("k", data[:4096])
+    records = [PoolRecord("k", 0, 4096, checksum(data[:4096]), tag)]
+    segment.save(records)
+    assert segment.load() == records
+    old = [("k", 0, 4096, checksum(data[:4096]))]  # a row of an index without tags
+    segment.index_path.write_bytes(orjson.dumps({"v": INDEX_VERSION, "size": 8192,
+                                                 "objects": old}))  # fmt: skip
+    assert [r.mac for r in segment.load()] == [""]
