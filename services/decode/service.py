@@ -29,6 +29,7 @@ from libs.common.messages.control import (
 )
 from libs.common.transfer import RegionBusy, RegionDescriptor
 from libs.common.worker.handoff import handoff_check
+from libs.common.worker.routers import request_key
 from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
 from services.decode.backlog import PromptBacklog
 from services.decode.config import DecodeConfig
@@ -72,12 +73,13 @@ class DecodeService(WorkerService):
         ]
 
     async def _generate(self, req: GenerateRequest) -> GenerateAccepted:
-        with request_context(req.request_id):
+        key = request_key(req.router, req.request_id)  # the engine's id for it too
+        with request_context(req.request_id, router=req.router, label=req.label):
             try:
                 params = sampling_params(req.sampling)
             except ValueError as e:
                 raise HandlerError(400, f"sampling: {e}") from None
-            if req.request_id in self._active:
+            if key in self._active:
                 raise HandlerError(409, f"request {req.request_id} is already running here")
             limit = self.config.max_queue_delay
             wait = self.backlog.expected_wait(len(req.token_ids))
@@ -88,9 +90,7 @@ class DecodeService(WorkerService):
             held = 0
             if req.prefill_worker:
                 try:
-                    reserved = await self.engine.reserve_reusing_prefix(
-                        req.request_id, req.token_ids, params
-                    )
+                    reserved = await self.engine.reserve_reusing_prefix(key, req.token_ids, params)
                 except ValueError as e:
                     raise HandlerError(400, str(e)) from None
                 if reserved is None:
@@ -99,15 +99,15 @@ class DecodeService(WorkerService):
                 run = self._run_disaggregated(req, pages, held)
             else:
                 run = self._run_local(req, params)
-            if self.was_cancelled(req.request_id):  # the router gave up while we reserved
+            if self.was_cancelled(key):  # the router gave up while we reserved
                 if pages:
-                    await self.engine.abort(req.request_id)
+                    await self.engine.abort(key)
                 raise HandlerError(499, "request cancelled before it was accepted")
             self.queued_prompt_tokens += len(req.token_ids)
             self.backlog.add(len(req.token_ids))
-            task = self.bus.spawn(self._guard(req, run), name=f"decode-{req.request_id}")
-            self._active[req.request_id] = task
-            task.add_done_callback(lambda _t: self._active.pop(req.request_id, None))
+            task = self.bus.spawn(self._guard(req, run), name=f"decode-{key}")
+            self.hold(key, req.router, task)
+            task.add_done_callback(lambda _t: self.release(key))
             log.info("request accepted", prompt_tokens=len(req.token_ids), pages=len(pages),
                      prefill_worker=req.prefill_worker or "self")  # fmt: skip
             return GenerateAccepted(
@@ -123,6 +123,7 @@ class DecodeService(WorkerService):
                              self.config.service_id, next_index=0, batcher=self.batcher,
                              batch_subject=req.batch_subject)  # fmt: skip
         counted = False
+        key = request_key(req.router, req.request_id)
 
         def prompt_done() -> None:  # its prompt no longer waits: stop counting it as load
             nonlocal counted
@@ -131,18 +132,18 @@ class DecodeService(WorkerService):
                 self.queued_prompt_tokens -= len(req.token_ids)
                 self.backlog.done(len(req.token_ids))
 
-        with request_context(req.request_id):
+        with request_context(req.request_id, router=req.router, label=req.label):
             try:
                 async with asyncio.timeout(req.timeout):
                     await run(stream, prompt_done)
             except asyncio.CancelledError:
-                await self.engine.abort(req.request_id)
+                await self.engine.abort(key)
                 await stream.finish("abort", None, "request cancelled")
                 raise
             except Exception as e:  # every failure must reach the client
                 reason = "timed out" if isinstance(e, TimeoutError) else str(e)
                 log.warning("request failed", error=reason)
-                await self.engine.abort(req.request_id)
+                await self.engine.abort(key)
                 await stream.finish("error", None, reason or type(e).__name__)
             finally:
                 prompt_done()
@@ -154,7 +155,8 @@ class DecodeService(WorkerService):
                 keys = self.page_keys(req.token_ids, len(req.token_ids) - 1)
                 _, from_pool = await self.pool.fetch_prefix(keys)
                 pool_tokens = from_pool * self.config.page_size
-            outputs = self.engine.add_request(req.token_ids, params, request_id=req.request_id)
+            key = request_key(req.router, req.request_id)
+            outputs = self.engine.add_request(req.token_ids, params, request_id=key)
             await self._pump(req, stream, outputs, pool_tokens=pool_tokens,
                              prompt_done=prompt_done, skip_first=False)  # fmt: skip
 
@@ -164,11 +166,12 @@ class DecodeService(WorkerService):
         async def run(stream: TokenStream, prompt_done) -> None:
             result = await self._handoff(req, pages[held:], held)
             prompt_done()
+            key = request_key(req.router, req.request_id)
             if result.finish_reason is not None:  # the prefill worker ended the stream
-                await self.engine.abort(req.request_id)
+                await self.engine.abort(key)
                 return
             stream.next_index = 1
-            outputs = self.engine.decode_imported(req.request_id, result.first_token)
+            outputs = self.engine.decode_imported(key, result.first_token)
             await self._pump(req, stream, outputs, prefilled=result.cached_tokens,
                              prompt_done=prompt_done, skip_first=True)  # fmt: skip
 
@@ -196,7 +199,7 @@ class DecodeService(WorkerService):
                     log.warning("handoff waits for a region slot", error=str(e))
                     await self._region_freed.wait()
 
-    async def _end_handoff(self, region: RegionDescriptor, request_id: str) -> None:
+    async def _end_handoff(self, region: RegionDescriptor, key: str) -> None:
         if region.region_id == self.kv_region.region_id or self.transfer is None:
             return
         try:
@@ -204,9 +207,9 @@ class DecodeService(WorkerService):
         except RegionBusy:
             # A peer's write could not be stopped (frozen mid-copy): those pages may
             # still change, so they never serve anyone again.
-            await self.engine.abort(request_id, retire_pages=True)
+            await self.engine.abort(key, retire_pages=True)
             log.error("handoff pages retired: the prefill worker's write did not end",
-                      request_id=request_id)  # fmt: skip
+                      request_key=key)  # fmt: skip
             raise RuntimeError("KV handoff could not be fenced; its pages are retired") from None
         finally:
             async with self._region_freed:
@@ -219,7 +222,7 @@ class DecodeService(WorkerService):
         try:
             return await self._ask_prefill(req, pages, held, region)
         finally:
-            await self._end_handoff(region, req.request_id)
+            await self._end_handoff(region, request_key(req.router, req.request_id))
 
     async def _ask_prefill(
         self, req: GenerateRequest, pages: list[int], held: int, region: RegionDescriptor
@@ -239,12 +242,13 @@ class DecodeService(WorkerService):
             kv_dtype=self.kv_dtype,
             kv_num_pages=kv.num_pages,
             timeout=req.timeout,
+            router=req.router,
         )
         subject = self.subject("prefill", req.prefill_worker, "prefill")
         call = asyncio.ensure_future(
             self.bus.request(subject, prefill, PrefillResult, timeout=self.config.handoff_timeout)
         )
-        watch = asyncio.ensure_future(self._watch_prefill(req.prefill_worker, req.request_id))
+        watch = asyncio.ensure_future(self._watch_prefill(req))
         try:
             await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
             if not call.done():
@@ -260,11 +264,12 @@ class DecodeService(WorkerService):
             raise RuntimeError(f"KV handoff from {req.prefill_worker} failed its check")
         return result
 
-    async def _watch_prefill(self, worker: str, request_id: str) -> str:
+    async def _watch_prefill(self, req: GenerateRequest) -> str:
         """Returns (why) when waiting for `worker`'s PrefillResult is pointless: it sent no
         load report for --peer-timeout (dead, or never there), or it answered twice,
         --peer-timeout apart, that the request is no longer in flight there (its reply was
         lost, e.g. in a NATS restart). Waiting out --handoff-timeout would only hold pages."""
+        worker = req.prefill_worker
         since = time.monotonic()
         next_probe, gone = since + self.config.peer_timeout, 0
         while True:
@@ -275,15 +280,15 @@ class DecodeService(WorkerService):
                 return f"stopped reporting (silent for {self.config.peer_timeout:g}s)"
             if now >= next_probe:
                 next_probe = now + self.config.peer_timeout
-                gone = gone + 1 if not await self._prefill_active(worker, request_id) else 0
+                gone = gone + 1 if not await self._prefill_active(worker, req) else 0
                 if gone >= 2:
                     return "no longer has the request and its reply never came (lost)"
 
-    async def _prefill_active(self, worker: str, request_id: str) -> bool:
-        """Whether `worker` says `request_id` is in flight there; True when it cannot tell."""
+    async def _prefill_active(self, worker: str, req: GenerateRequest) -> bool:
+        """Whether `worker` says `req` is in flight there; True when it cannot tell."""
         subject = self.subject("prefill", worker, "status")
         try:
-            ask = RequestStatus(request_id=request_id)
+            ask = RequestStatus(request_id=req.request_id, router=req.router)
             reply = await self.bus.request(
                 subject, ask, RequestStatusReply, timeout=self.config.peer_timeout
             )

@@ -163,3 +163,26 @@ def test_decoded_defaults_are_fresh_per_message():
     a, b = (TokenChunk.decode(orjson.dumps(_chunk())) for _ in range(2))
     a.logprobs.append({"token": 1})
     assert b.logprobs == []
+
+
+def test_request_keys_travel_and_an_older_senders_messages_still_decode():
+    spec = control.SamplingSpec()
+    req = control.GenerateRequest(request_id="7", token_ids=[1], sampling=spec,
+                                  stream_subject="s", router="ab12", label="client-id")  # fmt: skip
+    back = control.GenerateRequest.decode(req.encode())
+    assert (back.router, back.label, back.request_id) == ("ab12", "client-id", "7")
+    # A sender from before these fields (a direct client): keyed by request_id alone.
+    old = {"type": "cancel", "v": SCHEMA_VERSION, "request_id": "7"}
+    assert control.CancelRequest.decode(orjson.dumps(old)).router == ""
+    old = {"type": "request_status", "v": SCHEMA_VERSION, "request_id": "7"}
+    assert control.RequestStatus.decode(orjson.dumps(old)).router == ""
+
+
+def test_router_heartbeat_round_trips_and_refuses_a_bad_field():
+    beat = control.RouterHeartbeat(router="ab12", service_id="r1", interval=0.5, timeout=2.0,
+                                   timestamp=1.0)  # fmt: skip
+    assert control.RouterHeartbeat.decode(beat.encode()) == beat
+    bad = {**beat.to_dict(), "timeout": "soon"}
+    assert _error(control.RouterHeartbeat, bad) == (
+        "router_heartbeat.timeout: Expected `float`, got `str`"
+    )

@@ -121,6 +121,13 @@ class GenerateRequest(Message, tag="generate"):
     # of the same router (TokenChunkBatch), or empty: one TokenChunk per publish on
     # `stream_subject`. Token 0 from a prefill worker always goes to `stream_subject`.
     batch_subject: str = ""
+    # The sending router's instance id (random per router process, `RouterHeartbeat`).
+    # Workers key a request by (router, request_id): `request_id` is unique only within
+    # its router instance. A worker cancels the request when that router's heartbeats stop.
+    # Empty (a direct client): keyed by `request_id` alone, never watched.
+    router: str = ""
+    # The client's X-Request-Id: a label for log lines, never a key.
+    label: str = ""
 
 
 class GenerateAccepted(Message, tag="generate_accepted"):
@@ -154,6 +161,7 @@ class PrefillRequest(Message, tag="prefill"):
     kv_dtype: str
     kv_num_pages: int
     timeout: float = 600.0
+    router: str = ""  # GenerateRequest.router: the key is (router, request_id)
 
 
 class PrefillResult(Message, tag="prefill_result"):
@@ -180,6 +188,7 @@ class RequestStatus(Message, tag="request_status"):
     the reply was lost (e.g. in a NATS restart): the decode worker stops waiting."""
 
     request_id: str
+    router: str = ""  # GenerateRequest.router: the key is (router, request_id)
 
 
 class RequestStatusReply(Message, tag="request_status_reply"):
@@ -239,10 +248,30 @@ def encode_chunk_batch(worker: str, encoded_chunks: list[bytes]) -> bytes:
 
 
 class CancelRequest(Message, tag="cancel"):
-    """Router -> every worker (published on `tandem.cancel`): drop this request, free pages."""
+    """Router -> every worker (published on `tandem.cancel`): drop this request, free pages.
+
+    `router` is the sender's instance id: a cancel drops only the request that router sent
+    (the key is (router, request_id)), never another router's with the same id."""
 
     request_id: str
     reason: str = "client disconnected"
+    router: str = ""
+
+
+class RouterHeartbeat(Message, tag="router_heartbeat"):
+    """Each router process, every `interval` seconds, on `tandem.routers.<router>.heartbeat`.
+
+    `router` is the instance id, random at start-up (GenerateRequest.router); `service_id`
+    the router's --service-id, for operators. A worker that hears nothing from a router for
+    `timeout` seconds takes it for dead and cancels every request it holds from it (their
+    client is gone with it): the router decides its own deadline, workers need no flag.
+    """
+
+    router: str
+    service_id: str
+    interval: float
+    timeout: float
+    timestamp: float
 
 
 class RdmaConnect(Message, tag="rdma_connect"):

@@ -34,6 +34,7 @@ from libs.common.messages.control import (
 from libs.common.transfer import RegionDescriptor, TransferError
 from libs.common.worker.handoff import KvLayout, handoff_check
 from libs.common.worker.kv_sender import KvSender
+from libs.common.worker.routers import request_key
 from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
 
 log = get_logger(__name__)
@@ -63,7 +64,8 @@ class PrefillService(WorkerService):
         ]
 
     async def _status(self, req: RequestStatus) -> RequestStatusReply:
-        return RequestStatusReply(request_id=req.request_id, active=req.request_id in self._active)
+        active = request_key(req.router, req.request_id) in self._active
+        return RequestStatusReply(request_id=req.request_id, active=active)
 
     def _check_pairing(self, req: PrefillRequest) -> None:
         mine = (self.model_id, self.config.page_size, self.kv_dtype)
@@ -76,15 +78,15 @@ class PrefillService(WorkerService):
             )
 
     async def _prefill(self, req: PrefillRequest) -> PrefillResult:
-        with request_context(req.request_id):
+        key = request_key(req.router, req.request_id)  # the engine's id for it too
+        with request_context(req.request_id, router=req.router):
             self._check_pairing(req)
             try:
                 params = sampling_params(req.sampling)
                 remote = RegionDescriptor.from_dict(req.kv_region)
             except ValueError as e:
                 raise HandlerError(400, str(e)) from None
-            task = asyncio.current_task()
-            self._active[req.request_id] = task
+            self.hold(key, req.router, asyncio.current_task())
             self.queued_prompt_tokens += len(req.token_ids)
             try:
                 async with asyncio.timeout(req.timeout):
@@ -99,11 +101,11 @@ class PrefillService(WorkerService):
                 self.queued_prompt_tokens -= len(req.token_ids)
                 try:
                     if self.engine is not None:  # frees its pages; full ones stay cached
-                        await self.engine.abort(req.request_id)
+                        await self.engine.abort(key)
                 finally:
                     # Active until the reply goes: the abort waits for the engine's lock (a
                     # step), and a status probe meanwhile must not call the request lost.
-                    self._active.pop(req.request_id, None)
+                    self.release(key)
 
     def _sender(self, req: PrefillRequest, remote: RegionDescriptor) -> KvSender:
         kv = self.engine.core.kv_cache
@@ -134,8 +136,9 @@ class PrefillService(WorkerService):
             _, from_pool = await self.pool.fetch_prefix(keys)
             pool_tokens = from_pool * self.config.page_size
         last = None
+        key = request_key(req.router, req.request_id)
         async for out in self.engine.add_request(
-            req.token_ids, params, request_id=req.request_id, prefill_only=True
+            req.token_ids, params, request_id=key, prefill_only=True
         ):
             if not out.finished and out.page_table:
                 sender.send(out.page_table)  # a chunk is done: move its pages meanwhile

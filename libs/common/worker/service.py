@@ -3,7 +3,8 @@
     WorkerService(BaseService)
       on_start: load the engine (its KV pool allocated through the transfer engine, so
                 peers can write it), register the pool, make sure the KV events stream
-                exists, start the load-report loop, subscribe to cancels
+                exists, start the load-report loop, subscribe to cancels and to routers'
+                heartbeats (a request whose router went silent is cancelled, routers.py)
       details:  model id, page size, KV dtype, transport, endpoint: what `info` shows and
                 what a peer checks before pairing
       on_stop:  stop the loops, the engine and the transfer engine (idempotent)
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -28,17 +30,25 @@ from libs.common.engine.core.radix_cache import CacheEvent
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
 from libs.common.log import get_logger, request_context
-from libs.common.messages.control import CancelRequest, LoadReport, MessageError, SamplingSpec
+from libs.common.messages.control import (
+    CancelRequest,
+    LoadReport,
+    MessageError,
+    RouterHeartbeat,
+    SamplingSpec,
+)
 from libs.common.pool.client import PoolClient
 from libs.common.pool.integrity import load_kv_mac
 from libs.common.pool.tier import PoolTier
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
+from libs.common.worker.routers import RouterWatch, request_key
 
 log = get_logger(__name__)
 
 _CANCELLED_KEPT = 4096  # early cancels remembered (request ids)
+_ROUTER_SWEEP_S = 0.25  # how often held requests are checked against their router's silence
 
 
 def sampling_params(spec: SamplingSpec) -> SamplingParams:
@@ -54,6 +64,15 @@ def logprobs_wire(items: list[TokenLogprobs | None]) -> list[dict]:
         for lp in items
         if lp is not None
     ]
+
+
+@dataclass
+class Held:
+    """A request this worker serves: the task serving it, the router it came from."""
+
+    task: asyncio.Task
+    router: str
+    since: float = field(default_factory=time.monotonic)
 
 
 class WorkerService(BaseService):
@@ -75,7 +94,9 @@ class WorkerService(BaseService):
         self._events_wake = asyncio.Event()
         self._loops: list[asyncio.Task] = []
         self._cancel_sub: Any = None
-        self._active: dict[str, asyncio.Task] = {}  # request id -> the task serving it
+        # request key (routers.request_key: router and request id) -> what serves it
+        self._active: dict[str, Held] = {}
+        self.routers = RouterWatch()
         # Cancels that came before their request was registered (a router that gave up
         # waiting for the reply): such a request is refused when it registers, instead of
         # running for nobody. Bounded, oldest dropped first.
@@ -166,9 +187,12 @@ class WorkerService(BaseService):
             self.pool = PoolTier(client, self.engine, self.transfer)
         await keep_kv_stream(self.bus, self.config.subject_prefix)
         self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self._on_cancel_msg)
+        await self.bus.subscribe(self.subject("routers", "*", "heartbeat"), self._on_heartbeat)
+        self.bus.on_reconnect(self._on_reconnect)
         self._loops = [
             asyncio.create_task(self._load_loop(), name="load-reports"),
             asyncio.create_task(self._events_loop(), name="kv-events"),
+            asyncio.create_task(self._routers_loop(), name="router-liveness"),
         ]
         log.info("transfer engine ready", transport=self.transport, endpoint=self.transfer.endpoint)
 
@@ -205,30 +229,60 @@ class WorkerService(BaseService):
 
     # --- cancels ---------------------------------------------------------------------------
 
+    def hold(self, key: str, router: str, task: asyncio.Task) -> None:
+        """`task` serves request `key` (routers.request_key) for `router`, until `release`."""
+        self._active[key] = Held(task, router)
+
+    def release(self, key: str) -> None:
+        self._active.pop(key, None)
+
     async def _on_cancel_msg(self, msg: Msg) -> None:
         try:
             cancel = CancelRequest.decode(msg.data)
         except MessageError as e:
             log.warning("bad cancel message", error=str(e))
             return
-        await self.cancel(cancel.request_id, cancel.reason)
+        self.cancel(request_key(cancel.router, cancel.request_id), cancel.reason)
 
-    async def cancel(self, request_id: str, reason: str) -> None:
-        """Drop `request_id` if this worker serves it: its task is cancelled, and the task's
+    def cancel(self, key: str, reason: str) -> None:
+        """Drop request `key` if this worker serves it: its task is cancelled, and the task's
         own cleanup aborts it in the engine (freeing its pages) and ends its stream."""
-        task = self._active.get(request_id)
-        if task is not None:
-            with request_context(request_id):
+        held = self._active.get(key)
+        if held is not None:
+            with request_context(key):
                 log.info("request cancelled", reason=reason)
-            task.cancel()
+            held.task.cancel()
         else:
-            self._cancelled[request_id] = None
+            self._cancelled[key] = None
             while len(self._cancelled) > _CANCELLED_KEPT:
                 self._cancelled.popitem(last=False)
 
-    def was_cancelled(self, request_id: str) -> bool:
-        """True if a cancel for `request_id` came before the request registered here."""
-        return self._cancelled.pop(request_id, False) is None
+    def was_cancelled(self, key: str) -> bool:
+        """True if a cancel for request `key` came before the request registered here."""
+        return self._cancelled.pop(key, False) is None
+
+    # --- routers' liveness (libs/common/worker/routers.py) ---------------------------------
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.routers.heard(RouterHeartbeat.decode(msg.data))
+        except MessageError as e:
+            log.warning("bad router heartbeat", error=str(e))
+
+    async def _on_reconnect(self) -> None:
+        self.routers.reconnected_at = time.monotonic()
+
+    async def _routers_loop(self) -> None:
+        """Cancel every request whose router has gone silent past its timeout."""
+        while True:
+            await asyncio.sleep(_ROUTER_SWEEP_S)
+            if not self.bus.connected:  # we hear no one now: nobody is to blame
+                continue
+            now = time.monotonic()
+            for key, held in list(self._active.items()):
+                quiet = self.routers.silent(held.router, held.since, now)
+                if quiet is not None and not held.task.done() and not held.task.cancelling():
+                    self.cancel(key, f"router {held.router} silent for {quiet:.1f}s (gone)")
 
     # --- load reports and KV events --------------------------------------------------------
 

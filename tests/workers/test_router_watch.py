@@ -1,0 +1,56 @@
+"""Workers' view of routers' liveness (libs/common/worker/routers.py): pure, no processes."""
+
+import time
+
+from libs.common.messages.control import RouterHeartbeat
+from libs.common.worker.routers import UNHEARD_TIMEOUT, RouterWatch, request_key
+
+
+def _beat(router: str, timeout: float = 2.0) -> RouterHeartbeat:
+    return RouterHeartbeat(router=router, service_id="r", interval=0.5, timeout=timeout,
+                           timestamp=0.0)  # fmt: skip
+
+
+def test_the_same_request_id_from_two_routers_is_two_keys():
+    assert request_key("aa", "same-id") != request_key("bb", "same-id")
+    assert request_key("", "same-id") == "same-id"  # a direct client: the id alone
+
+
+def test_a_router_is_silent_only_past_the_timeout_it_declared():
+    watch = RouterWatch()
+    watch.reconnected_at = 0.0
+    watch.heard(_beat("aa", timeout=2.0))
+    now = time.monotonic()
+    assert watch.silent("aa", since=0.0, now=now + 1.9) is None
+    assert watch.silent("aa", since=0.0, now=now + 2.1) is not None
+    watch.heard(_beat("aa"))  # a new beat: alive again
+    now = time.monotonic()
+    assert watch.silent("aa", since=0.0, now=now + 1.9) is None
+
+
+def test_no_router_is_blamed_for_the_workers_own_reconnect():
+    watch = RouterWatch()
+    watch.heard(_beat("aa"))
+    now = time.monotonic()
+    watch.reconnected_at = now + 5.0  # we were cut off: nobody could be heard
+    assert watch.silent("aa", since=0.0, now=now + 6.0) is None
+    assert watch.silent("aa", since=0.0, now=now + 7.5) is not None
+
+
+def test_an_unheard_router_counts_from_the_requests_arrival_and_no_router_is_never_watched():
+    watch = RouterWatch()
+    watch.reconnected_at = 0.0
+    since = time.monotonic()
+    assert watch.silent("never", since, since + UNHEARD_TIMEOUT - 0.1) is None
+    assert watch.silent("never", since, since + UNHEARD_TIMEOUT + 0.1) is not None
+    assert watch.silent("", since, since + 1e6) is None
+
+
+def test_a_heartbeats_timeout_is_held_to_a_sane_range():
+    watch = RouterWatch()
+    watch.reconnected_at = 0.0
+    watch.heard(_beat("neg", timeout=-1.0))
+    watch.heard(_beat("huge", timeout=1e9))
+    now = time.monotonic()
+    assert watch.silent("neg", since=0.0, now=now + 0.1) is None  # not cancelled at once
+    assert watch.silent("huge", since=0.0, now=now + 61.0) is not None  # nor held forever
