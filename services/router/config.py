@@ -39,6 +39,16 @@ class RouterConfig(CommonConfig):
     worker_timeout: float = field(
         default=3.0, metadata={"help": "seconds without a load report before a worker is dropped"}
     )
+    heartbeat_interval: float = field(
+        default=0.5, metadata={"help": "seconds between this router's heartbeats to the workers"}
+    )
+    heartbeat_timeout: float = field(
+        default=2.0,
+        metadata={
+            "help": "seconds without a heartbeat after which workers cancel this router's "
+            "requests (at least 2 heartbeat intervals)"
+        },
+    )
     generate_timeout: float = field(
         default=600.0, metadata={"help": "seconds one request may take end to end"}
     )
@@ -96,6 +106,8 @@ class RouterConfig(CommonConfig):
             "max_pending",
             "max_n",
             "worker_timeout",
+            "heartbeat_interval",
+            "heartbeat_timeout",
             "generate_timeout",
             "queue_timeout",
             "kv_index_max_keys",
@@ -103,6 +115,11 @@ class RouterConfig(CommonConfig):
             "kv_stream_max_mb",
         ):
             require_positive(self, name)
+        if self.heartbeat_timeout < 2 * self.heartbeat_interval:
+            raise ValueError(
+                f"--heartbeat-timeout: must be at least 2 x --heartbeat-interval "
+                f"({2 * self.heartbeat_interval:g}), got {self.heartbeat_timeout:g}"
+            )
         for name in ("prefill_page_weight", "pool_page_weight", "running_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag_name(name)}: must be >= 0, got {getattr(self, name)}")

@@ -126,6 +126,8 @@ class Dispatcher:
     `route(exclude)` picks a route avoiding the worker ids in `exclude`, or None.
     `on_accepted(seconds)` is told how long admission took (the queue-time metric).
     `router_id` names this router's stream subjects (unique per router process).
+    `instance` is this router process's id (services/router/heartbeat.py): every request
+    and cancel carries it, and workers key requests by (instance, request id).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class Dispatcher:
         on_accepted: Callable[[float], None] = lambda _s: None,
         lost_after: float = 3.0,
         router_id: str = "",
+        instance: str = "",
     ):
         self.bus, self.prefix, self.workers = bus, prefix, workers
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
@@ -146,6 +149,7 @@ class Dispatcher:
         self.lost_after = lost_after
         self.reconnected_at = 0.0  # time.monotonic() of the bus's last reconnect
         self.streams = StreamTable(bus, prefix, router_id or uuid.uuid4().hex[:16])
+        self.instance = instance
         self._waiting: set[_Stream] = set()  # accepted streams, checked by the sweeper
         self._sweeper: asyncio.Task | None = None
         bus.on_reconnect(self._on_reconnect)
@@ -161,7 +165,11 @@ class Dispatcher:
         route: Callable[[set[str]], Route | None],
         timeout: float,
         sink: Sink,
+        *,
+        label: str = "",
     ) -> None:
+        """`request_id` is router-local (unique in this process); `label` the client's
+        X-Request-Id, carried to the workers for their logs only."""
         start = time.monotonic()
         deadline = start + timeout
         exclude: set[str] = set()
@@ -173,7 +181,7 @@ class Dispatcher:
             tries += 1
             rid = request_id if tries == 1 else f"{request_id}-r{tries - 1}"
             try:
-                await self._attempt(rid, token_ids, sampling, chosen, deadline, sink)
+                await self._attempt(rid, token_ids, sampling, chosen, deadline, sink, label=label)
                 return
             except WorkerBusy:
                 # Full KV pools are back-pressure: wait for room, up to --queue-timeout.
@@ -233,6 +241,8 @@ class Dispatcher:
         route: Route,
         deadline: float,
         sink: Sink,
+        *,
+        label: str = "",
     ) -> None:
         try:
             await self.streams.start()
@@ -255,6 +265,8 @@ class Dispatcher:
                 prefill_worker=route.prefill,
                 timeout=max(1.0, deadline - time.monotonic()),
                 batch_subject=self.streams.batch_subject,
+                router=self.instance,
+                label=label,
             )
             sent = time.monotonic()
             try:
@@ -284,7 +296,9 @@ class Dispatcher:
                 decode.inflight.discard(rid)
             self.streams.close(rid)
             if not stream.ended:
-                cancel = CancelRequest(request_id=rid, reason="router ended the request")
+                cancel = CancelRequest(
+                    request_id=rid, reason="router ended the request", router=self.instance
+                )
                 await _quietly(self.bus.publish(f"{self.prefix}.cancel", cancel))
 
     async def _sweep(self) -> None:

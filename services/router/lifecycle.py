@@ -4,9 +4,13 @@ Read top to bottom, in the order a request lives it:
 
   1. parse     the JSON body -> a validated `ApiRequest` (validation.py); the model name;
                a grammar (response_format, regex, ebnf, forced tools) compiled (structured.py)
-  2. prompts   tokenized, checked against the context, given their sampling (prompts.py)
-  3. admit     the bound on requests in flight (429) and a live decode worker (503)
-  4. choices   prompt x n: one `Choice` each, with id `<rid>` (or `<rid>-<i>` when several)
+  2. admit     the bound on requests in flight (429) and a live decode worker (503),
+               before any costly work
+  3. prompts   tokenized (in a thread: never on the event loop), checked against the
+               context, given their sampling (prompts.py)
+  4. choices   prompt x n: one `Choice` each, with id `<rid>` (or `<rid>-<i>` when several);
+               `<rid>` is router-local (`RouterState.new_request_id`): the client's
+               X-Request-Id is a label (echoed, logged, sent along for workers' logs)
   5. dispatch  every choice routed (routing.py) and run on the workers (dispatch.py); its
                TokenChunks become `Delta`s, observed by the latency metrics
   6. stream or collect  each Delta formatted and written as SSE events at once, inside the
@@ -29,7 +33,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from libs.common.log import get_logger
+from libs.common.log import get_logger, request_context
 from libs.common.messages.control import SamplingSpec, TokenChunk
 from services.router import openai_format as fmt
 from services.router import structured, tools
@@ -55,18 +59,21 @@ async def serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     """The whole request; each step is one call, defined below in this order."""
     state = request.app[STATE]
     api = await parse(request, endpoint, state)
-    prompts = prepare(api, state.tokenizer, state.context_len(), state.sampling_defaults)
     admit(state)
     state.pending += 1
     state.metrics.running.labels(state.metrics.model).inc()
-    arrived = request["arrived"]
+    arrived, label, rid = request["arrived"], request["request_id"], state.new_request_id()
     try:
-        choices = make_choices(request["request_id"], api, prompts, arrived)
-        prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
-        tally = Tally(state, api, prompts, prefix + request["request_id"])
-        if api.stream:
-            return await stream(request, tally, choices)
-        return await collect(tally, choices)
+        with request_context(label, wire_id=rid):
+            prompts = await asyncio.to_thread(
+                prepare, api, state.tokenizer, state.context_len(), state.sampling_defaults
+            )
+            choices = make_choices(rid, api, prompts, arrived, label)
+            prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
+            tally = Tally(state, api, prompts, prefix + label)
+            if api.stream:
+                return await stream(request, tally, choices)
+            return await collect(tally, choices)
     finally:
         state.pending -= 1
         state.metrics.running.labels(state.metrics.model).dec()
@@ -100,8 +107,7 @@ async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiR
     return api
 
 
-# --- 2. prompts: prepare() in services/router/prompts.py ---------------------------------
-# --- 3. admit ----------------------------------------------------------------------------
+# --- 2. admit ----------------------------------------------------------------------------
 
 
 def admit(state: RouterState) -> None:
@@ -117,13 +123,15 @@ def admit(state: RouterState) -> None:
         raise no_workers("no decode worker is live; retry shortly")
 
 
+# --- 3. prompts: prepare() in services/router/prompts.py ---------------------------------
 # --- 4. choices --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Choice:
     """One output of a request: sample `index % n` of prompt `prompt`, run on the workers
-    as `request_id`. `arrived` is when the HTTP request came (where TTFT starts)."""
+    as `request_id` (router-local). `arrived` is when the HTTP request came (where TTFT
+    starts); `label` the client's X-Request-Id, for the workers' logs."""
 
     request_id: str
     index: int
@@ -131,9 +139,12 @@ class Choice:
     token_ids: list[int]
     sampling: SamplingSpec
     arrived: float
+    label: str = ""
 
 
-def make_choices(rid: str, api: ApiRequest, prompts: list[Prompt], arrived: float) -> list[Choice]:
+def make_choices(
+    rid: str, api: ApiRequest, prompts: list[Prompt], arrived: float, label: str = ""
+) -> list[Choice]:
     choices = []
     total = len(prompts) * api.n
     for p, prompt in enumerate(prompts):
@@ -143,7 +154,7 @@ def make_choices(rid: str, api: ApiRequest, prompts: list[Prompt], arrived: floa
             if sampling.seed is not None and j:  # n samples with one seed must still differ
                 sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + j) % 2**63)
             sub_id = rid if total == 1 else f"{rid}-{index}"
-            choices.append(Choice(sub_id, index, p, prompt.token_ids, sampling, arrived))
+            choices.append(Choice(sub_id, index, p, prompt.token_ids, sampling, arrived, label))
     return choices
 
 
@@ -179,8 +190,9 @@ async def run_choice(state: RouterState, choice: Choice, on_delta: OnDelta) -> N
     deltas = ChoiceDeltas(state, choice, on_delta)
     timeout = state.config.generate_timeout
     await state.dispatcher.run(
-        choice.request_id, choice.token_ids, choice.sampling, route, timeout, deltas.on_chunk
-    )
+        choice.request_id, choice.token_ids, choice.sampling, route, timeout, deltas.on_chunk,
+        label=choice.label,
+    )  # fmt: skip
 
 
 async def run_all(runs: list[Callable[[OnDelta], Awaitable[None]]], on_delta: OnDelta) -> None:

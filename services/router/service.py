@@ -1,9 +1,11 @@
 """The router service: loads the tokenizer, follows the workers and the KV events, serves HTTP.
 
 on_start: tokenizer (no weights) -> load-report subscription -> KV events stream
-          (replayed into the index) -> liveness task -> HTTP listener
+          (replayed into the index) -> liveness task -> heartbeat (workers cancel the
+          requests of a router whose heartbeats stop) -> HTTP listener
 on_stop:  HTTP listener closes (in-flight requests get --drain-timeout, then are
-          cancelled, which cancels them on the workers) -> tasks -> subscriptions
+          cancelled, which cancels them on the workers) -> tasks -> heartbeat ->
+          subscriptions
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from nats.aio.msg import Msg
 
 from libs.common.engine.load.source import load_tokenizer
 from libs.common.log import get_logger
-from libs.common.messages.control import LoadReport, MessageError
+from libs.common.messages.control import LoadReport, MessageError, RouterHeartbeat
 from libs.common.service import BaseService
 from services.router.app import build_app
 from services.router.config import RouterConfig
 from services.router.defaults import load_defaults
 from services.router.dispatch import Dispatcher
+from services.router.heartbeat import Heartbeat, new_instance_id
 from services.router.kv_feed import KvFeed
 from services.router.kv_index import KvIndex
 from services.router.metrics import RouterMetrics
@@ -51,12 +54,15 @@ class RouterService(BaseService):
         self._feed: KvFeed | None = None
         self._load_sub: Any = None
         self._prune_task: asyncio.Task | None = None
+        self.instance = new_instance_id()  # this process, as workers know it
+        self._heartbeat: Heartbeat | None = None
 
     def details(self) -> dict[str, Any]:
         return {
             "host": self.config.host,
             "port": self.port or self.config.port,
             "model": self.config.model_name,
+            "instance": self.instance,
         }
 
     async def on_start(self) -> None:
@@ -93,10 +99,12 @@ class RouterService(BaseService):
                 cfg.queue_timeout,
                 on_accepted=queue_time.observe,
                 router_id=cfg.service_id,
+                instance=self.instance,
             ),
             metrics=metrics,
             api_keys=_api_keys(cfg),
             sampling_defaults=defaults,
+            instance=self.instance,
         )
         # The grammar cache's tokenizer (~0.2 s to build) is made before the first request.
         await loop.run_in_executor(None, lambda: self.state.grammars)
@@ -107,6 +115,11 @@ class RouterService(BaseService):
         await self._feed.start()
         self.state.replayed = lambda: self._feed is not None and self._feed.replayed
         self._prune_task = asyncio.create_task(self._prune(), name="router-prune")
+        beat = RouterHeartbeat(router=self.instance, service_id=cfg.service_id,
+                               interval=cfg.heartbeat_interval, timeout=cfg.heartbeat_timeout,
+                               timestamp=0.0)  # fmt: skip
+        self._heartbeat = Heartbeat(self.bus, prefix, beat)
+        await self._heartbeat.start()
         self._runner = web.AppRunner(
             build_app(self.state),
             access_log=None,
@@ -157,6 +170,9 @@ class RouterService(BaseService):
             await feed.stop()
         if self.state is not None:
             await self.state.dispatcher.stop()
+        beat, self._heartbeat = self._heartbeat, None
+        if beat is not None:  # after the drain: the workers keep its requests until here
+            await beat.stop()
         sub, self._load_sub = self._load_sub, None
         if sub is not None:
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,12 @@ from services.router.workers import WorkerTable
 
 @dataclass
 class RouterState:
-    """The router's parts. `pending` counts requests in flight (the 429 bound)."""
+    """The router's parts. `pending` counts requests in flight (the 429 bound).
+
+    `instance` is this process's random id (services/router/heartbeat.py): with a request's
+    router-local id (`new_request_id`) it is the request's key on the workers, so the
+    client's X-Request-Id stays a label that no other client's request can collide with.
+    """
 
     config: RouterConfig
     bus: Bus
@@ -40,6 +46,12 @@ class RouterState:
     created: int = field(default_factory=lambda: int(time.time()))
     pending: int = 0
     replayed: Callable[[], bool] = lambda: False  # the KV index has read the stream
+    instance: str = ""
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def new_request_id(self) -> str:
+        """A request id unique within this router process (hex of a counter)."""
+        return f"{next(self._ids):x}"
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:

@@ -83,11 +83,13 @@ async def test_out_of_range_and_wrong_type_values_are_400(client):
     assert error_of(e.value)["param"] == "top_k"
 
 
-async def test_prompt_longer_than_context_is_400_with_both_lengths(client):
-    with pytest.raises(openai.BadRequestError) as e:
+async def test_admission_comes_before_tokenization_so_no_worker_is_503_first(client):
+    # Prompts are tokenized only once admitted (a live decode worker, room in the bound):
+    # with no worker, even a prompt past the context is a 503, not a 400 (the 400 with both
+    # lengths: tests/router/test_router_validation.py, and with workers tests/hostile).
+    with pytest.raises(openai.InternalServerError) as e:
         await client.completions.create(model="default", prompt=[1] * 8190, max_tokens=10)
-    message = error_of(e.value)["message"]
-    assert "8192" in message and "8200" in message
+    assert e.value.status_code == 503 and e.value.response.headers["Retry-After"]
 
 
 async def test_malformed_json_and_non_object_bodies_are_400(router):
