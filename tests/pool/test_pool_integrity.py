@@ -136,3 +136,17 @@ async def test_tags_survive_a_master_kill_9_through_the_stores_indexes(cluster):
     await cluster.wait_objects(len(keys))
     errors, data = await get(cluster, keys)
     assert errors == [""] * len(keys) and data == blobs
+
+
+async def test_a_drop_that_matches_no_record_drops_nothing(cluster):
+    from libs.common.messages.pool import PoolBadCopy, PoolCount, PoolDrop
+
+    blobs = await put(cluster, ["keep"])
+    (store, offset), *_ = (await where(cluster, "keep"))[0]
+    wrong = [PoolBadCopy("keep", store, offset + 64, "0" * 16),  # another range
+             PoolBadCopy("keep", store, offset, "0" * 16),  # another checksum and tag
+             PoolBadCopy("nothing-here", store, offset, "0" * 16)]  # fmt: skip
+    reply = await cluster.bus.request("tandem.pool.master.drop", PoolDrop(wrong), PoolCount)
+    assert reply.count == 0
+    errors, data = await get(cluster, ["keep"])
+    assert errors == [""] and data == blobs

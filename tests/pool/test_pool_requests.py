@@ -39,6 +39,9 @@ async def test_bad_requests_get_error_replies_and_the_master_keeps_serving(pool,
             ("mount", b'{"store_id": "x", "segment": {"length": 5}}', "400"),
             ("mount_chunk", b'{"store_id": "x", "mount_id": "m", "index": 1}', "404"),
             ("get", b'{"keys": [1, 2]}', "400"),
+            ("put_start", _put({"size": 64, "mac": "not-a-tag"}), "400"),
+            ("drop", b'{"copies": [{"key": "k", "store": "s", "offset": "x", "checksum": ""}]}',
+             "400"),
         ]  # fmt: skip
         for name, body, code in cases:
             msg = await nc.request(f"tandem.pool.master.{name}", body, timeout=5)
