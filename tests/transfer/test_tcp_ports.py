@@ -229,6 +229,31 @@ async def test_a_token_less_peer_chattering_refused_ops_is_closed_at_the_first_f
     print(f"\ntoken-less peer: {errs} ERR replies, closed after {took:.2f}s")
 
 
+async def test_a_token_less_peer_pipelining_refused_ops_nonstop_is_closed_in_time(strict) -> None:
+    """Wrong-token ops back to back (the server never has to wait for one), replies read
+    by another thread: closed at the first-frame deadline all the same."""
+    desc = strict.register(bytearray(64))
+    sock = await asyncio.to_thread(_connect, desc.endpoint)
+    ops = b"".join(_op(desc, token=bytes(16), batch_id=i + 1) for i in range(64))
+
+    def send() -> int:
+        sent, end = 0, time.monotonic() + 10
+        try:
+            while time.monotonic() < end:
+                sock.sendall(ops)
+                sent += 64
+        except OSError:  # closed by the server
+            pass
+        return sent
+
+    sender = asyncio.create_task(asyncio.to_thread(send))
+    took, answer = await asyncio.to_thread(_closed_after, sock)
+    sent = await sender
+    sock.close()
+    assert answer.count(b"unknown region or wrong token") >= 10, len(answer)
+    assert SHORT - 0.05 <= took <= SHORT + TICK + SLACK, (took, sent)
+
+
 async def test_a_proven_connection_may_idle_past_every_deadline(strict) -> None:
     """Peers pool their connections: one that moved bytes is kept while it is quiet."""
     dst = bytearray(64)

@@ -186,7 +186,9 @@ class TcpTransferServer:
         failed_batch: int | None = None  # batch refused on this connection, until LAST
         while True:
             deadline = math.inf if conn.proven else first_deadline
-            if not wait_readable(poller.poll, self._poll_s, deadline):
+            # a peer that keeps refused ops coming never waits: look at the clock too
+            late = not conn.proven and time.monotonic() >= deadline
+            if late or not wait_readable(poller.poll, self._poll_s, deadline):
                 raise FrameTimeout(f"no admitted request within {limits.first_frame_s}s")
             got = recv_exact(sock, header, limits.frame_s, deadline)
             if got != REQUEST.size:
@@ -219,8 +221,10 @@ class TcpTransferServer:
                         batch_id=batch_id, op_index=op_index,
                     )  # fmt: skip
                     reason = error_payload(exc.reason)
+                    # a token-less peer that stops reading its ERRs: first_frame_s holds
+                    left = limits.frame_s if conn.proven else first_deadline - time.monotonic()
                     send_all(sock, [pack_response(KIND_ERR, op_index, batch_id, len(reason)),
-                                    reason], limits.frame_s)  # fmt: skip
+                                    reason], max(left, 0.0))  # fmt: skip
                     failed_batch = batch_id
             if failed_batch == batch_id:
                 if kind == KIND_WRITE and not self._drain(sock, length, peer, deadline, budget):
