@@ -52,7 +52,11 @@ def prepare(
     prompts = []
     for source in sources:
         if isinstance(source, str):
-            ids, text = encode(tokenizer, source), source
+            try:
+                ids, text = encode(tokenizer, source, max_model_len), source
+            except PromptTooLong as e:  # the 400 with both lengths, from the count alone
+                _max_tokens(api, e.num_tokens, max_model_len)
+                raise bad_request(f"the prompt has {e.num_tokens} tokens", "prompt") from None
         else:
             if max(source) >= tokenizer.vocab_size:
                 raise bad_request(f"token id {max(source)} is outside the vocabulary", "prompt")
@@ -63,15 +67,27 @@ def prepare(
     return prompts
 
 
-def encode(tokenizer: TextTokenizer, text: str) -> list[int]:
+class PromptTooLong(Exception):
+    """More tokens than the limit `encode` was given (`num_tokens`, BOS counted)."""
+
+    def __init__(self, num_tokens: int):
+        super().__init__(f"{num_tokens} tokens")
+        self.num_tokens = num_tokens
+
+
+def encode(tokenizer: TextTokenizer, text: str, limit: int | None = None) -> list[int]:
     """`tokenizer.encode(text)`, the same ids, without holding the GIL while it runs.
 
     The tokenizers library's `encode` holds the GIL for the whole call (a 16 MiB prompt:
     ~5-14 s on this host in which no other thread runs); `encode_batch_fast` releases it
     while Rust works and builds no offsets, so only the id list's conversion holds it
-    (~0.08 s for 3M ids). The BOS rule is TextTokenizer.encode's.
+    (~0.08 s for 3M ids), and past `limit` tokens not even that: `PromptTooLong` carries
+    the count, which is all a refusal needs. The BOS rule is TextTokenizer.encode's.
     """
-    ids = tokenizer.tokenizer.encode_batch_fast([text], add_special_tokens=True)[0].ids
+    encoding = tokenizer.tokenizer.encode_batch_fast([text], add_special_tokens=True)[0]
+    if limit is not None and len(encoding) > limit:
+        raise PromptTooLong(len(encoding) + (1 if tokenizer.add_bos else 0))
+    ids = encoding.ids
     if tokenizer.add_bos and (not ids or ids[0] != tokenizer.bos_token_id):
         ids = [tokenizer.bos_token_id, *ids]
     return ids
@@ -80,6 +96,20 @@ def encode(tokenizer: TextTokenizer, text: str) -> list[int]:
 def _sampling(
     api: ApiRequest, prompt_len: int, max_model_len: int, defaults: SamplingDefaults
 ) -> SamplingSpec:
+    max_tokens = _max_tokens(api, prompt_len, max_model_len)
+    # The fields the request left out take the deployment's defaults (defaults.py).
+    values = {**defaults.fill(api.sampling), "max_tokens": max_tokens, "logprobs": api.logprobs}
+    try:
+        # Normalized as the engine will see them (top_k -1 -> 0, floats), checked again
+        # against the bounds the API validation used.
+        return SamplingSpec(**SamplingParams(**values).to_dict())
+    except SamplingError as e:
+        raise bad_request(str(e), e.field) from None
+
+
+def _max_tokens(api: ApiRequest, prompt_len: int, max_model_len: int) -> int:
+    """The request's max_tokens (the rest of the context when unset); a 400 with both
+    lengths when the prompt leaves no room for it."""
     param = "messages" if api.endpoint == "chat" else "prompt"
     if api.max_tokens is None:
         if prompt_len >= max_model_len:
@@ -98,11 +128,4 @@ def _sampling(
                 f"{max_tokens} for the completion). Shorten the prompt or max_tokens.",
                 param,
             )
-    # The fields the request left out take the deployment's defaults (defaults.py).
-    values = {**defaults.fill(api.sampling), "max_tokens": max_tokens, "logprobs": api.logprobs}
-    try:
-        # Normalized as the engine will see them (top_k -1 -> 0, floats), checked again
-        # against the bounds the API validation used.
-        return SamplingSpec(**SamplingParams(**values).to_dict())
-    except SamplingError as e:
-        raise bad_request(str(e), e.field) from None
+    return max_tokens

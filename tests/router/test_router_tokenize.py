@@ -9,7 +9,7 @@ import pytest
 
 from libs.common.engine.load.source import load_tokenizer
 from services.router.config import RouterConfig
-from services.router.prompts import encode
+from services.router.prompts import PromptTooLong, encode
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,12 @@ def test_heartbeat_timeout_must_cover_two_intervals():
     with pytest.raises(ValueError, match="--heartbeat-timeout"):
         RouterConfig(heartbeat_interval=1.0, heartbeat_timeout=1.5)
     assert RouterConfig(heartbeat_interval=0.5, heartbeat_timeout=1.0).heartbeat_timeout == 1.0
+
+
+def test_a_prompt_past_the_limit_is_counted_not_listed(tokenizer):
+    text = "the quick brown fox " * 100
+    n = len(tokenizer.encode(text))
+    assert encode(tokenizer, text, limit=n) == tokenizer.encode(text)
+    with pytest.raises(PromptTooLong) as e:
+        encode(tokenizer, text, limit=n - 1)
+    assert e.value.num_tokens == n
