@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from libs.common.worker import service as worker
+from libs.common.worker.routers import request_key
 from services.decode.config import DecodeConfig
 from services.decode.service import DecodeService
 
@@ -16,3 +17,11 @@ async def test_cancel_before_the_request_registers_is_remembered_once_and_bounde
         await svc.cancel(f"x{i}", "noise")
     assert len(svc._cancelled) == worker._CANCELLED_KEPT
     assert not svc.was_cancelled("x0") and svc.was_cancelled(f"x{worker._CANCELLED_KEPT + 9}")
+
+
+async def test_an_early_cancel_names_one_routers_request_only():
+    svc = DecodeService(DecodeConfig(service_id="d-early-2"))
+    await svc.cancel(request_key("aa", "same-id"), "router aa gave up")
+    assert not svc.was_cancelled(request_key("bb", "same-id"))
+    assert not svc.was_cancelled("same-id")
+    assert svc.was_cancelled(request_key("aa", "same-id"))

@@ -242,9 +242,9 @@ class WorkerService(BaseService):
         except MessageError as e:
             log.warning("bad cancel message", error=str(e))
             return
-        self.cancel(request_key(cancel.router, cancel.request_id), cancel.reason)
+        await self.cancel(request_key(cancel.router, cancel.request_id), cancel.reason)
 
-    def cancel(self, key: str, reason: str) -> None:
+    async def cancel(self, key: str, reason: str) -> None:
         """Drop request `key` if this worker serves it: its task is cancelled, and the task's
         own cleanup aborts it in the engine (freeing its pages) and ends its stream."""
         held = self._active.get(key)
@@ -282,7 +282,7 @@ class WorkerService(BaseService):
             for key, held in list(self._active.items()):
                 quiet = self.routers.silent(held.router, held.since, now)
                 if quiet is not None and not held.task.done() and not held.task.cancelling():
-                    self.cancel(key, f"router {held.router} silent for {quiet:.1f}s (gone)")
+                    await self.cancel(key, f"router {held.router} silent for {quiet:.1f}s (gone)")
 
     # --- load reports and KV events --------------------------------------------------------
 
