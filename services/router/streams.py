@@ -62,8 +62,9 @@ class StreamTable:
 
     def open(self, rid: str, sink: Sink) -> tuple[str, str]:
         """`sink` gets `rid`'s chunks; returns (wire id, stream subject). The wire id is
-        `rid` unless a request with that id is already open here (a client may reuse its
-        x-request-id): then `rid-d<n>`, so the two never read each other's tokens."""
+        `rid` unless a request with that id is already open here: then `rid-d<n>`, so the
+        two never read each other's tokens. The router's ids are its own counter (the
+        client's x-request-id is only a label), so this is a guard, not a path."""
         wire = rid
         while wire in self._sinks:
             wire = f"{rid}-d{next(self._dupes)}"
