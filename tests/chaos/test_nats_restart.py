@@ -182,10 +182,12 @@ async def test_nats_quick_restart_mid_stream_leaves_no_request_hanging(chaos, ht
 
 
 @pytest.mark.xfail(
-    strict=True,
+    # Not strict: whether a restart lands between chunks is timing; in one full run all
+    # 4 streams came through whole (XPASS), in others 0/4.
+    strict=False,
     reason="the router ends a stream whose chunks NATS lost (dispatch.py _check_lost) and "
-    "cannot resume it (0/4 streams whole, 2026-12-05); a resume makes this XPASS: then "
-    "drop the mark",
+    "cannot resume it (0/4 streams whole in most runs, 2026-12-05); once it resumes, drop "
+    "the mark",
 )
 async def test_nats_quick_restart_mid_stream_every_stream_survives(chaos, http):
     """What the restart test intends: a NATS blip shorter than --worker-timeout, with

@@ -97,7 +97,10 @@ async def test_one_step_of_many_streams_is_one_message_fanned_out_in_order(nats_
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)  # and nothing more comes
-        assert len(seen) == 3  # two steps and the finish: one message each, not 3 per step
+        # two steps and the finish: one message each, not one per stream (9); on a loaded
+        # host the second step and the finish can leave in one message (seen in a full
+        # `make test`)
+        assert 2 <= len(seen) <= 3
         table.close("r2")
         await streams[1].add([12], "t", [])  # a late chunk for a closed stream is dropped
         await asyncio.sleep(0.05)
