@@ -39,22 +39,28 @@ class Seen:
     def __init__(self) -> None:
         self.generate: dict[str, float] = {}
         self.chunks: defaultdict[str, list[float]] = defaultdict(list)
+        # The router's request id on the bus -> the client's X-Request-Id, which the
+        # GenerateRequest carries as its label: the bench knows its requests by the latter.
+        self.labels: dict[str, str] = {}
 
     async def on_generate(self, msg) -> None:
         now = time.monotonic()
-        self.generate[orjson.loads(msg.data)["request_id"]] = now
+        request = orjson.loads(msg.data)
+        label = request.get("label") or request["request_id"]
+        self.labels[request["request_id"]] = label
+        self.generate[label] = now
+
+    def _chunk(self, chunk: TokenChunk, now: float) -> None:
+        if chunk.token_ids:
+            self.chunks[self.labels.get(chunk.request_id, chunk.request_id)].append(now)
 
     async def on_chunk(self, msg) -> None:
-        now = time.monotonic()
-        chunk = TokenChunk.decode(msg.data)
-        if chunk.token_ids:
-            self.chunks[chunk.request_id].append(now)
+        self._chunk(TokenChunk.decode(msg.data), time.monotonic())
 
     async def on_batch(self, msg) -> None:
         now = time.monotonic()
         for chunk in TokenChunkBatch.decode(msg.data).chunks:
-            if chunk.token_ids:
-                self.chunks[chunk.request_id].append(now)
+            self._chunk(chunk, now)
 
     async def on_take(self, msg) -> None:
         body = orjson.dumps({"generate": self.generate, "chunks": self.chunks})

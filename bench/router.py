@@ -17,7 +17,8 @@ own (no prefix-cache hits on either path: `cached_tokens` in the output says so)
 The difference of p50s taken minutes apart swings by tens of ms on a busy machine, so the
 router's requests are also timed against the bus itself, in the same request: a watcher
 process (bench/bus_watch.py; CLOCK_MONOTONIC, shared with this client) stamps the
-generate subject and the token chunks (the router takes the request's `x-request-id`),
+generate subject and the token chunks (matched by the `x-request-id` the router passes on
+as the GenerateRequest's label),
 and the run reports
 - `front`: POST -> GenerateRequest on the bus, against send -> the same for `direct`;
 - `worker_ttft`: GenerateRequest on the bus -> first token on the bus (the worker's part);
