@@ -4,6 +4,7 @@ and an in-process client (Bus + tcp transfer engine + PoolClient)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -126,11 +127,11 @@ def pool_procs(nats_url, service_env, tmp_path):
         procs.stop_all()
 
 
-@pytest.fixture
-async def pool(pool_procs, nats_url):
-    """Master + client; the test starts its stores (pool.procs.store(...)) and waits."""
-    pool_procs.master()
-    bus = Bus(nats_url, "pool-test-client", connect_timeout=10, request_timeout=5)
+@contextlib.asynccontextmanager
+async def master_and_client(pool_procs, nats_url, *master_args, name="pool-test-client"):
+    """A master started with `master_args` and an in-process client on it."""
+    pool_procs.master(*master_args)
+    bus = Bus(nats_url, name, connect_timeout=10, request_timeout=5)
     engine = create_engine("tcp", host="127.0.0.1")
     await bus.connect()
     await engine.start()
@@ -139,3 +140,10 @@ async def pool(pool_procs, nats_url):
     finally:
         await engine.stop()
         await bus.close()
+
+
+@pytest.fixture
+async def pool(pool_procs, nats_url):
+    """Master + client; the test starts its stores (pool.procs.store(...)) and waits."""
+    async with master_and_client(pool_procs, nats_url) as harness:
+        yield harness

@@ -71,26 +71,15 @@ async def test_corrupted_bytes_are_reported_as_a_miss_and_the_object_dropped(poo
 
 
 async def test_read_that_outlives_its_lease_is_refused(pool_procs, nats_url):
-    from libs.common.bus.connection import Bus
-    from libs.common.pool.client import PoolClient
-    from libs.common.transfer import create_engine
-    from tests.pool.conftest import PoolHarness
+    from tests.pool.conftest import master_and_client
 
-    pool_procs.master("--lease-ttl", "0.000001")
-    bus = Bus(nats_url, "lease-test", connect_timeout=10, request_timeout=5)
-    engine = create_engine("tcp", host="127.0.0.1")
-    await bus.connect()
-    await engine.start()
-    try:
-        pool = PoolHarness(pool_procs, bus, engine, PoolClient(bus, engine, timeout=10))
+    lease = ("--lease-ttl", "0.000001")
+    async with master_and_client(pool_procs, nats_url, *lease, name="lease-test") as pool:
         pool_procs.store("store-a")
         await pool.wait_stores(1)
         await _put_blobs(pool, ["lease"], 1 << 20)
         got, _ = await _get_all(pool, ["lease"], 1 << 20)
         assert got[0].error == "lease_expired"
-    finally:
-        await engine.stop()
-        await bus.close()
 
 
 async def test_concurrent_puts_of_one_key_from_two_clients_yield_one_winner(pool, nats_url):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from libs.common.bus.connection import Bus, RemoteError
+from libs.common.bus.connection import RemoteError
 from libs.common.messages.pool import (
     PoolCount,
     PoolNewObject,
@@ -16,9 +16,7 @@ from libs.common.messages.pool import (
     PoolPutStart,
     PoolPutStartReply,
 )
-from libs.common.pool.client import PoolClient
-from libs.common.transfer import create_engine
-from tests.pool.conftest import PoolHarness
+from tests.pool.conftest import master_and_client
 
 CK = "0123456789abcdef"
 
@@ -26,19 +24,10 @@ CK = "0123456789abcdef"
 @contextlib.asynccontextmanager
 async def _pool(pool_procs, nats_url, *master_args):
     """A master with `master_args`, one store, and a client."""
-    pool_procs.master(*master_args)
-    bus = Bus(nats_url, "limits-client", connect_timeout=10, request_timeout=5)
-    engine = create_engine("tcp", host="127.0.0.1")
-    await bus.connect()
-    await engine.start()
-    try:
-        pool = PoolHarness(pool_procs, bus, engine, PoolClient(bus, engine, timeout=10))
+    async with master_and_client(pool_procs, nats_url, *master_args, name="limits-client") as pool:
         pool_procs.store("store-a")
         await pool.wait_stores(1)
         yield pool
-    finally:
-        await engine.stop()
-        await bus.close()
 
 
 async def _still_serves(pool) -> None:
