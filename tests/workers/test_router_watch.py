@@ -3,7 +3,13 @@
 import time
 
 from libs.common.messages.control import RouterHeartbeat
-from libs.common.worker.routers import UNHEARD_TIMEOUT, RouterWatch, request_key
+from libs.common.worker.routers import (
+    MAX_ROUTER_ID,
+    MAX_ROUTERS,
+    UNHEARD_TIMEOUT,
+    RouterWatch,
+    request_key,
+)
 
 
 def _beat(router: str, timeout: float = 2.0) -> RouterHeartbeat:
@@ -54,3 +60,37 @@ def test_a_heartbeats_timeout_is_held_to_a_sane_range():
     now = time.monotonic()
     assert watch.silent("neg", since=0.0, now=now + 0.1) is None  # not cancelled at once
     assert watch.silent("huge", since=0.0, now=now + 61.0) is not None  # nor held forever
+
+
+def test_a_later_beat_cannot_shorten_a_routers_timeout():
+    """A forged beat under a real router's id with the shortest timeout does not bring the
+    cancel of its requests forward: the longest timeout heard for an id holds."""
+    watch = RouterWatch()
+    watch.reconnected_at = 0.0
+    watch.heard(_beat("aa", timeout=2.0))
+    watch.heard(_beat("aa", timeout=0.5))  # forged
+    now = time.monotonic()
+    assert watch.silent("aa", since=0.0, now=now + 1.9) is None
+    assert watch.silent("aa", since=0.0, now=now + 2.1) is not None
+
+
+def test_the_table_is_bounded_in_id_length_and_in_routers_and_keeps_the_live_ones():
+    watch = RouterWatch()
+    watch.reconnected_at = 0.0
+    assert not watch.heard(_beat("x" * (MAX_ROUTER_ID + 1)))
+    assert not watch.heard(_beat(""))
+    assert watch.heard(_beat("live", timeout=60.0))
+    for i in range(MAX_ROUTERS + 100):  # a flood of fresh ids
+        watch.heard(_beat(f"evil{i}", timeout=60.0))
+    assert len(watch._heard) == MAX_ROUTERS
+    now = time.monotonic()
+    assert watch.silent("live", since=0.0, now=now + 1.0) is None  # not pushed out
+
+
+def test_dead_routers_make_room_for_new_ones():
+    watch = RouterWatch()
+    for i in range(MAX_ROUTERS):
+        watch.heard(_beat(f"old{i}", timeout=0.5))
+    time.sleep(0.6)  # every one is past its timeout
+    assert watch.heard(_beat("new"))
+    assert len(watch._heard) == 1

@@ -21,7 +21,8 @@ from libs.common.messages.control import RouterHeartbeat
 
 UNHEARD_TIMEOUT = 3.0  # a router whose heartbeat has not been heard yet: its timeout
 MIN_TIMEOUT, MAX_TIMEOUT = 0.5, 60.0  # a heartbeat's `timeout` is held to this range
-_FORGET_AFTER = 600.0  # routers silent this long leave the table (bounded memory)
+MAX_ROUTER_ID = 64  # longer ids are not a router's (16 hex chars): the beat is ignored
+MAX_ROUTERS = 4096  # routers in the table; a new one past this (a flood) is not recorded
 
 
 def request_key(router: str, request_id: str) -> str:
@@ -31,21 +32,44 @@ def request_key(router: str, request_id: str) -> str:
 
 
 class RouterWatch:
-    """Last heartbeat (monotonic time) and declared timeout of each router heard."""
+    """Last heartbeat (monotonic time) and declared timeout of each router heard.
+
+    Anyone on the bus may publish a heartbeat, so one must not hurt the requests of
+    others: a router's timeout never shrinks (a forged short timeout under a real
+    router's id cannot bring its cancels forward), ids are bounded in length and the
+    table in size (kept in order of last beat; the dead are forgotten first).
+    """
 
     def __init__(self) -> None:
         self._heard: dict[str, tuple[float, float]] = {}
         self.reconnected_at = time.monotonic()
 
-    def heard(self, beat: RouterHeartbeat) -> None:
+    def heard(self, beat: RouterHeartbeat) -> bool:
+        """Record `beat`; False if it was ignored (a bad id, or the table is full)."""
+        if not 0 < len(beat.router) <= MAX_ROUTER_ID:
+            return False
         now = time.monotonic()
         # A timeout out of reason (a bad sender) neither cancels at once nor holds forever.
         timeout = min(max(beat.timeout, MIN_TIMEOUT), MAX_TIMEOUT)
-        self._heard[beat.router] = (now, timeout)
-        if len(self._heard) > 1024:  # routers come and go: drop the long gone
-            for router, (last, _) in list(self._heard.items()):
-                if now - last > _FORGET_AFTER:
-                    del self._heard[router]
+        previous = self._heard.pop(beat.router, None)
+        if previous is not None:
+            timeout = max(timeout, previous[1])
+        else:
+            self._forget_dead(now)
+            if len(self._heard) >= MAX_ROUTERS:
+                return False
+        self._heard[beat.router] = (now, timeout)  # at the end: the table is in beat order
+        return True
+
+    def _forget_dead(self, now: float) -> None:
+        """Drop routers silent past their timeout from the front (the least recently heard):
+        their requests are cancelled either way (an unknown router counts from the
+        request's arrival)."""
+        while self._heard:
+            router, (last, timeout) = next(iter(self._heard.items()))
+            if now - last <= timeout:
+                return
+            del self._heard[router]
 
     def silent(self, router: str, since: float, now: float) -> float | None:
         """Seconds `router` has been silent, when past its timeout (None: alive, or not
