@@ -2,6 +2,8 @@
 
     generate (tandem.decode.<id>.generate)
       no prefill worker named -> prefill here too, stream from token 0
+      a continuation (`generated`: a request migrated from a dead worker) -> prefill the
+            prompt and those tokens here, replay them (grammar, stops), stream after them
       else: reserve pages -> PrefillRequest to that worker (it writes the KV into them and
             streams token 0) -> verify PrefillResult.check -> decode from token 1
     cancel (tandem.cancel) -> abort wherever the request is; its pages are freed
@@ -88,7 +90,7 @@ class DecodeService(WorkerService):
                                         f"(--max-queue-delay {limit:g})")  # fmt: skip
             pages: list[int] = []
             held = 0
-            if req.prefill_worker:
+            if req.prefill_worker and not req.generated:  # a continuation prefills here
                 try:
                     reserved = await self.engine.reserve_reusing_prefix(key, req.token_ids, params)
                 except ValueError as e:
@@ -109,7 +111,8 @@ class DecodeService(WorkerService):
             self.hold(key, req.router, task)
             task.add_done_callback(lambda _t: self.release(key))
             log.info("request accepted", prompt_tokens=len(req.token_ids), pages=len(pages),
-                     prefill_worker=req.prefill_worker or "self")  # fmt: skip
+                     prefill_worker=req.prefill_worker if pages else "self",
+                     continued_after=len(req.generated))  # fmt: skip
             return GenerateAccepted(
                 request_id=req.request_id,
                 decode_worker=self.config.service_id,
@@ -120,7 +123,8 @@ class DecodeService(WorkerService):
     async def _guard(self, req: GenerateRequest, run) -> None:
         """Run a request to its end; any failure ends the stream with an error."""
         stream = TokenStream(self.bus, req.stream_subject, req.request_id,
-                             self.config.service_id, next_index=0, batcher=self.batcher,
+                             self.config.service_id, next_index=len(req.generated),
+                             batcher=self.batcher,
                              batch_subject=req.batch_subject)  # fmt: skip
         counted = False
         key = request_key(req.router, req.request_id)
@@ -152,11 +156,13 @@ class DecodeService(WorkerService):
         async def run(stream: TokenStream, prompt_done) -> None:
             pool_tokens = 0
             if self.pool is not None:  # L1 first, then the pool
-                keys = self.page_keys(req.token_ids, len(req.token_ids) - 1)
+            tokens = req.token_ids + req.generated
+                keys = self.page_keys(tokens, len(tokens) - 1)
                 _, from_pool = await self.pool.fetch_prefix(keys)
                 pool_tokens = from_pool * self.config.page_size
             key = request_key(req.router, req.request_id)
-            outputs = self.engine.add_request(req.token_ids, params, request_id=key)
+            outputs = self.engine.add_request(req.token_ids, params, request_id=key,
+                                              generated=req.generated)  # fmt: skip
             await self._pump(req, stream, outputs, pool_tokens=pool_tokens,
                              prompt_done=prompt_done, skip_first=False)  # fmt: skip
 
@@ -220,7 +226,7 @@ class DecodeService(WorkerService):
         region that accepts writes only while this handoff lasts)."""
         region = await self._handoff_region()
         try:
-            return await self._ask_prefill(req, pages, held, region)
+            result = await self._ask_prefill(req, pages, held, region)
         finally:
             await self._end_handoff(region, request_key(req.router, req.request_id))
 
@@ -302,7 +308,7 @@ class DecodeService(WorkerService):
         """Publish a request's outputs; the last chunk carries usage. `prefilled` is the
         prefill worker's cached-token count by tier; without one the prompt ran here, with
         `pool_tokens` of its cached tokens read from the pool."""
-        first, generated = True, []
+        first, generated = True, list(req.generated)
         async for out in outputs:
             if first:
                 prompt_done()

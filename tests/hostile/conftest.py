@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import nats
 import pytest
 
 from scripts.cluster import LocalCluster
@@ -90,3 +91,13 @@ def hostile(tmp_path_factory) -> Iterator[Hostile]:
     finally:
         cluster.stop()
         server.stop()
+
+
+@pytest.fixture
+async def nc(hostile: Hostile):
+    """A plain NATS client of the hostile cluster's server (any bus client may send)."""
+    client = await nats.connect(hostile.nats.url, connect_timeout=5, max_reconnect_attempts=3)
+    try:
+        yield client
+    finally:
+        await client.close()

@@ -4,11 +4,15 @@ each published message is logged and dropped, and afterwards every process is al
 serves a valid request.
 
 Subjects (docs/protocol.md): the micro endpoints of each service (`info`; decode
-`generate`; prefill `prefill`; the master's `pool.master.*`) and the subscriptions
+`generate`; prefill `prefill`; the master's `pool.master.*`, mount steps and `drop`
+included) and the subscriptions
 (`cancel` on the workers, `workers.*.*.load` on the router and decode, the store's
 `pool.store.<id>.update`, the router's `kv.events.>` through JetStream, and the router's
 two token-stream subscriptions `stream.<router-id>.*` and `chunks.<router-id>`, which stay
 subscribed for all its requests: chunks for a request it does not have are dropped).
+The subjects whose good message depends on the cluster's state (the store's `replicate`,
+the masters' `epoch`, the routers' heartbeats) and a real mount's wrong steps are in
+test_nats_pool.py, with checks that the state is untouched.
 """
 
 from __future__ import annotations
@@ -35,11 +39,17 @@ from libs.common.messages.control import (
     TokenChunkBatch,
 )
 from libs.common.messages.pool import (
+    PoolBadCopy,
+    PoolDrop,
     PoolKeys,
     PoolMount,
+    PoolMountChunk,
+    PoolMountEnd,
+    PoolMountPage,
     PoolNewObject,
     PoolPutFinish,
     PoolPutStart,
+    PoolRecord,
     PoolStoreRef,
     PoolStoreUpdate,
 )
@@ -50,6 +60,7 @@ pytestmark = pytest.mark.slow
 MAX_PAYLOAD = 1 << 20  # nats-server's default; a client refuses to send more
 SAMPLING = SamplingSpec(max_tokens=1, temperature=0)
 KEY = "0" * 32
+_RECORD = PoolRecord(KEY, 0, 64, "0" * 16, mac="")
 
 
 def _generate() -> GenerateRequest:
@@ -82,6 +93,12 @@ REQUESTS = {
     "tandem.pool.master.exists": PoolKeys(keys=[KEY]),
     "tandem.pool.master.remove": PoolKeys(keys=["f" * 32]),
     "tandem.pool.master.stats": InfoRequest(),
+    # an unknown mount id (tests/hostile/test_nats_pool.py: a real mount's wrong steps)
+    "tandem.pool.master.mount_chunk": PoolMountChunk("evil", "nope", 1, [_RECORD]),
+    "tandem.pool.master.mount_end": PoolMountEnd("evil", "nope", chunks=1, records=0),
+    "tandem.pool.master.mount_page": PoolMountPage("evil", "nope", page=1),
+    # matches no record: drops nothing
+    "tandem.pool.master.drop": PoolDrop([PoolBadCopy(KEY, "s1", 0, "0" * 16, mac="")]),
 }
 # subject -> a well-formed message (None: only malformed ones are sent; a well-formed load
 # report would enter a fake worker into rotation, which any NATS client may do: see
@@ -182,21 +199,11 @@ async def _check_alive(hostile: Hostile, nc) -> None:
     await hostile.completion_works()
 
 
-@pytest.fixture
-async def nc(hostile: Hostile):
-    client = await nats.connect(hostile.nats.url, connect_timeout=5, max_reconnect_attempts=3)
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-@pytest.mark.parametrize("subject", list(REQUESTS))
-async def test_bad_request_gets_an_error_reply_and_the_service_keeps_serving(
-    hostile: Hostile, nc, subject
-):
+async def fuzz_request(nc, subject: str, message) -> None:
+    """Send every malformed input and every mutation of `message` to `subject`: each must
+    be answered, any error a 4xx, and every input that `_must_refuse` names refused."""
     assert nc.max_payload == MAX_PAYLOAD  # `huge` is exactly the largest message
-    cases = [*malformed(), *mutations(REQUESTS[subject])]
+    cases = [*malformed(), *mutations(message)]
     failures, answered, refused, too_big = [], 0, 0, 0
     for label, payload in cases:
         if len(payload) > nc.max_payload:  # the bus cannot carry it: the client refuses
@@ -215,23 +222,18 @@ async def test_bad_request_gets_an_error_reply_and_the_service_keeps_serving(
             refused += 1
             if not code.isdigit() or not 400 <= int(code) < 500:
                 failures.append(f"{label}: error {code}: {reply.headers.get('Nats-Service-Error')}")
-        elif _must_refuse(label, REQUESTS[subject]):
+        elif _must_refuse(label, message):
             failures.append(f"{label}: accepted ({len(payload)} bytes), must be refused")
     print(f"nats {subject}: {answered} inputs answered, {refused} refused with 4xx, "
           f"{too_big} over max_payload refused by the client, {len(failures)} bad")  # fmt: skip
     assert not failures, "\n".join(failures)
     assert too_big >= 1 and answered + too_big == len(cases)
-    message = REQUESTS[subject]
     must = sum(_must_refuse(label, message) for label, p in cases if len(p) <= MAX_PAYLOAD)
     assert refused >= must > 0, (refused, must)
-    await _check_alive(hostile, nc)
 
 
-@pytest.mark.parametrize("subject", list(PUBLISHED))
-async def test_bad_published_message_is_dropped_and_the_service_keeps_serving(
-    hostile: Hostile, nc, subject
-):
-    message = PUBLISHED[subject]
+async def fuzz_publish(nc, subject: str, message) -> None:
+    """Publish every malformed input (and every mutation of `message`, unless None)."""
     cases = [*malformed(), *(mutations(message) if message is not None else [])]
     sent, too_big = 0, 0
     for _label, payload in cases:
@@ -246,4 +248,19 @@ async def test_bad_published_message_is_dropped_and_the_service_keeps_serving(
     await nc.flush()
     await asyncio.sleep(1.0)  # let every subscriber read them
     print(f"nats {subject}: {sent} inputs published, {too_big} over max_payload refused")
+
+
+@pytest.mark.parametrize("subject", list(REQUESTS))
+async def test_bad_request_gets_an_error_reply_and_the_service_keeps_serving(
+    hostile: Hostile, nc, subject
+):
+    await fuzz_request(nc, subject, REQUESTS[subject])
+    await _check_alive(hostile, nc)
+
+
+@pytest.mark.parametrize("subject", list(PUBLISHED))
+async def test_bad_published_message_is_dropped_and_the_service_keeps_serving(
+    hostile: Hostile, nc, subject
+):
+    await fuzz_publish(nc, subject, PUBLISHED[subject])
     await _check_alive(hostile, nc)

@@ -128,6 +128,12 @@ class GenerateRequest(Message, tag="generate"):
     router: str = ""
     # The client's X-Request-Id: a label for log lines, never a key.
     label: str = ""
+    # A migrated request (its first decode worker died): the completion's tokens the
+    # client already has. The worker prefills `token_ids + generated` itself (never through
+    # a prefill worker), counts them as output (max_tokens, penalties, seed step, usage),
+    # replays them through the grammar and stop strings, and streams from index
+    # len(generated) on. `token_ids` stays the client's prompt (usage.prompt_tokens).
+    generated: list[int] = field(default_factory=list)
 
 
 class GenerateAccepted(Message, tag="generate_accepted"):
