@@ -22,8 +22,8 @@ class ChunkOrder:
     """Reorders and deduplicates one stream; `next_index`, `held` and `moved` (monotonic
     time the order last moved on) are what the lost-chunk check reads."""
 
-    def __init__(self) -> None:
-        self.next_index = 0
+    def __init__(self, start: int = 0) -> None:
+        self.next_index = start  # a continuation's first index: the tokens sent before it
         self.held: dict[int, TokenChunk] = {}
         self.moved = time.monotonic()
         self.ended = False

@@ -18,7 +18,14 @@ Failure handling, in one place:
   the route stops reporting, or the stream ends in an error, *before any chunk reached
   the sink*: retried once on a route that avoids the failed workers (`<rid>-r1`); if
   that fails too, 503 with Retry-After (nothing was produced: safe to retry);
-- the same after chunks reached the sink: 502 `worker_failed`;
+- the same after chunks reached the sink: the request *migrates*: it continues on a live
+  decode worker that has not failed it (`<rid>-r<n>`), as a GenerateRequest whose
+  `generated` holds every token the sink has had; that worker prefills prompt + those
+  tokens itself, replays them through the grammar and stop strings and streams from
+  index len(generated), so the sink sees one uninterrupted, duplicate-free stream (greedy:
+  the same tokens). With no such worker live: 502 `worker_failed`, as before migration.
+  Sampling without a seed gets one here, so a continuation draws from the same random
+  stream; docs/reliability.md "Migration";
 - chunks lost in transit while both workers are live (a restarted nats-server drops what
   it held, and what is published before the router has subscribed again): a hole in the
   chunk order for `lost_after` seconds, or a started stream silent for `lost_after` since
@@ -34,9 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+
+import msgspec
 
 from libs.common.bus.connection import Bus, BusError, RemoteError
 from libs.common.log import get_logger
@@ -79,9 +90,10 @@ class _Stream:
     stream cannot go on (a worker's error chunk, or whatever the sink raised)."""
 
     def __init__(
-        self, sink: Sink, route: Route, deadline: float, prefill: Worker | None, pending: int
-    ):
-        self.sink, self.order = sink, ChunkOrder()
+        self, sink: Sink, route: Route, deadline: float, prefill: Worker | None, pending: int,
+        start: int = 0,
+    ):  # fmt: skip
+        self.sink, self.order = sink, ChunkOrder(start)  # a continuation starts at `start`
         self.route, self.deadline = route, deadline
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.delivered = 0  # chunks handed to the sink
@@ -120,11 +132,30 @@ class _Stream:
             self.pending = 0
 
 
+class _Generation:
+    """One choice's generation across its attempts: the prompt, its sampling, and `sent`,
+    the tokens its sink has had (a continuation's `generated`). `deliver` is the sink
+    every attempt feeds, in order, so `sent` is exactly what the client holds."""
+
+    def __init__(self, token_ids: list[int], sampling: SamplingSpec, sink: Sink):
+        self.token_ids, self.sink = token_ids, sink
+        if sampling.temperature > 0 and sampling.seed is None:
+            # A continuation must draw from the same random stream as its first attempt.
+            sampling = msgspec.structs.replace(sampling, seed=random.getrandbits(63))
+        self.sampling = sampling
+        self.sent: list[int] = []
+
+    def deliver(self, chunk: TokenChunk) -> None:
+        self.sink(chunk)
+        self.sent += chunk.token_ids
+
+
 class Dispatcher:
     """Runs generations over the bus; see the module docstring for the contract.
 
     `route(exclude)` picks a route avoiding the worker ids in `exclude`, or None.
-    `on_accepted(seconds)` is told how long admission took (the queue-time metric).
+    `on_accepted(seconds)` is told how long admission took (the queue-time metric);
+    `on_migrated()` that a request continues on another worker (the migrations metric).
     `router_id` names this router's stream subjects (unique per router process).
     `instance` is this router process's id (services/router/heartbeat.py): every request
     and cancel carries it, and workers key requests by (instance, request id).
@@ -139,13 +170,14 @@ class Dispatcher:
         queue_timeout: float,
         *,
         on_accepted: Callable[[float], None] = lambda _s: None,
+        on_migrated: Callable[[], None] = lambda: None,
         lost_after: float = 3.0,
         router_id: str = "",
         instance: str = "",
     ):
         self.bus, self.prefix, self.workers = bus, prefix, workers
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
-        self.on_accepted = on_accepted
+        self.on_accepted, self.on_migrated = on_accepted, on_migrated
         self.lost_after = lost_after
         self.reconnected_at = 0.0  # time.monotonic() of the bus's last reconnect
         self.streams = StreamTable(bus, prefix, router_id or uuid.uuid4().hex[:16])
@@ -172,16 +204,16 @@ class Dispatcher:
         X-Request-Id, carried to the workers for their logs only."""
         start = time.monotonic()
         deadline = start + timeout
-        exclude: set[str] = set()
-        attempt, pause, tries = 0, 0.05, 0
-        while attempt < 2:
-            chosen = route(exclude)
-            if chosen is None:
-                raise ApiError(503, "no decode worker is live", headers={"Retry-After": "1"})
+        gen = _Generation(token_ids, sampling, sink)
+        failed: set[str] = set()  # workers that failed this request
+        error: WorkerFailed | None = None
+        retried, pause, tries = False, 0.05, 0
+        while True:
+            chosen = self._next_route(route, failed, gen, error)
             tries += 1
             rid = request_id if tries == 1 else f"{request_id}-r{tries - 1}"
             try:
-                await self._attempt(rid, token_ids, sampling, chosen, deadline, sink, label=label)
+                await self._attempt(rid, gen, chosen, deadline, label=label)
                 return
             except WorkerBusy:
                 # Full KV pools are back-pressure: wait for room, up to --queue-timeout.
@@ -194,10 +226,13 @@ class Dispatcher:
                 pause = min(pause * 2, 1.0)
                 continue
             except WorkerFailed as e:
-                if e.streamed:
-                    msg = f"worker failed mid-request: {e}"
-                    raise ApiError(502, msg, code="worker_failed") from None
-                if attempt == 1:
+                error = e
+                failed |= {chosen.decode, chosen.prefill} - {""}
+                if gen.sent:  # the client has output: continue it elsewhere (migrate)
+                    log.warning("request migrates", error=str(e), route=chosen.decode,
+                                generated=len(gen.sent))  # fmt: skip
+                    continue
+                if retried:
                     # Nothing was produced and two routes failed (dead, or too slow to
                     # answer under overload): the client may simply try again later.
                     raise ApiError(
@@ -205,8 +240,28 @@ class Dispatcher:
                         code="workers_unavailable", headers={"Retry-After": "1"},
                     ) from None  # fmt: skip
                 log.warning("retrying on another worker", error=str(e), route=chosen.decode)
-                exclude |= {chosen.decode, chosen.prefill} - {""}
-                attempt += 1
+                retried = True
+
+    def _next_route(
+        self,
+        route: Callable[[set[str]], Route | None],
+        failed: set[str],
+        gen: _Generation,
+        error: WorkerFailed | None,
+    ) -> Route:
+        """The next attempt's route. Before any output, any live one (a lone decode worker
+        is tried again); once the client has output, a decode worker that has not failed
+        this request, prefilling the continuation itself; 502 when there is none."""
+        chosen = route(failed)
+        if not gen.sent:
+            if chosen is None:
+                raise ApiError(503, "no decode worker is live", headers={"Retry-After": "1"})
+            return chosen
+        if chosen is None or chosen.decode in failed:
+            msg = f"worker failed mid-request: {error}"
+            raise ApiError(502, msg, code="worker_failed")
+        self.on_migrated()
+        return dataclasses.replace(chosen, prefill="")
 
     async def generate(
         self,
@@ -234,15 +289,7 @@ class Dispatcher:
                     await task
 
     async def _attempt(
-        self,
-        rid: str,
-        token_ids: list[int],
-        sampling: SamplingSpec,
-        route: Route,
-        deadline: float,
-        sink: Sink,
-        *,
-        label: str = "",
+        self, rid: str, gen: _Generation, route: Route, deadline: float, *, label: str = ""
     ) -> None:
         try:
             await self.streams.start()
@@ -250,23 +297,25 @@ class Dispatcher:
             raise WorkerFailed(f"cannot subscribe to token streams: {e}", False) from None
         decode = self.workers.get(route.decode)
         prefill = self.workers.get(route.prefill) if route.prefill else None
+        pending = len(gen.token_ids)
         if prefill is not None:
-            prefill.pending_prefill_tokens += len(token_ids)
-        stream = _Stream(sink, route, deadline, prefill, len(token_ids))
+            prefill.pending_prefill_tokens += pending
+        stream = _Stream(gen.deliver, route, deadline, prefill, pending, len(gen.sent))
         rid, subject = self.streams.open(rid, stream.on_chunk)
         if decode is not None:
             decode.inflight.add(rid)
         try:
             request = GenerateRequest(
                 request_id=rid,
-                token_ids=token_ids,
-                sampling=sampling,
+                token_ids=gen.token_ids,
+                sampling=gen.sampling,
                 stream_subject=subject,
                 prefill_worker=route.prefill,
                 timeout=max(1.0, deadline - time.monotonic()),
                 batch_subject=self.streams.batch_subject,
                 router=self.instance,
                 label=label,
+                generated=list(gen.sent),
             )
             sent = time.monotonic()
             try:

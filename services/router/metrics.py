@@ -44,6 +44,10 @@ class RouterMetrics:
             "tandem:request_failure", "Requests answered with an error", (*m, "status"),
             registry=r,
         )  # fmt: skip
+        self.migrations = Counter(
+            "tandem:request_migrations", "Requests continued on another decode worker after "
+            "theirs failed mid-stream", m, registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens", m, registry=r)
         self.generation_tokens = Counter(
             "tandem:generation_tokens", "Generated tokens", m, registry=r

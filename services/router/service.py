@@ -98,6 +98,7 @@ class RouterService(BaseService):
                 cfg.request_timeout,
                 cfg.queue_timeout,
                 on_accepted=queue_time.observe,
+                on_migrated=metrics.migrations.labels(cfg.model_name).inc,
                 router_id=cfg.service_id,
                 instance=self.instance,
             ),

@@ -44,6 +44,7 @@ class ScriptedDecodeResponder:
     def __init__(self, url: str, wid: str, script):
         self.bus = Bus(url, f"scripted-{wid}", connect_timeout=5, request_timeout=5)
         self.wid, self.script, self.seen = wid, script, []
+        self.requests: list[GenerateRequest] = []
 
     async def start(self) -> None:
         await self.bus.connect()
@@ -63,6 +64,7 @@ class ScriptedDecodeResponder:
 
     async def _generate(self, req: GenerateRequest) -> GenerateAccepted:
         self.seen.append(req.request_id)
+        self.requests.append(req)
         chunks = self.script(req.request_id)
 
         async def publish() -> None:
@@ -139,14 +141,18 @@ async def test_error_before_the_first_token_is_retried_once_on_another_worker(na
     assert resp[0].seen == ["r1"] and resp[1].seen == ["r1-r1"]
 
 
-async def test_error_after_tokens_streamed_is_a_502_not_a_retry(nats_url):
+async def test_error_after_tokens_on_every_worker_is_a_502_after_one_continuation_each(
+    nats_url,
+):
     def script(rid):
         return [chunk(rid, 0, [1]), chunk(rid, 1, [], "error")]
 
     async with setup(nats_url, {"d1": script, "d2": script}) as (dispatcher, resp, _, _):
         with pytest.raises(ApiError) as e:
             await collect(dispatcher, route_to("d1", "d2"))
-    assert e.value.status == 502 and resp[1].seen == []
+    assert e.value.status == 502 and e.value.code == "worker_failed"
+    assert resp[0].seen == ["r1"] and resp[1].seen == ["r1-r1"]
+    assert resp[1].requests[0].generated == [1]
 
 
 async def test_failure_before_any_token_on_both_routes_is_a_503_with_retry_after(nats_url):

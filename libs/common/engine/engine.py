@@ -121,23 +121,29 @@ class Engine:
         request_id: str | None = None,
         prefill_only: bool = False,
         keep_pages: bool = False,
+        generated: list[int] | tuple[int, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Run a request; yields its outputs. See the class contract."""
+        """Run a request; yields its outputs. See the class contract. `generated`: the
+        completion's first tokens, made elsewhere (EngineCore.add): outputs start after
+        them, and a request they already end yields one final output without tokens."""
         core = self._require()
         request_id = request_id or f"req-{next(self._ids)}"
         matcher = await self._matcher(sampling)
         queue = self._open(request_id)
         try:
             async with self._lock:
-                core.add(
+                ended = core.add(
                     request_id,
                     list(token_ids),
                     sampling,
                     prefill_only=prefill_only,
                     keep_pages=keep_pages,
                     matcher=matcher,
+                    generated=generated,
                 )
                 self._flush_events()
+            if ended is not None:
+                queue.put_nowait(ended)
             self._wake.set()
             async for out in self._drain(request_id, queue):
                 yield out

@@ -133,17 +133,27 @@ class EngineCore:
         prefill_only: bool = False,
         keep_pages: bool = False,
         matcher: Any = None,
-    ) -> None:
+        generated: list[int] | tuple[int, ...] = (),
+    ) -> RequestOutput | None:
         """Queue a request. ValueError for a duplicate id, empty or oversized prompt, or a
         grammar that does not compile. `matcher`: the grammar's, compiled already
-        (Engine compiles off the event loop), else it is compiled here."""
-        self._check_ids(token_ids)
+        (Engine compiles off the event loop), else it is compiled here.
+
+        `generated`: the first tokens of this request's completion, produced elsewhere (a
+        request migrated from a dead worker). They follow the prompt and are computed with
+        it, but count as output (max_tokens, penalties, the seed's step, usage) and are
+        replayed through the grammar and the stop checks first, their text withheld (the
+        client has it). Returns a final output without tokens when they already end the
+        request, else None."""
+        self._check_ids([*token_ids, *generated])
         matcher = matcher or self._matcher_for(params)
         seq = Sequence(
             request_id, token_ids, params, prefill_only=prefill_only, keep_pages=keep_pages
         )
+        seq.token_ids.extend(generated)
         self.scheduler.add(seq)
         self._track(seq, matcher)
+        return self._replay(self._requests[request_id], list(generated))
 
     def reserve(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -310,6 +320,26 @@ class EngineCore:
             req.grammar_done = True
         elif matcher.is_stopped():
             req.grammar_done = True
+
+    def _replay(self, req: _Request, generated: list[int]) -> RequestOutput | None:
+        """Bring a migrated request's grammar and stop state to where its first worker
+        left them: each token as if just sampled. Only the last one can end the request
+        (the client saw the others go by); its end is checked as a sampled token's."""
+        if not generated:
+            return None
+        for token in generated[:-1]:
+            self._advance_grammar(req, token)
+            req.stop.step(token, None)
+        last = generated[-1]
+        self._advance_grammar(req, last)
+        reason = self.scheduler.stop_reason(req.seq)
+        if reason is not None:
+            self.scheduler.finish(req.seq.request_id, reason)
+        out = self._output(req, last, None)
+        if not out.finished:
+            return None
+        out.token_ids, out.text = [], ""  # the client has the token and its text already
+        return out
 
     def _row(self, req: _Request) -> SamplingRow:
         seq = req.seq

@@ -179,7 +179,7 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.append_token(first_token_id)
         self.kv.commit(seq)
-        reason = self._stop_reason(seq)
+        reason = self.stop_reason(seq)
         if reason is not None:
             self._finish(seq, reason)
             return seq
@@ -247,7 +247,7 @@ class Scheduler:
                 raise ValueError(f"{seq.request_id}: no sampled token for a sampling step")
             seq.append_token(token)
             self.kv.commit(seq)
-            reason = self._stop_reason(seq)
+            reason = self.stop_reason(seq)
             if reason is not None or seq.prefill_only:
                 self._finish(seq, reason)
                 done.append(seq)
@@ -335,7 +335,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         log.info("preempted", request_id=seq.request_id, tokens=seq.num_tokens)
 
-    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
+    def stop_reason(self, seq: Sequence) -> FinishReason | None:
+        """Why `seq` ends on its last token (stop id, EOS, max_tokens), or None."""
         params, token = seq.sampling_params, seq.last_token_id
         if token in params.stop_token_ids:
             return FinishReason.STOP

@@ -1,0 +1,95 @@
+"""Migration in the dispatcher, on a real nats-server with scripted decode responders: once
+the client has tokens, a failed worker's request continues on another live one, after
+exactly the tokens the client has, with no duplicate and no gap. Real workers and a real
+kill -9 are in tests/chaos/test_migration.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from libs.common.messages.control import SamplingSpec
+from services.router.errors import ApiError
+from tests.router.test_router_dispatch import chunk, collect, report, route_to, setup
+
+
+def ids(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def test_an_error_after_tokens_continues_on_another_worker_after_them(nats_url):
+    def dies(rid):
+        return [chunk(rid, 0, [10, 11]), chunk(rid, 2, [12]), chunk(rid, 3, [], "error")]
+
+    def continues(rid):  # numbered from len(generated), as a real worker does
+        return [chunk(rid, 3, [13, 14]), chunk(rid, 5, [15], "length")]
+
+    async with setup(nats_url, {"d1": dies, "d2": continues}) as (dispatcher, resp, _, _):
+        out = await collect(dispatcher, route_to("d1", "d2"))
+    assert ids(out) == [10, 11, 12, 13, 14, 15] and out[-1].finish_reason == "length"
+    cont = resp[1].requests[0]
+    assert cont.request_id == "r1-r1" and cont.generated == [10, 11, 12]
+    assert cont.token_ids == [1, 2, 3] and cont.prefill_worker == ""
+
+
+async def test_a_continuation_never_repeats_a_token_the_client_has(nats_url):
+    def dies(rid):
+        return [chunk(rid, 0, [10]), chunk(rid, 1, [11]), chunk(rid, 2, [], "abort")]
+
+    def replays(rid):  # a confused worker that sends the old tokens again: dropped
+        return [chunk(rid, 0, [10, 11]), chunk(rid, 2, [12], "stop")]
+
+    async with setup(nats_url, {"d1": dies, "d2": replays}) as (dispatcher, _, _, _):
+        out = await collect(dispatcher, route_to("d1", "d2"))
+    assert ids(out) == [10, 11, 12]
+
+
+async def test_a_lone_decode_worker_failing_after_tokens_is_a_502(nats_url):
+    def dies(rid):
+        return [chunk(rid, 0, [10]), chunk(rid, 1, [], "error")]
+
+    async with setup(nats_url, {"d1": dies}) as (dispatcher, resp, _, _):
+        with pytest.raises(ApiError) as e:
+            await collect(dispatcher, route_to("d1"))
+    assert e.value.status == 502 and e.value.code == "worker_failed"
+    assert resp[0].seen == ["r1"]  # never sent to itself again
+
+
+async def test_a_worker_that_stops_reporting_mid_stream_is_migrated_from(nats_url):
+    def stalls(rid):
+        return [chunk(rid, 0, [10, 11])]  # then silence: its reports stop too
+
+    def continues(rid):
+        return [chunk(rid, 2, [12], "stop")]
+
+    async with setup(nats_url, {"d1": stalls, "d2": continues}) as (dispatcher, resp, _, w):
+        w.timeout = 0.5
+
+        async def keep_d2_alive():
+            for _ in range(100):
+                w.update(report("d2"))
+                await asyncio.sleep(0.1)
+
+        keeper = asyncio.create_task(keep_d2_alive())
+        try:
+            out = await collect(dispatcher, route_to("d1", "d2"))
+        finally:
+            keeper.cancel()
+    assert ids(out) == [10, 11, 12] and resp[1].requests[0].generated == [10, 11]
+
+
+async def test_unseeded_sampling_keeps_one_seed_across_a_migration(nats_url):
+    def dies(rid):
+        return [chunk(rid, 0, [10]), chunk(rid, 1, [], "error")]
+
+    def continues(rid):
+        return [chunk(rid, 1, [11], "stop")]
+
+    async with setup(nats_url, {"d1": dies, "d2": continues}) as (dispatcher, resp, _, _):
+        gen = dispatcher.generate("r1", [1], SamplingSpec(temperature=0.8), route_to("d1", "d2"),
+                                  10)  # fmt: skip
+        out = [c async for c in gen]
+    first, second = resp[0].requests[0].sampling, resp[1].requests[0].sampling
+    assert ids(out) == [10, 11] and first.seed is not None and first.seed == second.seed
