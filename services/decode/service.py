@@ -155,8 +155,8 @@ class DecodeService(WorkerService):
     def _run_local(self, req: GenerateRequest, params):
         async def run(stream: TokenStream, prompt_done) -> None:
             pool_tokens = 0
-            if self.pool is not None:  # L1 first, then the pool
             tokens = req.token_ids + req.generated
+            if self.pool is not None:  # L1 first, then the pool
                 keys = self.page_keys(tokens, len(tokens) - 1)
                 _, from_pool = await self.pool.fetch_prefix(keys)
                 pool_tokens = from_pool * self.config.page_size
