@@ -1,8 +1,10 @@
 """The whole system as local processes: `make run` (that is, `python -m scripts.cluster`).
 
-Starts a nats-server (JetStream on, port 4222 by default), then the topology of
-compose.yaml: cache_master, two cache_stores, prefill, decode and router, each as
-`python -m services.<name>`, configured by the same TANDEM_* environment variables; streams
+Starts a nats-server (JetStream on, port 4222 by default) that knows one identity per
+process (scripts/identities.py, kept in run/secrets: each its own password and subject
+permissions, bound to its service id), then the topology of compose.yaml: cache_master,
+two cache_stores, prefill, decode and router, each as `python -m services.<name>` with its
+own credentials file, configured by the same TANDEM_* environment variables; streams
 their logs to the terminal, each line prefixed by the service; waits until every one answers
 micro discovery; prints where the router listens; and on Ctrl-C (or SIGTERM) stops them in
 reverse order with SIGTERM, then the nats-server, leaving nothing running.
@@ -28,18 +30,25 @@ import nats
 
 from libs.common import event_loop
 from libs.common.bus.connection import discover
+from libs.common.bus.credentials import connect_options
+from scripts.identities import AUTH_CONF, Identity, ensure
 from scripts.nats_server import NatsServer
 
 SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router")
 REPO = Path(__file__).resolve().parent.parent
 # `make run`: (label, service, extra flags), the processes of compose.yaml.
 TOPOLOGY = (
-    ("cache_master", "cache_master", ()),
+    ("cache_master", "cache_master", ("--service-id", "master-1")),
     ("cache_store_1", "cache_store", ("--service-id", "store-1")),
     ("cache_store_2", "cache_store", ("--service-id", "store-2")),
-    ("prefill", "prefill", ()),
-    ("decode", "decode", ()),
-    ("router", "router", ()),
+    ("prefill", "prefill", ("--service-id", "prefill-1")),
+    ("decode", "decode", ("--service-id", "decode-1")),
+    ("router", "router", ("--service-id", "router-1")),
+)
+# One NATS identity per process, bound to its service id, and the operator's (read-only).
+IDENTITIES = (
+    *(Identity(label, service, extra[1]) for label, service, extra in TOPOLOGY),
+    Identity("cli", "cli"),
 )
 _COLORS = ("36", "33", "35", "32", "34", "31", "96", "93")
 
@@ -92,10 +101,14 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         capture: Path | None = None,
         prefix: LogPrefixer | None = None,
+        credentials: Mapping[str, Path] | None = None,
     ):
         """`capture`: each service's output to <capture>/<label>.log; else `prefix`: to one
-        stream, line by line, prefixed by the label; else inherited (the terminal)."""
+        stream, line by line, prefixed by the label; else inherited (the terminal).
+        `credentials`: label -> NATS credentials file (scripts/identities.py); the one
+        labelled `cli` is what `wait_ready` connects as."""
         self.nats_url = nats_url
+        self.credentials = dict(credentials or {})
         self.args = args or {}
         self.env = {**os.environ, **(env or {})}
         self.capture = capture
@@ -113,6 +126,8 @@ class LocalCluster:
         # The URL may carry NATS credentials: the environment of the child (readable only by
         # its user), not its command line (which `ps` shows to everyone).
         env = {**self.env, f"TANDEM_{name.upper()}_NATS_URL": self.nats_url}
+        if label in self.credentials:
+            env[f"TANDEM_{name.upper()}_NATS_CREDENTIALS_FILE"] = str(self.credentials[label])
         cmd = [sys.executable, "-m", f"services.{name}"]
         cmd += [*self.args.get(label, self.args.get(name, [])), *extra]
         out = None
@@ -142,7 +157,9 @@ class LocalCluster:
     async def wait_ready(self, timeout: float = 60.0) -> list[dict]:
         """Wait until every started service answers `$SRV.PING`; raise if one exits."""
         wanted = {f"tandem-{self.services.get(label, label)}" for label in self.procs}
-        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=5)
+        identity = connect_options(self.nats_url, str(self.credentials.get("cli", "")))
+        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=5,
+                                **identity)  # fmt: skip
         try:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -209,12 +226,13 @@ def kv_secret_file(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    # NATS refuses clients without credentials: NATS_USER/NATS_PASSWORD as in compose.yaml,
-    # else a password made for this run (the services get it through their environment).
-    user = os.environ.get("NATS_USER") or "tandem"
-    password = os.environ.get("NATS_PASSWORD") or secrets.token_urlsafe(24)
-    nats_server = NatsServer(REPO / "run" / "nats", port=args.nats_port, monitor_port=8222,
-                             user=user, password=password)  # fmt: skip
+    # NATS refuses clients without an identity: one per process, made once in run/secrets
+    # (0600) and kept; the services get the path of theirs through their environment.
+    run_dir: Path = args.run_dir
+    credentials = ensure(run_dir / "secrets", IDENTITIES, kv_secret=False)
+    nats_server = NatsServer(run_dir / "nats", port=args.nats_port,
+                             monitor_port=args.nats_monitor_port or None,
+                             config_file=run_dir / "secrets" / AUTH_CONF)  # fmt: skip
     try:
         nats_server.start()
     except (RuntimeError, TimeoutError) as e:
@@ -223,12 +241,13 @@ async def _run(args: argparse.Namespace) -> int:
     prefixer = LogPrefixer()
     env = {} if os.environ.get("TANDEM_LOG_FORMAT") else {"TANDEM_LOG_FORMAT": "console"}
     env.update(worker_threads(os.environ))
-    env.update(kv_secret_file(os.environ, REPO / "run"))
+    env.update(kv_secret_file(os.environ, run_dir))
     cluster = LocalCluster(
         nats_server.url,
         args={"router": ["--port", str(args.router_port)]},
         env=env,
         prefix=prefixer,
+        credentials=credentials,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -239,10 +258,12 @@ async def _run(args: argparse.Namespace) -> int:
         for label, service, extra in TOPOLOGY:
             cluster.start_one(service, *extra, label=label)
         await cluster.wait_ready(timeout=args.ready_timeout)
+        monitor = f", monitoring http://127.0.0.1:{nats_server.monitor_port}"
         print(
             f"\nTandem is up: router at http://127.0.0.1:{args.router_port} "
-            f"(GET /health); NATS at {nats_server.redacted_url}, monitoring http://127.0.0.1:8222\n"
-            "Ctrl-C stops everything.\n",
+            f"(GET /health); NATS at {nats_server.url}"
+            f"{monitor if nats_server.monitor_port else ''}; the operator's NATS identity "
+            f"(read-only): {credentials['cli']}\nCtrl-C stops everything.\n",
             flush=True,
         )
         while not stop.is_set():
@@ -275,6 +296,15 @@ def main() -> None:
         default=int(os.environ.get("TANDEM_ROUTER_PORT", os.environ.get("TANDEM_PORT", 8000))),
         help="router HTTP port (env TANDEM_ROUTER_PORT; default 8000)",
     )
+    parser.add_argument(
+        "--nats-monitor-port",
+        type=int,
+        default=int(os.environ.get("NATS_MONITOR_PORT") or 0),
+        help="serve nats-server's monitoring on 127.0.0.1:PORT (env NATS_MONITOR_PORT; "
+        "default 0: off)",
+    )
+    parser.add_argument("--run-dir", type=Path, default=REPO / "run",
+                        help="where NATS data, identities and the KV secret are kept")  # fmt: skip
     parser.add_argument("--ready-timeout", type=float, default=120.0)
     sys.exit(event_loop.run(_run(parser.parse_args())))
 

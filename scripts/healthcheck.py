@@ -33,6 +33,7 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 
+from libs.common.bus.credentials import Credentials, inbox_prefix, read_credentials
 from libs.common.config import CommonConfig, env_names
 
 SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router")
@@ -80,25 +81,33 @@ def check_http(url: str, timeout: float) -> str:
 class MiniNats:
     """Just enough of the NATS client protocol for request/reply over plain TCP.
 
-    CONNECT (user/password or token from the URL), SUB an inbox, PUB with reply-to, read
-    MSG/HMSG; answers the server's PINGs. One connection, one thread, blocking with a
-    deadline. Replies with headers (micro errors, no-responders 503) are returned raw.
+    CONNECT (the service's credentials file, or user/password or token from the URL), SUB
+    an inbox under the identity's own prefix, PUB with reply-to, read MSG/HMSG; answers
+    the server's PINGs. One connection, one thread, blocking with a deadline. Replies with
+    headers (micro errors, no-responders 503) are returned raw.
     """
 
-    def __init__(self, url: str, timeout: float):
+    def __init__(self, url: str, timeout: float, creds: Credentials | None = None):
         parsed = urllib.parse.urlsplit(url)
         self.deadline = time.monotonic() + timeout
         self.sock = socket.create_connection((parsed.hostname, parsed.port or 4222), timeout)
         self.buf = b""
-        self.inbox = f"_INBOX.hc{secrets.token_hex(8)}"
-        self._expect(b"INFO ")
         options: dict[str, object] = {"verbose": False, "pedantic": False, "headers": True}
         options |= {"no_responders": True, "protocol": 1, "name": "tandem-healthcheck"}
         # As nats-py reads them (no percent-decoding), so healthy means "the service could".
-        if parsed.username and parsed.password is not None:
-            options["user"], options["pass"] = parsed.username, parsed.password
+        user = ""
+        if creds is not None:
+            user, options["user"], options["pass"] = creds.user, creds.user, creds.password
+        elif parsed.username and parsed.password is not None:
+            user, options["user"], options["pass"] = (
+                parsed.username,
+                parsed.username,
+                parsed.password,
+            )
         elif parsed.username:
             options["auth_token"] = parsed.username
+        self.inbox = f"{inbox_prefix(user) if user else '_INBOX'}.hc{secrets.token_hex(8)}"
+        self._expect(b"INFO ")
         self._send(b"CONNECT " + _json(options) + b"\r\nPING\r\n")
         self._expect(b"PONG")
         self._send(f"SUB {self.inbox}.* 1\r\n".encode())
@@ -178,9 +187,15 @@ def check_nats_service(
 
         return asyncio.run(_check_with_nats_py(config, explicit_id, timeout, hostname))
     errors = []
+    try:
+        creds = (
+            read_credentials(config.nats_credentials_file) if config.nats_credentials_file else None
+        )
+    except ValueError as e:
+        raise Unhealthy(str(e)) from None
     for url in urls:
         try:
-            nc = MiniNats(url, timeout)
+            nc = MiniNats(url, timeout, creds)
         except (OSError, Unhealthy, TimeoutError) as e:
             errors.append(f"{urllib.parse.urlsplit(url).hostname}: {e}")
             continue
@@ -221,6 +236,7 @@ async def _check_with_nats_py(
     import nats
 
     from libs.common.bus.connection import discover
+    from libs.common.bus.credentials import connect_options
 
     service = config.SERVICE
     try:
@@ -228,6 +244,7 @@ async def _check_with_nats_py(
             servers=[u.strip() for u in config.nats_url.split(",")],
             connect_timeout=timeout,
             allow_reconnect=False,
+            **connect_options(config.nats_url, config.nats_credentials_file),
         )
     except Exception as e:
         raise Unhealthy(f"cannot connect to NATS: {type(e).__name__}: {e}") from None

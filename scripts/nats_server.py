@@ -4,7 +4,8 @@ The binary lands in the venv's bin/ folder, which is not on PATH unless the venv
 so it is looked up next to the running interpreter first. With `user` and `password` the
 server refuses clients without them; they go in a config file readable only by its owner
 (never on a command line, which `ps` shows to every local user), and `url` carries them
-as userinfo (`redacted_url` is the one to print).
+as userinfo (`redacted_url` is the one to print). With `config_file` (the users and
+permissions of scripts/identities.py) `url` carries none: each client brings its own.
 """
 
 from __future__ import annotations
@@ -54,9 +55,15 @@ class NatsServer:
         extra_args: list[str] | None = None,
         user: str | None = None,
         password: str | None = None,
+        config_file: Path | None = None,
     ):
+        """`config_file`: a nats-server config to load (e.g. scripts/identities.py's
+        nats-auth.conf: a user per identity); `user`/`password`: one shared user instead."""
         if bool(user) != bool(password):
             raise ValueError("nats-server: give both a user and a password, or neither")
+        if user and config_file:
+            raise ValueError("nats-server: give a user or a config file, not both")
+        self.config_file = config_file
         for value in (user, password):
             if value and not re.fullmatch(r"[A-Za-z0-9_.~-]+", value):
                 raise ValueError("nats-server: user and password must be URL-safe characters")
@@ -94,6 +101,8 @@ class NatsServer:
             args += ["-m", str(self.requested_monitor)]
         if self.user:
             args += ["-c", str(self._auth_config())]
+        elif self.config_file:
+            args += ["-c", str(self.config_file)]
         self.proc = subprocess.Popen(
             [*args, *self.extra_args],
             stdin=subprocess.DEVNULL,

@@ -68,6 +68,13 @@ class CommonConfig:
         default="nats://127.0.0.1:4222",
         metadata={"help": "NATS server URL(s), comma-separated for a cluster"},
     )
+    nats_credentials_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding this service's NATS identity, one line user:password "
+            "(unset: none, or the URL's userinfo; docs/security.md, 'Bus identities')"
+        },
+    )
     service_id: str = field(
         default="",
         metadata={"help": "unique id of this instance (default: <service>-<host>-<pid>)"},
@@ -307,8 +314,9 @@ class WorkerConfig(TransferConfig):
         default="",
         metadata={
             "help": "file holding the cluster's KV secret: pool objects are MAC-tagged "
-            "with it and only tags it verifies are read (unset: integrity off, logged; "
-            "docs/security.md)"
+            "with it and only tags it verifies are read; prefill workers MAC the KV they "
+            "hand to decode workers, which decode only KV that verifies (unset: both "
+            "off, logged; docs/security.md)"
         },
     )
     no_decode_mirror: bool = field(

@@ -45,6 +45,7 @@ class BaseService:
             name=f"tandem-{self.name}-{config.service_id}",
             connect_timeout=config.connect_timeout,
             request_timeout=config.request_timeout,
+            credentials_file=config.nats_credentials_file,
         )
         self._stopping = False
         self._stopped = asyncio.Event()

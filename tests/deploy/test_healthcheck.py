@@ -88,3 +88,26 @@ def test_main_exits_1_with_the_reason_on_stderr(monkeypatch, capsys):
     monkeypatch.setenv("TANDEM_ROUTER_PORT", "1")  # nothing listens there
     assert healthcheck.main(["router", "--timeout", "1"]) == 1
     assert "unhealthy: http://127.0.0.1:1/health" in capsys.readouterr().err
+
+
+async def test_a_service_identity_checks_its_own_health_under_permissions(tmp_path):
+    """As compose and k8s run it: one identity per role, its credentials in a file; the
+    check asks as that identity (discovery and info) and reads its own inbox only."""
+    from scripts.identities import AUTH_CONF, Identity, ensure
+
+    files = ensure(tmp_path / "secrets", [Identity("cache_master", "cache_master")])
+    server = NatsServer(tmp_path / "nats", config_file=tmp_path / "secrets" / AUTH_CONF).start()
+    url = f"nats://127.0.0.1:{server.port}"
+    config = CacheMasterConfig(nats_url=url, nats_credentials_file=str(files["cache_master"]))
+    service = await _running(config)
+    try:
+        report = await asyncio.to_thread(check_nats_service, config, False, 3.0)
+        assert config.service_id in report
+        env = {"TANDEM_NATS_URL": url, "TANDEM_NATS_CREDENTIALS_FILE": str(files["cache_master"])}
+        env["TANDEM_CACHE_MASTER_SERVICE_ID"] = config.service_id
+        assert config.service_id in await asyncio.to_thread(check, "cache_master", env, 3.0)
+        with pytest.raises(Unhealthy, match=r"(?i)authorization"):
+            check_nats_service(CacheMasterConfig(nats_url=url), False, 2.0)
+    finally:
+        await service.stop()
+        server.stop()

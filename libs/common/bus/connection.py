@@ -33,6 +33,7 @@ from nats.micro import ServiceConfig, add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service
 
+from libs.common.bus.credentials import connect_options
 from libs.common.config import redact_url
 from libs.common.log import get_logger
 from libs.common.messages.control import ErrorReply, Message, MessageError
@@ -86,8 +87,17 @@ class Endpoint:
 class Bus:
     """A NATS connection with typed request/reply, publish, subscribe and micro services."""
 
-    def __init__(self, url: str, name: str, connect_timeout: float, request_timeout: float):
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        connect_timeout: float,
+        request_timeout: float,
+        credentials_file: str = "",
+    ):
+        """`credentials_file`: this identity's `user:password` (libs/common/bus/credentials.py)."""
         self.url, self.name = url, name
+        self.credentials_file = credentials_file
         self.connect_timeout, self.request_timeout = connect_timeout, request_timeout
         self._nc: Client | None = None
         self._services: list[Service] = []
@@ -106,6 +116,10 @@ class Bus:
         return self._nc is not None and self._nc.is_connected
 
     async def connect(self) -> None:
+        try:
+            identity = connect_options(self.url, self.credentials_file)
+        except ValueError as e:
+            raise BusError(str(e)) from None
         nc = Client()
         try:
             await asyncio.wait_for(
@@ -119,6 +133,7 @@ class Bus:
                     error_cb=self._on_error,
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
+                    **identity,
                 ),
                 timeout=self.connect_timeout,
             )
@@ -130,7 +145,7 @@ class Bus:
                 f"(is nats-server running there? set --nats-url): {e or type(e).__name__}"
             ) from None
         self._nc = nc
-        log.info("nats connected", url=redact_url(self.url))
+        log.info("nats connected", url=redact_url(self.url), user=identity.get("user", ""))
 
     async def _on_error(self, e: Exception) -> None:
         log.warning("nats error", error=str(e) or type(e).__name__)

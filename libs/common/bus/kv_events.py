@@ -31,6 +31,11 @@ def events_subject(prefix: str, source: str = ">") -> str:
     return f"{prefix}.kv.events.{source}"
 
 
+def stream_name(prefix: str) -> str:
+    """The events stream of subject prefix `prefix` (one per prefix on a server)."""
+    return STREAM_NAME if prefix == "tandem" else f"{STREAM_NAME}_{prefix.upper()}"
+
+
 async def ensure_kv_stream(
     bus: Bus, prefix: str, max_age_s: float = 3600.0, max_bytes: int = 256 << 20
 ) -> None:
@@ -40,7 +45,7 @@ async def ensure_kv_stream(
     then misses pages stored long ago, which costs a cache-aware choice, never correctness).
     """
     js = bus.nc.jetstream()
-    name = STREAM_NAME if prefix == "tandem" else f"{STREAM_NAME}_{prefix.upper()}"
+    name = stream_name(prefix)
     config = StreamConfig(
         name=name,
         subjects=[events_subject(prefix)],

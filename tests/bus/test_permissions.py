@@ -1,0 +1,220 @@
+"""Bus identities on a real nats-server: each role says only what its allow lists let it.
+
+The server runs with scripts/identities.py's nats-auth.conf; clients connect with their
+credentials files exactly as services do (`connect_options`). A refused publish never
+reaches a subscriber and the sender hears a permissions violation; a refused subscription
+gets nothing. The pool master is the real service, in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from libs.common.bus.credentials import connect_options
+from libs.common.bus.permissions import CLIENT_CALLS, STORE_CALLS
+from libs.common.messages.pool import PoolCount, PoolKeys
+from scripts.identities import AUTH_CONF, Identity, ensure
+from scripts.nats_server import NatsServer
+from services.cache_master.config import CacheMasterConfig
+from services.cache_master.service import CacheMasterService
+
+IDENTITIES = (
+    Identity("router", "router", "router-1"),
+    Identity("master", "cache_master", "master-1"),
+    Identity("store", "cache_store", "store-1"),
+    Identity("prefill", "prefill", "prefill-1"),
+    Identity("decode", "decode", "decode-1"),
+    Identity("cli", "cli"),
+)
+QUIET = 0.3  # long enough for a message that was let through to arrive on loopback
+
+
+class Secured:
+    """A nats-server with one user per identity; `connect(name)` as that identity."""
+
+    def __init__(self, server: NatsServer, files: dict[str, Path]):
+        self.server, self.files = server, files
+        self.clients: list[Client] = []
+        self.errors: dict[str, list[str]] = {}
+
+    async def connect(self, name: str) -> Client:
+        errors = self.errors.setdefault(name, [])
+
+        async def on_error(e: Exception) -> None:
+            errors.append(str(e))
+
+        options = connect_options(self.server.url, str(self.files[name]))
+        nc = await nats.connect(self.server.url, error_cb=on_error, allow_reconnect=False,
+                                connect_timeout=5, **options)  # fmt: skip
+        self.clients.append(nc)
+        return nc
+
+    def refused(self, name: str, what: str, subject: str) -> bool:
+        want = f'permissions violation for {what} to "{subject}"'.lower()  # as nats-py says it
+        return any(want in e.lower() for e in self.errors.get(name, []))
+
+    async def wait_refused(self, name: str, what: str, subject: str) -> bool:
+        """Whether the server told `name` it refused (its -ERR arrives asynchronously)."""
+        for _ in range(20):
+            if self.refused(name, what, subject):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+
+@pytest.fixture
+async def secured(tmp_path: Path):
+    files = ensure(tmp_path / "secrets", IDENTITIES)
+    server = NatsServer(tmp_path / "nats", config_file=tmp_path / "secrets" / AUTH_CONF).start()
+    bus = Secured(server, files)
+    try:
+        yield bus
+    finally:
+        for nc in bus.clients:
+            await nc.close()
+        server.stop()
+
+
+@pytest.fixture
+async def master(secured: Secured):
+    config = CacheMasterConfig(nats_url=secured.server.url, service_id="master-1",
+                               nats_credentials_file=str(secured.files["master"]))  # fmt: skip
+    service = CacheMasterService(config)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+async def _received(nc: Client, subject: str) -> list:
+    got: list = []
+
+    async def keep(msg) -> None:
+        got.append(msg)
+
+    await nc.subscribe(subject, cb=keep)
+    await nc.flush()
+    return got
+
+
+async def test_a_router_identity_cannot_mount_or_remove(secured, master):
+    router = await secured.connect("router")
+    for call in ("mount", "remove", "heartbeat", "put_start"):
+        subject = f"tandem.pool.master.{call}"
+        with pytest.raises(nats.errors.TimeoutError):  # nats-server dropped it: no reply
+            await router.request(subject, PoolKeys(["0" * 32]).encode(), timeout=0.5)
+        assert await secured.wait_refused("router", "publish", subject), secured.errors["router"]
+
+
+async def test_a_store_identity_reaches_mount_and_a_worker_reaches_remove(secured, master):
+    store, decode = await secured.connect("store"), await secured.connect("decode")
+    reply = await store.request("tandem.pool.master.mount", b"{}", timeout=5)
+    assert reply.headers["Nats-Service-Error-Code"] == "400"  # the master read it: bad mount
+    reply = await decode.request("tandem.pool.master.remove", PoolKeys(["0" * 32]).encode())
+    assert PoolCount.decode(reply.data).count == 0
+    assert not secured.errors["store"] and not secured.errors["decode"]
+
+
+async def test_a_worker_cannot_mount_nor_a_store_remove(secured, master):
+    store, decode = await secured.connect("store"), await secured.connect("decode")
+    with pytest.raises(nats.errors.TimeoutError):
+        await decode.request("tandem.pool.master.mount", b"{}", timeout=0.5)
+    with pytest.raises(nats.errors.TimeoutError):
+        await store.request("tandem.pool.master.remove", PoolKeys([]).encode(), timeout=0.5)
+    assert await secured.wait_refused("decode", "publish", "tandem.pool.master.mount")
+    assert await secured.wait_refused("store", "publish", "tandem.pool.master.remove")
+
+
+async def test_only_the_master_may_answer_pool_requests(secured):
+    for name in ("router", "store", "decode", "cli"):
+        nc = await secured.connect(name)
+        got = await _received(nc, "tandem.pool.master.get")
+        assert await secured.wait_refused(name, "subscription", "tandem.pool.master.get"), name
+        assert got == []
+
+
+async def test_a_worker_publishes_its_own_load_report_only(secured):
+    router, decode = await secured.connect("router"), await secured.connect("decode")
+    got = await _received(router, "tandem.workers.*.*.load")
+    own = "tandem.workers.decode.decode-1.load"
+    others = ("tandem.workers.decode.decode-2.load", "tandem.workers.prefill.decode-1.load")
+    for subject in (own, *others, "tandem.kv.events.decode-2"):
+        await decode.publish(subject, b"{}")
+    await decode.publish("tandem.kv.events.decode-1", b"{}")
+    await decode.flush()
+    await asyncio.sleep(QUIET)
+    assert [m.subject for m in got] == ["tandem.workers.decode.decode-1.load"]
+    assert await secured.wait_refused("decode", "publish", "tandem.workers.decode.decode-2.load")
+    assert await secured.wait_refused("decode", "publish", "tandem.workers.prefill.decode-1.load")
+    assert await secured.wait_refused("decode", "publish", "tandem.kv.events.decode-2")
+
+
+async def test_only_routers_send_generate_and_cancel(secured):
+    decode, router = await secured.connect("decode"), await secured.connect("router")
+    prefill = await secured.connect("prefill")
+    generate = await _received(decode, "tandem.decode.decode-1.generate")
+    cancel = await _received(decode, "tandem.cancel")
+    for nc in (prefill, router):
+        await nc.publish("tandem.decode.decode-1.generate", b"{}")
+        await nc.publish("tandem.cancel", b"{}")
+        await nc.flush()
+    await asyncio.sleep(QUIET)
+    assert len(generate) == 1 and len(cancel) == 1
+    assert await secured.wait_refused("prefill", "publish", "tandem.decode.decode-1.generate")
+    assert await secured.wait_refused("prefill", "publish", "tandem.cancel")
+    assert not secured.errors["router"]
+
+
+async def test_the_cli_reads_events_and_service_info_and_nothing_else(secured, master):
+    from libs.common.bus.connection import discover
+
+    cli, decode = await secured.connect("cli"), await secured.connect("decode")
+    events = await _received(cli, "tandem.kv.events.>")
+    await decode.publish("tandem.kv.events.decode-1", b"{}")
+    await decode.flush()
+    info = await cli.request("tandem.cache_master.master-1.info", b"{}", timeout=5)
+    assert b'"service_id":"master-1"' in info.data
+    assert "tandem-cache_master" in {r["name"] for r in await discover(cli, timeout=0.3)}
+    await cli.publish("tandem.decode.decode-1.generate", b"{}")
+    await cli.publish("tandem.pool.master.remove", b"{}")
+    for subject in ("tandem.stream.>", "tandem.pool.store.*.update", "_INBOX.>"):
+        await _received(cli, subject)
+    await cli.flush()
+    await asyncio.sleep(QUIET)
+    assert len(events) == 1
+    assert await secured.wait_refused("cli", "publish", "tandem.decode.decode-1.generate")
+    assert await secured.wait_refused("cli", "publish", "tandem.pool.master.remove")
+    for subject in ("tandem.stream.>", "tandem.pool.store.*.update", "_INBOX.>"):
+        assert await secured.wait_refused("cli", "subscription", subject), subject
+
+
+async def test_an_identity_cannot_read_another_identitys_replies(secured):
+    prefill = await secured.connect("prefill")
+    await _received(prefill, "_INBOX.decode.>")
+    await asyncio.sleep(QUIET)
+    assert await secured.wait_refused("prefill", "subscription", "_INBOX.decode.>")
+
+
+async def test_no_credentials_or_a_wrong_password_is_refused(secured, tmp_path):
+    with pytest.raises(Exception, match=r"[Aa]uthorization"):
+        await nats.connect(secured.server.url, allow_reconnect=False, connect_timeout=2)
+    wrong = tmp_path / "wrong.credentials"
+    wrong.write_text("router:not-the-password\n")
+    with pytest.raises(Exception, match=r"[Aa]uthorization"):
+        await nats.connect(secured.server.url, allow_reconnect=False, connect_timeout=2,
+                           **connect_options(secured.server.url, str(wrong)))  # fmt: skip
+
+
+def test_every_master_endpoint_has_its_callers():
+    config = CacheMasterConfig(service_id="master-1")
+    served = {ep.name for ep in CacheMasterService(config).endpoints()}
+    assert served == set(STORE_CALLS) | set(CLIENT_CALLS), (
+        "a new master endpoint: add it to STORE_CALLS or CLIENT_CALLS in "
+        "libs/common/bus/permissions.py"
+    )

@@ -1,0 +1,93 @@
+"""`make run` (scripts/cluster.py) serves with one NATS identity per process.
+
+The real launcher as a subprocess, in its own run folder and ports: every service gets a
+credentials file bound to its service id, nats-server loads their permissions, and a chat
+completion goes through router, decode, prefill and the pool. No process is started with
+a password on its command line, nats-server's monitoring is off, and Ctrl-C (SIGTERM)
+stops everything with exit code 0. Minutes on a busy 2-core host (two model loads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from scripts.cluster import REPO
+
+UP = re.compile(r"Tandem is up: router at (http://127\.0\.0\.1:\d+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children_cmdlines(pid: int) -> list[str]:
+    """The command lines of every process whose parent is `pid` (Linux /proc)."""
+    lines = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().split()[3]) == pid:
+                lines.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return lines
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path, service_env):
+    env = {**service_env, "TANDEM_PREFILL_KV_CACHE_MB": "64", "TANDEM_DECODE_KV_CACHE_MB": "64"}
+    env.pop("NATS_MONITOR_PORT", None)
+    cmd = [sys.executable, "-m", "scripts.cluster", "--run-dir", str(tmp_path / "run"),
+           "--nats-port", str(_free_port()), "--router-port", str(_free_port()),
+           "--ready-timeout", "300"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 330
+        while not any(UP.search(line) for line in lines):
+            assert proc.poll() is None, "".join(lines[-40:])
+            assert time.monotonic() < deadline, "".join(lines[-40:])
+            time.sleep(0.5)
+        base = next(m.group(1) for line in lines if (m := UP.search(line)))
+        secrets = tmp_path / "run" / "secrets"
+        passwords = [f.read_text().split(":", 1)[1].strip() for f in secrets.glob("*.credentials")]
+        assert len(passwords) == 7  # six processes and the operator
+        for cmdline in _children_cmdlines(proc.pid):
+            assert not any(p in cmdline for p in passwords), cmdline
+        assert "monitoring" not in next(line for line in lines if UP.search(line))
+        body = {"model": "default", "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "Say hello."}]}  # fmt: skip
+        answer = _post(f"{base}/v1/chat/completions", body, timeout=120)
+        assert answer["choices"][0]["message"]["content"]
+        assert answer["usage"]["completion_tokens"] > 0
+        assert not [line for line in lines if "permissions violation" in line.lower()]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        reader.join(timeout=10)
+    assert code == 0, "".join(lines[-40:])
