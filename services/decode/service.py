@@ -31,6 +31,7 @@ from libs.common.messages.control import (
 )
 from libs.common.transfer import RegionBusy, RegionDescriptor
 from libs.common.worker.handoff import handoff_check
+from libs.common.worker.handoff_verify import verify_kv
 from libs.common.worker.routers import request_key
 from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
 from services.decode.backlog import PromptBacklog
@@ -229,6 +230,9 @@ class DecodeService(WorkerService):
             result = await self._ask_prefill(req, pages, held, region)
         finally:
             await self._end_handoff(region, request_key(req.router, req.request_id))
+        if result.finish_reason is None:  # fenced above: no byte lands after the check
+            await verify_kv(self, req, pages, result)
+        return result
 
     async def _ask_prefill(
         self, req: GenerateRequest, pages: list[int], held: int, region: RegionDescriptor

@@ -179,6 +179,11 @@ class PrefillResult(Message, tag="prefill_result"):
     served from each tier (`device`, `host`, `pool`) instead of computed. When the first
     token already ends the request (`finish_reason` set), the prefill worker has sent the
     final chunk itself and the decode worker just frees its reservation.
+
+    `kv_mac` vouches for the KV bytes written (HMAC-SHA256 under the cluster's KV secret
+    of the request, prompt, pages and the xxh3-128 of the written bytes; "" when the
+    prefill worker has no secret or wrote nothing): a decode worker with a secret decodes
+    only when it matches the bytes that landed (worker/handoff.py, docs/security.md).
     """
 
     request_id: str
@@ -186,6 +191,7 @@ class PrefillResult(Message, tag="prefill_result"):
     check: str
     cached_tokens: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None  # set when the first token already ends the request
+    kv_mac: str = ""
 
 
 class RequestStatus(Message, tag="request_status"):

@@ -33,6 +33,7 @@ MAX_SECRET_BYTES = 4096
 TAG_RE = re.compile(r"^[0-9a-f]{8}\.[0-9a-f]{32}$")
 _MAC_CONTEXT = b"tandem kv pool mac v1"
 _ID_CONTEXT = b"tandem kv pool key id v1"
+_HANDOFF_CONTEXT = b"tandem kv handoff mac v1"
 
 
 class KvMac:
@@ -45,6 +46,8 @@ class KvMac:
         # Derived keys: the file's bytes are never used twice for different purposes.
         self._key = hmac.digest(secret, _MAC_CONTEXT, "sha256")
         self.key_id = hmac.digest(secret, _ID_CONTEXT, "sha256")[:4].hex()
+        # The prefill -> decode handoff's MAC key (libs/common/worker/handoff.py).
+        self.handoff_key = hmac.digest(secret, _HANDOFF_CONTEXT, "sha256")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> KvMac:

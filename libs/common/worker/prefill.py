@@ -32,7 +32,13 @@ from libs.common.messages.control import (
     Usage,
 )
 from libs.common.transfer import RegionDescriptor, TransferError
-from libs.common.worker.handoff import KvLayout, handoff_check
+from libs.common.worker.handoff import (
+    HandoffClaim,
+    KvLayout,
+    handoff_check,
+    handoff_mac,
+    pool_digest,
+)
 from libs.common.worker.kv_sender import KvSender
 from libs.common.worker.routers import request_key
 from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
@@ -168,8 +174,10 @@ class PrefillService(WorkerService):
                 else None,
             ),
         )
+        kv_mac = ""
         if not finished:
             await sender.finish(last.page_table or [])
+            kv_mac = await self._vouch(req, first, last.page_table[sender.skip : sender.num_pages])
         self.write_back(req.token_ids, len(req.token_ids))
         log.info("prefill done", prompt_tokens=len(req.token_ids), cached=cached,
                  finished=finished, pages_sent=len(sender.sent))  # fmt: skip
@@ -179,4 +187,16 @@ class PrefillService(WorkerService):
             check=handoff_check(req.token_ids, req.page_indices, first),
             cached_tokens=cached,
             finish_reason=last.finish_reason,
+            kv_mac=kv_mac,
         )
+
+    async def _vouch(self, req: PrefillRequest, first: int, local_pages: list[int]) -> str:
+        """The MAC of what this worker wrote into the decode worker's pages (its own
+        copy of the same bytes, still held by the request): "" without a KV secret."""
+        if self.kv_mac is None:
+            return ""
+        kv = self.engine.core.kv_cache
+        digest = await asyncio.to_thread(pool_digest, kv, local_pages)
+        claim = HandoffClaim(req.router, req.request_id, req.decode_worker, req.token_ids,
+                             req.page_indices, first, digest)  # fmt: skip
+        return handoff_mac(self.kv_mac.handoff_key, claim)

@@ -38,7 +38,7 @@ from libs.common.messages.control import (
     SamplingSpec,
 )
 from libs.common.pool.client import PoolClient
-from libs.common.pool.integrity import load_kv_mac
+from libs.common.pool.integrity import KvMac, load_kv_mac
 from libs.common.pool.tier import PoolTier
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
@@ -87,6 +87,7 @@ class WorkerService(BaseService):
         self.transfer: TransferEngine | None = None
         self.kv_region: RegionDescriptor | None = None
         self.pool: PoolTier | None = None
+        self.kv_mac: KvMac | None = None  # the cluster's KV secret: pool tags, handoff MACs
         self.events = KvEventPublisher(
             self.bus, config.subject_prefix, config.service_id, tier="device"
         )
@@ -180,10 +181,15 @@ class WorkerService(BaseService):
         )
         await self.engine.start()
         self.kv_region = self.transfer.register(self.engine.core.kv_cache.buffer)
+        self.kv_mac = load_kv_mac(self.config.kv_secret_file)
+        if self.kv_mac is None:
+            log.warning("KV handoff verification OFF: no --kv-secret-file / "
+                        "TANDEM_KV_SECRET_FILE; decode workers trust the KV bytes that "
+                        "land in their reserved pages (dev mode)")  # fmt: skip
         if not self.config.no_pool and not self.config.no_prefix_cache:
             # Pool pages enter through the prefix cache, so the pool needs it on.
             client = PoolClient(self.bus, self.transfer, self.config.subject_prefix,
-                                mac=load_kv_mac(self.config.kv_secret_file))  # fmt: skip
+                                mac=self.kv_mac)  # fmt: skip
             self.pool = PoolTier(client, self.engine, self.transfer)
         await keep_kv_stream(self.bus, self.config.subject_prefix)
         self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self._on_cancel_msg)
