@@ -60,16 +60,19 @@ def x16(x: torch.Tensor) -> torch.Tensor:
     """x rounded as the 16-bit-activation kernels round it: per block of 32, to multiples
     of max |x| / 32767."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
-    step = blocks.abs().amax(-1, keepdim=True) / 32767
-    q = torch.where(step > 0, torch.round(blocks / torch.where(step > 0, step, 1)), 0)
-    return (q * step).reshape(x.shape)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # as kernels.c computes it: x * (32767 / amax), rounded (x / step can round the other
+    # way at a tie: one step, ~1e-5 of a product with outliers)
+    inverse = torch.where(amax > 0, 32767 / torch.where(amax > 0, amax, 1), 0)
+    return (torch.round(blocks * inverse) * (amax / 32767)).reshape(x.shape)
 
 
 def expected(kind: str, x: torch.Tensor, ref: torch.Tensor, lib=None) -> torch.Tensor:
     """What the kernels (the chosen build, or lib) compute for x (at most GEMM_ROWS rows)
     and the dequantized ref."""
     bits = (lib or library()[0]).tq_activation_bits()
-    return (x16(x) if kind in X16_FORMATS and bits == 16 else x) @ ref.t()
+    x = x16(x) if kind in X16_FORMATS and bits == 16 else x
+    return (x.double() @ ref.double().t()).float()  # fp64: its own rounding out of the way
 
 
 def test_kernels_build_for_this_cpu_and_say_which():
@@ -78,6 +81,7 @@ def test_kernels_build_for_this_cpu_and_say_which():
     assert choose_variant(frozenset(), machine="x86_64") == "generic"
     assert choose_variant(VARIANTS["avx2"][1] | {"avx512f"}, "x86_64") == "avx2"
     assert choose_variant(frozenset(VARIANTS["avx512"][1]), "x86_64") == "avx512"
+    assert choose_variant(VARIANTS["avx512"][1] | {"avx512_vnni"}, "x86_64") == "avx512vnni"
     assert choose_variant(frozenset(VARIANTS["avx512"][1]), "aarch64") == "generic"
 
 
@@ -105,6 +109,12 @@ def test_every_variant_this_cpu_runs_computes_the_same_products(variant):
                              x.data_ptr(), num_rows, y.data_ptr(), 40)  # fmt: skip
             assert rc == 0 and relative(y, expected(kind, x, ref, lib)) < 1e-5, (variant, kind)
             assert relative(y, x @ ref.t()) < 1e-4, (variant, kind)  # x's rounding
+        for num_rows in (5, 37):  # tq_gemm: int16 panels (AVX-512) or fp32 tiles
+            x = torch.randn(num_rows, 512)
+            y = torch.empty(num_rows, 40)
+            rc = lib.tq_gemm(w.type_id, w.data.data_ptr(), w.data.stride(0), 40, 512,
+                             x.data_ptr(), num_rows, y.data_ptr(), 40)  # fmt: skip
+            assert rc == 0 and relative(y, expected(kind, x, ref, lib)) < 1e-5, (variant, kind)
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -158,6 +168,21 @@ def test_a_row_computes_the_same_bits_alone_or_in_any_batch_of_its_class(kind):
         assert torch.equal(QuantLinear(w)(x[:size]), many[:size]), size
     assert torch.equal(QuantLinear(w)(x[30:]), many[30:])  # rows not first in a batch
     assert relative(few, many[: QuantLinear.GEMV_ROWS]) < 1e-6
+
+
+@pytest.mark.parametrize("kind", X16_FORMATS)
+def test_with_int16_panels_a_prefill_row_has_the_bits_of_a_decode_batch_row(kind):
+    """AVX-512 builds multiply any batch of 5+ rows in int16 panels: a row of a
+    2,000-row prefill has the same bits as in a decode batch of 5 (chunked = unchunked)."""
+    if not library()[0].tq_panel_products():
+        pytest.skip("this build multiplies batches in fp32 tiles (no AVX-512BW)")
+    w, ref = weight(kind, 70, 512)  # 70 columns: the last panel of 32 is short
+    x = torch.randn(2000, 512)
+    x[:, ::61] *= 30
+    wide = QuantLinear(w)(x)
+    for start, size in ((0, 5), (7, 9), (1990, 10), (600, 130)):
+        assert torch.equal(QuantLinear(w)(x[start : start + size]), wide[start : start + size])
+    assert relative(wide, expected(kind, x, ref)) < 3e-5  # the worst of 140,000 values
 
 
 def test_prefill_sized_products_go_through_dequantized_slices(monkeypatch):

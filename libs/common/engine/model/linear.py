@@ -91,15 +91,20 @@ class QuantLinear:
     """y = x @ W^T + b for a block-quantized weight [out, in] (same contract as Linear;
     x and y fp32).
 
-    Up to `GEMM_ROWS` rows of x (decode steps, short prefill chunks): for Q4_0, Q4_1 and
-    Q8_0 (X16_FORMATS) on AVX2 / AVX-512, x is rounded to 16-bit integers with a scale per
-    32 values and the products run in integers (`tq_gemv` / `tq_gemm`, the same code for
-    every row count: a row has the same bits in any batch). Other formats: `tq_gemv`
-    dequantizes each block once, in registers, for up to `GEMV_ROWS` rows; `tq_gemm`
-    dequantizes four weight rows at a time into a buffer that stays in cache. More rows (a
-    prefill chunk): the weight is dequantized `SLICE_VALUES` at a time into a per-thread
-    buffer and each slice multiplied with torch's GEMM, whose blocking wins once the fp32
-    slice is reused by enough rows; x is rounded first as the integer path rounds it.
+    Q4_0, Q4_1 and Q8_0 (X16_FORMATS) on AVX2 / AVX-512: x is rounded to 16-bit integers
+    with a scale per 32 values and each block's dot product is an integer sum. Up to
+    `GEMV_ROWS` rows (one decode stream) `tq_gemv` reads the weight's blocks directly;
+    more rows, on AVX-512, `tq_gemm` unpacks 32 weight rows at a time into an int16 panel
+    that stays in cache and serves every row of x (kernels.c; any batch size, a prefill
+    too: a row has the same bits in a batch of 5 or of 2,000). On AVX2, `tq_gemm` runs
+    fp32 tiles over x rounded the same way, up to `GEMM_ROWS` rows.
+
+    Other formats, and more than `GEMM_ROWS` rows without the panels (a prefill chunk): the
+    weight is dequantized `SLICE_VALUES` at a time into a per-thread buffer and each slice
+    multiplied with torch's GEMM, whose blocking wins once the fp32 slice is reused by
+    enough rows; x is rounded first as the integer path rounds it. Up to `GEMV_ROWS` rows
+    `tq_gemv` dequantizes each block once, in registers; `tq_gemm` dequantizes four weight
+    rows at a time into a buffer that stays in cache.
     """
 
     GEMV_ROWS = 4
@@ -107,7 +112,8 @@ class QuantLinear:
     SLICE_VALUES = 1 << 21  # 8 MiB of fp32 a slice
     _buffers = threading.local()
 
-    __slots__ = ("_bias", "_gemm", "_gemv", "_round_x", "_weight", "in_features", "out_features")
+    __slots__ = ("_bias", "_gemm", "_gemm_rows", "_gemv", "_round_x", "_weight", "in_features",
+                 "out_features")  # fmt: skip
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -119,6 +125,8 @@ class QuantLinear:
         # path rounds x the same way, so the two differ by summation order only.
         x16 = lib.tq_activation_bits() == 16 and weight.kind in X16_FORMATS
         self._round_x = lib.tq_round_x16 if x16 else None
+        # int16 panels (AVX-512) beat the dequantized slices at every batch size
+        self._gemm_rows = 1 << 30 if x16 and lib.tq_panel_products() else self.GEMM_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +145,7 @@ class QuantLinear:
         if x.dtype != torch.float32:
             raise TypeError(f"QuantLinear takes fp32 activations, got {x.dtype}")
         rows, w = x.shape[0], self._weight
-        if rows > self.GEMM_ROWS:
+        if rows > self._gemm_rows:
             y = self._sliced(x)
         else:
             y = torch.empty(rows, self.out_features, dtype=torch.float32)

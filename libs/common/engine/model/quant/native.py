@@ -1,7 +1,8 @@
 """The quantized-product kernels (kernels.c): built per instruction set, chosen at start-up.
 
-Three builds of the one C file: `avx512` (x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C)
-and `generic` (x86-64-v2, or the compiler's default off x86). `library()` picks the best
+Four builds of the one C file: `avx512vnni` (x86-64-v4 plus AVX512-VNNI), `avx512`
+(x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (x86-64-v2, or the
+compiler's default off x86). `library()` picks the best
 one the CPU's flags allow, logs the choice (`quant.kernels`), and loads it with ctypes.
 
 Where the builds live: $TANDEM_KERNEL_DIR when set (an image builds them there ahead of
@@ -37,28 +38,24 @@ _COMMON_FLAGS = [
     "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
 ]  # fmt: skip
 # name -> (compiler flags, CPU flags it needs), best first.
+_V4 = frozenset(
+    {"avx512f", "avx512bw", "avx512cd", "avx512vl", "avx512dq", "avx2", "fma", "f16c", "bmi1",
+     "bmi2", "movbe"}
+)  # fmt: skip
 VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
-    "avx512": (
-        ["-march=x86-64-v4", "-mprefer-vector-width=512"],
-        frozenset(
-            {
-                "avx512f",
-                "avx512bw",
-                "avx512cd",
-                "avx512vl",
-                "avx512dq",
-                "avx2",
-                "fma",
-                "f16c",
-                "bmi1",
-                "bmi2",
-                "movbe",
-            }
-        ),
+    # VNNI's vpdpwssd: the batch products' int16 multiply-adds in one instruction
+    "avx512vnni": (
+        ["-march=x86-64-v4", "-mavx512vnni", "-mprefer-vector-width=512"],
+        _V4 | {"avx512_vnni"},
     ),
+    "avx512": (["-march=x86-64-v4", "-mprefer-vector-width=512"], _V4),
     "avx2": (["-march=x86-64-v3"], frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})),
     "generic": ([], frozenset()),
 }
+
+
+# tq_panel_products() -> how a batch of 5+ rows is multiplied with Q4_0 / Q4_1 / Q8_0
+BATCH_PRODUCTS = {0: "fp32-tiles", 1: "int16-panels", 2: "int16-panels-vnni"}
 
 
 class KernelsUnavailable(RuntimeError):
@@ -158,6 +155,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tq_round_x16.restype = i
     lib.tq_activation_bits.argtypes = []
     lib.tq_activation_bits.restype = i
+    lib.tq_panel_products.argtypes = []
+    lib.tq_panel_products.restype = i
     return lib
 
 
@@ -178,9 +177,11 @@ def library(variant: str | None = None) -> tuple[ctypes.CDLL, str]:
         built = True
     _torch_lib()  # torch (and its OpenMP runtime) first: the library reuses that runtime
     lib = _declare(ctypes.CDLL(str(path)))
-    isa = sorted(flags & {"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "amx_tile"})
+    isa = sorted(flags & {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx2", "fma",
+                          "amx_tile"})  # fmt: skip
+    batch = BATCH_PRODUCTS[lib.tq_panel_products()]
     log.info("quant.kernels", variant=variant, path=str(path), built=built, cpu_flags=isa,
-             activation_bits=lib.tq_activation_bits())  # fmt: skip
+             activation_bits=lib.tq_activation_bits(), batch_products=batch)  # fmt: skip
     return lib, variant
 
 
