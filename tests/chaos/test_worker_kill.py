@@ -1,4 +1,5 @@
-"""kill -9 of a model worker: clients get an answer or a clear error, soon; no page leaks.
+"""kill -9 of a model worker: clients get an answer (a decode worker's streams migrate to
+the other one) or a clear error, soon; no page leaks.
 
 Every text a client receives, whole or cut short by the fault, is compared with the greedy
 reference for its prompt: a token computed from wrong KV would show as a difference.
@@ -17,7 +18,10 @@ from tests.chaos.reports import free_pages, info
 pytestmark = pytest.mark.slow
 
 
-async def test_decode_kill_ends_its_streams_within_5s_and_the_other_decode_serves(chaos, bus, http):
+async def test_decode_kill_moves_its_streams_to_the_other_decode_worker_exactly(chaos, bus, http):
+    # Since migration (docs/reliability.md): the victim's streams continue on the survivor
+    # after the tokens they had, prompt pages read back from the pool; every client gets
+    # the whole greedy text, with no error and no duplicated or missing piece.
     prompts, later = CASES["decode_kill"].prompts, CASES["after_decode_kill"].prompts
     want, want_later = chaos.want["decode_kill"], chaos.want["after_decode_kill"]
     before = {w: await free_pages(bus, w) for w in ("p1", "p2")}
@@ -31,14 +35,10 @@ async def test_decode_kill_ends_its_streams_within_5s_and_the_other_decode_serve
         chaos.kill(victim)
         killed_at = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*(s.task for s in streams)), 90)
-        cut = [s for s in streams if s.outcome.error]
-        assert len(cut) == active[victim], [s.outcome for s in streams]
-        for s in cut:
-            assert s.outcome.status == 200 and victim in s.outcome.error
-            assert s.ended_at - killed_at < 5, f"ended {s.ended_at - killed_at:.1f}s after"
-        cut_after = [round(s.ended_at - killed_at, 1) for s in cut]
-        for s, text in zip(streams, want, strict=True):
-            assert text.startswith(s.text) if s.outcome.error else s.text == text
+        assert [s.outcome.error for s in streams] == [""] * len(streams)
+        assert [s.text for s in streams] == want
+        ended_after = [round(s.ended_at - killed_at, 1) for s in streams]
+        assert max(ended_after) < 30, ended_after
         # new requests: served by the survivor, exactly
         done = await asyncio.gather(*(complete(http, chaos.url, p, 12, False) for p in later))
         assert [d.error for d in done] == ["", ""]
@@ -47,8 +47,9 @@ async def test_decode_kill_ends_its_streams_within_5s_and_the_other_decode_serve
         for worker, free in before.items():
             assert await free_pages(bus, worker, want=free) == free
         print(
-            f"\ndecode kill: {len(cut)}/{len(streams)} streams on {victim} ended with an "
-            f"error after {cut_after}s; the rest and 2 new requests exact; prefill pages back"
+            f"\ndecode kill: {active[victim]}/{len(streams)} streams on {victim} moved to the "
+            f"other decode worker, all {len(streams)} exact, ended {ended_after}s after the "
+            "kill; 2 new requests exact; prefill pages back"
         )
     finally:
         for s in streams:

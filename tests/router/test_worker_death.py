@@ -1,8 +1,10 @@
-"""A decode worker killed (-9) mid-stream: the client's stream ends with an error, soon.
+"""A decode worker killed (-9) mid-stream with no other decode worker live: the client's
+stream ends with an error, soon.
 
 Real processes: nats-server, one prefill and one decode worker, the router. The decode
-worker dies without a word; the router notices its load reports stop (3 s) and ends the
-stream with an OpenAI-shaped error event, then `[DONE]`: no client is left hanging.
+worker dies without a word; the router notices its load reports stop (3 s), finds no other
+decode worker to continue the request on (migration, tests/chaos/test_migration.py) and
+ends the stream with an OpenAI-shaped error event, then `[DONE]`: no client is left hanging.
 """
 
 import os
@@ -19,7 +21,9 @@ from tests.router.e2e_cluster import WORKER_ARGS, wait_healthy
 
 
 @pytest.mark.slow
-async def test_decode_worker_killed_mid_stream_ends_the_stream_with_an_error(nats_url, tmp_path):
+async def test_the_lone_decode_worker_killed_mid_stream_ends_the_stream_with_an_error(
+    nats_url, tmp_path
+):
     cluster = LocalCluster(nats_url, env=router_env(), capture=tmp_path / "logs")
     try:
         for role, sid in (("prefill", "p1"), ("decode", "d1")):
