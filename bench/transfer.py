@@ -2,6 +2,7 @@
 
     python -m bench.transfer --json            # every transport, JSON on stdout
     python -m bench.transfer --transports tcp --seconds 0.5
+    python -m bench.transfer --transports tcp --ops write --handoff   # + handoff MAC cost
 
 For each case (one op of 4 KiB, 64 KiB, 1 MiB, 16 MiB; one batch of 64 x 1 MiB) it
 times whole batches, back to back, for `--seconds` (at most `--max-iters`), and
@@ -35,6 +36,7 @@ from libs.common import event_loop
 from libs.common.transfer import RegionDescriptor, create_engine
 
 from .transfer_floors import run_floors
+from .transfer_handoff import run_handoff
 from .transfer_report import ratios, table
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -137,8 +139,9 @@ def _stop(proc: Any, parent: Any) -> None:
 
 
 def run_tandem(
-    transport: str, options: dict[str, Any], ops_kinds: list[str], seconds: float, max_iters: int
-) -> list:
+    transport: str, options: dict[str, Any], ops_kinds: list[str], seconds: float, max_iters: int,
+    handoff: bool = False,
+) -> list:  # fmt: skip
     proc, parent, remote_dict = _spawn(_tandem_peer, transport, options)
     remote = RegionDescriptor.from_dict(remote_dict)
     rows: list[dict[str, Any]] = []
@@ -158,6 +161,10 @@ def run_tandem(
 
                     lat = await _time_async(once, seconds, max_iters)
                     rows.append(_stats(transport, kind, case, sum(o[2] for o in ops), lat))
+            if handoff:
+                rows.extend(await run_handoff(engine, local, remote, local_mem,
+                                              transport=transport, seconds=seconds,
+                                              max_iters=max_iters, stats=_stats))  # fmt: skip
 
     try:
         event_loop.run(measure())
@@ -254,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-iters", type=int, default=5000, help="iterations cap per case")
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake even if present")
     parser.add_argument("--no-floors", action="store_true", help="skip the bare-socket floors")
+    parser.add_argument("--handoff", action="store_true",
+                        help="also time KV handoffs with and without their MAC check "
+                        "(bench/transfer_handoff.py)")  # fmt: skip
     parser.add_argument("--tcp-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="TcpTransferEngine keyword for both ends, e.g. "
                         "connections_per_peer=4 (repeatable)")  # fmt: skip
@@ -284,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_floors(args.seconds, args.max_iters, conns, _stats)
     for transport in transports:
         options = tcp_options if transport == "tcp" else {}
-        rows += run_tandem(transport, options, kinds, args.seconds, args.max_iters)
+        rows += run_tandem(transport, options, kinds, args.seconds, args.max_iters, args.handoff)
     missing = "skipped (--no-mooncake)" if args.no_mooncake else _mooncake_available()
     if missing is None:
         rows += run_mooncake(kinds, args.seconds, args.max_iters)

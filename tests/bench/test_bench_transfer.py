@@ -41,3 +41,15 @@ def test_unknown_transports_or_ops_are_refused_at_once(argv: list[str], capsys) 
         transfer.main(argv)
     assert info.value.code == 2
     assert "a comma list of" in capsys.readouterr().err
+
+
+def test_handoff_rows_time_the_same_pages_with_and_without_their_mac(capsys) -> None:
+    argv = ["--json", "--seconds", "0.01", "--max-iters", "5", "--no-mooncake", "--no-floors",
+            "--transports", "tcp", "--ops", "write", "--handoff"]  # fmt: skip
+    assert transfer.main(argv) == 0
+    rows = orjson.loads(capsys.readouterr().out)["rows"]
+    handoff = {(r["op"], r["case"]): r for r in rows if r["transport"] == "tcp"}
+    for n in (8, 32, 80):
+        plain, checked = handoff[("handoff", f"{n} pages")], handoff[("handoff+mac", f"{n} pages")]
+        assert plain["bytes"] == checked["bytes"] == n * 737_280  # SmolLM2-135M fp32 pages
+        assert handoff[("mac only", f"{n} pages")]["p50_us"] > 0
