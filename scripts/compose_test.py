@@ -11,7 +11,7 @@ Steps (each one fails the run with a message saying which):
   4. the wheel folder (deploy/wheels), filled by `pip download` on the host, so that the
      image builds with `--network none`
   5. our image, `docker build --network none --build-arg BASE_IMAGE=tandem-base:bookworm-gcc`
-  6. `up -d` with a private env file (free host ports, a random NATS password), then wait
+  6. `up -d` with a private env file (free host ports; the stack makes its own secrets), then wait
      until every service's container reports healthy (Compose 1.29 has no `--wait`)
   7. chat completions through the router with the `openai` client, while subscribed to
      `tandem.kv.events.>` through the published NATS port: a short prompt (a KV event
@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -193,8 +192,7 @@ class Stack:
     """The compose project of this test, with its own env file and ports."""
 
     def __init__(self, compose: list[str]):
-        self.ports = {"router": free_port(), "nats": free_port(), "monitor": free_port()}
-        self.user, self.password = "tandem", secrets.token_hex(12)
+        self.ports = {"router": free_port(), "nats": free_port()}
         self.env_file = WORKDIR / "compose.env"
         self.env_file.write_text(
             "\n".join(
@@ -203,9 +201,6 @@ class Stack:
                     "PUBLISH_ADDR=127.0.0.1",
                     f"ROUTER_HOST_PORT={self.ports['router']}",
                     f"NATS_HOST_PORT={self.ports['nats']}",
-                    f"NATS_MONITOR_HOST_PORT={self.ports['monitor']}",
-                    f"NATS_USER={self.user}",
-                    f"NATS_PASSWORD={self.password}",
                     "TANDEM_LOG_LEVEL=info",
                     "TANDEM_CACHE_STORE_SEGMENT_SIZE=256MiB",
                     "",
@@ -219,7 +214,18 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
-        return f"nats://{self.user}:{self.password}@127.0.0.1:{self.ports['nats']}"
+        return f"nats://127.0.0.1:{self.ports['nats']}"
+
+    def cli_identity(self) -> dict[str, str]:
+        """nats-py options of the operator's identity, read from the `secrets` volume
+        (the stack made it on its first `up`; docs/security.md, "Bus identities")."""
+        from libs.common.bus.credentials import inbox_prefix, parse_credentials
+
+        text = self("run", "--rm", "--no-deps", "secrets", "cat", "/secrets/cli.credentials",
+                    capture=True, echo=False)  # fmt: skip
+        creds = parse_credentials(text.strip().splitlines()[-1], "cli.credentials")
+        return {"user": creds.user, "password": creds.password,
+                "inbox_prefix": inbox_prefix(creds.user)}  # fmt: skip
 
     def __call__(
         self, *args: str, capture: bool = False, check: bool = True, echo: bool = True
@@ -323,7 +329,8 @@ async def completion_and_kv_event(stack: Stack, timeout: float) -> None:
     import nats
     import openai
 
-    nc = await nats.connect(stack.nats_url, connect_timeout=10, max_reconnect_attempts=3)
+    nc = await nats.connect(stack.nats_url, connect_timeout=10, max_reconnect_attempts=3,
+                            **stack.cli_identity())  # fmt: skip
     kv = KvEvents()
     await nc.subscribe("tandem.kv.events.>", cb=kv.collect)
     await nc.flush()

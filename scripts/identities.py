@@ -108,7 +108,7 @@ def ensure(
             raise ValueError(f"{path}: user {creds.user!r}, expected {identity.name!r}")
         users.append((identity, creds))
         files[identity.name] = path
-    _kept(folder / ROUTE_PASSWORD, secrets.token_urlsafe(32) + "\n")
+    _kept(folder / ROUTE_PASSWORD, secrets.token_urlsafe(32))  # no newline: an env value
     write_private(folder / AUTH_CONF, authorization(users, prefix))
     if kv_secret:
         _kept(folder / KV_SECRET, secrets.token_hex(32) + "\n")

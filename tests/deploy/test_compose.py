@@ -24,6 +24,7 @@ from tests.deploy.names import (
 
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 GPU = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())
+MONITORING = yaml.safe_load((REPO / "compose.monitoring.yaml").read_text())
 TANDEM = {
     name: service_module(spec.get("command"))
     for name, spec in COMPOSE["services"].items()
@@ -69,7 +70,7 @@ def test_every_flag_of_the_service_can_be_set_from_env(name):
 
 def test_every_service_has_a_healthcheck_of_its_own_kind():
     for name, spec in COMPOSE["services"].items():
-        if "tools" in spec.get("profiles", []):
+        if "tools" in spec.get("profiles", []) or name == "secrets":  # a tool, a one-shot
             continue
         test = spec["healthcheck"]["test"]
         assert test[:4] == ["CMD", "python", "-m", "scripts.healthcheck"], name
@@ -81,9 +82,12 @@ def test_start_order_waits_for_health():
     for name, spec in services.items():
         for dep, cond in (spec.get("depends_on") or {}).items():
             assert dep in services, f"{name} depends on unknown {dep}"
-            assert cond == {"condition": "service_healthy"}, f"{name} -> {dep}"
+            want = "service_completed_successfully" if dep == "secrets" else "service_healthy"
+            assert cond == {"condition": want}, f"{name} -> {dep}"
     assert set(services["router"]["depends_on"]) == {"prefill", "decode"}
     assert set(services["cache_master"]["depends_on"]) == {"nats"}
+    assert set(services["nats"]["depends_on"]) == {"secrets"}
+    assert services["secrets"]["restart"] == "no"  # a one-shot: made once, then kept
 
 
 def test_router_listens_on_all_interfaces_on_the_published_port():
@@ -101,7 +105,7 @@ def test_stores_keep_segment_files_on_their_own_named_volumes():
     for name in ("cache_store_1", "cache_store_2"):
         spec = COMPOSE["services"][name]
         segment = _env(spec)["TANDEM_CACHE_STORE_SEGMENT_FILE"]
-        (mount,) = spec["volumes"]
+        (mount,) = [v for v in spec["volumes"] if v.split(":")[1] == "/data"]
         volume, path = mount.split(":")[:2]
         assert volume in volumes and segment.startswith(path + "/")
         seen.add(volume)
@@ -110,15 +114,51 @@ def test_stores_keep_segment_files_on_their_own_named_volumes():
     assert len(seen) == 4, "each store has its own volume and id"
 
 
-def test_nats_runs_jetstream_with_auth_monitoring_and_a_volume():
+def test_nats_runs_jetstream_with_the_generated_users_and_a_volume():
     nats = COMPOSE["services"]["nats"]
     command = " ".join(nats["command"])
     for part in ("nats-server", "--jetstream", "--store_dir=/data", "--http_port=8222"):
         assert part in command
-    assert "--user=${NATS_USER" in command and "--pass=${NATS_PASSWORD" in command
+    assert "--config=/etc/nats/auth/nats-auth.conf" in command
+    assert "nats-auth:/etc/nats/auth:ro" in nats["volumes"]
     assert nats["volumes"][0].split(":")[0] in COMPOSE["volumes"]
-    url = _env(COMPOSE["services"]["router"])["TANDEM_NATS_URL"]
-    assert re.fullmatch(r"nats://\$\{NATS_USER[^}]*\}:\$\{NATS_PASSWORD[^}]*\}@nats:4222", url)
+
+
+def test_no_password_in_compose_files_commands_or_urls():
+    text = "".join((REPO / f).read_text() for f in ("compose.yaml", ".env.example"))
+    assert not re.search(r"--(user|pass)\b|NATS_PASSWORD|NATS_USER|:-tandem\}@", text)
+    for name, spec in COMPOSE["services"].items():
+        url = _env(spec).get("TANDEM_NATS_URL")
+        assert url in (None, "nats://nats:4222"), name
+
+
+def test_each_service_mounts_only_its_own_identity_and_workers_the_kv_secret():
+    exported = {
+        volume: path.removeprefix("/export/")
+        for volume, path, *_ in (v.split(":") for v in COMPOSE["services"]["secrets"]["volumes"])
+        if path.startswith("/export/")
+    }
+    from scripts.identities import DEFAULT_IDENTITIES
+
+    roles = {i.name for i in DEFAULT_IDENTITIES}
+    assert set(exported.values()) == roles | {"nats", "kv"}
+    for name, module in TANDEM.items():
+        spec = COMPOSE["services"][name]
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in spec["volumes"]}
+        assert exported[mounts["/etc/tandem/nats"]] == module, name
+        assert _env(spec)["TANDEM_NATS_CREDENTIALS_FILE"] == "/etc/tandem/nats/credentials"
+        kv = _env(spec).get(f"TANDEM_{module.upper()}_KV_SECRET_FILE")
+        if module in ("prefill", "decode"):
+            assert exported[mounts["/etc/tandem/kv"]] == "kv"
+            assert kv == "/etc/tandem/kv/kv.secret", name
+        else:
+            assert "/etc/tandem/kv" not in mounts and not kv, name
+
+
+def test_monitoring_is_published_only_by_the_monitoring_override():
+    assert [p for p in COMPOSE["services"]["nats"]["ports"] if p.endswith(":8222")] == []
+    (port,) = MONITORING["services"]["nats"]["ports"]
+    assert port == "${PUBLISH_ADDR:-127.0.0.1}:${NATS_MONITOR_HOST_PORT:-8222}:8222"
 
 
 def test_models_come_from_the_mounted_volume_or_the_built_in_default():
@@ -128,11 +168,12 @@ def test_models_come_from_the_mounted_volume_or_the_built_in_default():
         assert any(v.endswith(":/models:ro") for v in spec["volumes"]), name
 
 
-def test_nats_box_is_a_tool_profile_with_the_credentials():
+def test_nats_box_is_a_tool_profile_with_the_operator_identity():
     box = COMPOSE["services"]["nats-box"]
     assert box["profiles"] == ["tools"]
-    assert box["environment"]["NATS_URL"] == "nats://nats:4222"
-    assert {"NATS_USER", "NATS_PASSWORD"} <= set(box["environment"])
+    home, context = box["environment"]["XDG_CONFIG_HOME"], box["environment"]["NATS_CONTEXT"]
+    assert box["volumes"] == [f"nats-cli:{home}/nats:ro"] and context == "tandem"
+    # scripts/identities.py exports the cli's context to <volume>/context/tandem.json
 
 
 def test_gpu_override_reserves_gpus_and_rdma_for_real_services():
@@ -149,7 +190,10 @@ def test_gpu_override_reserves_gpus_and_rdma_for_real_services():
 
 
 def test_env_example_names_only_flags_and_compose_variables():
-    compose_text = (REPO / "compose.yaml").read_text() + (REPO / "compose.gpu.yaml").read_text()
+    compose_text = "".join(
+        (REPO / f).read_text()
+        for f in ("compose.yaml", "compose.gpu.yaml", "compose.monitoring.yaml")
+    )
     names = re.findall(r"^#?([A-Z][A-Z0-9_]*)=", (REPO / ".env.example").read_text(), re.M)
     assert names
     for name in names:

@@ -6,13 +6,17 @@ kustomize would use it (resources, generators, patches by kind and name).
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from scripts.healthcheck import SERVICES
+from scripts.identities import ensure
+from scripts.nats_server import nats_server_binary
 from tests.deploy.names import REPO, env_vars, service_module, shared_env_vars
 
 K8S = REPO / "deploy" / "k8s"
@@ -69,6 +73,20 @@ def test_every_file_the_kustomizations_name_exists():
         assert [i["name"] for i in k["images"]] == ["tandem"]
 
 
+def test_every_secret_is_a_file_that_scripts_identities_makes(tmp_path):
+    """No literal secrets: each Secret's files come from `python -m scripts.identities
+    deploy/k8s/base/secrets` (git-ignored), which makes exactly these names."""
+    made = set(ensure(tmp_path / "secrets").values()) | set((tmp_path / "secrets").iterdir())
+    made_names = {p.name for p in made}
+    generators = _kustomization(BASE)["secretGenerator"]
+    for gen in generators:
+        assert "literals" not in gen and "envs" not in gen, gen["name"]
+        for entry in gen["files"]:
+            path = entry.split("=", 1)[-1]
+            assert path.startswith("secrets/") and Path(path).name in made_names, entry
+    assert "/deploy/k8s/base/secrets/" in (REPO / ".gitignore").read_text().splitlines()
+
+
 def test_one_workload_per_role_plus_nats():
     roles = {_role(c) for w in WORKLOADS.values() for c in _containers(w)} - {None}
     assert roles == set(SERVICES)
@@ -104,19 +122,38 @@ def test_shared_config_names_only_flags():
     assert not wrong, f"tandem.env: not TANDEM_<FLAG> of any service: {sorted(wrong)}"
 
 
-@pytest.mark.parametrize("name", sorted(WORKLOADS))
-def test_nats_url_uses_the_secret_defined_before_it(name):
-    for container in _containers(WORKLOADS[name]):
-        env = container.get("env", [])
-        names = [e["name"] for e in env]
-        if "TANDEM_NATS_URL" not in names:
-            assert _role(container) is None
-            continue
-        url = env[names.index("TANDEM_NATS_URL")]["value"]
-        assert url == "nats://$(NATS_USER):$(NATS_PASSWORD)@nats:4222"
-        for var in ("NATS_USER", "NATS_PASSWORD"):  # $(VAR) expands only earlier entries
-            assert names.index(var) < names.index("TANDEM_NATS_URL")
-            assert env[names.index(var)]["valueFrom"]["secretKeyRef"]["name"] == "nats-auth"
+def _secret_volumes(workload: dict) -> dict[str, str]:
+    """mount path -> Secret name, for the Secret volumes of the workload's containers."""
+    pod = workload["spec"]["template"]["spec"]
+    secrets = {
+        v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v
+    }
+    return {
+        m["mountPath"]: secrets[m["name"]]
+        for c in _containers(workload)
+        for m in c.get("volumeMounts", [])
+        if m["name"] in secrets
+    }
+
+
+@pytest.mark.parametrize("name", sorted(set(WORKLOADS) - {"nats"}))
+def test_each_role_mounts_only_its_own_identity_and_workers_the_kv_secret(name):
+    workload = WORKLOADS[name]
+    (container,) = _containers(workload)
+    role = _role(container)
+    mounted = _secret_volumes(workload)
+    assert mounted.pop("/etc/tandem/nats") == f"nats-{role.replace('_', '-')}"
+    kv = _env(container).get(f"TANDEM_{role.upper()}_KV_SECRET_FILE", {}).get("value")
+    if role in ("prefill", "decode"):
+        assert mounted.pop("/etc/tandem/kv") == "kv-secret"
+        assert kv == "/etc/tandem/kv/kv.secret"
+    assert not mounted and (kv is None) == (role not in ("prefill", "decode"))
+    env = _tandem_env_file()
+    assert env["TANDEM_NATS_URL"] == "nats://nats:4222"  # no userinfo, no password
+    assert env["TANDEM_NATS_CREDENTIALS_FILE"] == "/etc/tandem/nats/credentials"
+    assert not {"NATS_USER", "NATS_PASSWORD", "TANDEM_NATS_URL"} & set(_env(container))
+    fs_group = workload["spec"]["template"]["spec"]["securityContext"]["fsGroup"]
+    assert fs_group == workload["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -179,16 +216,46 @@ def test_workers_advertise_their_pod_ip_for_kv_transfers():
         assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
 
-def test_nats_cluster_routes_match_the_statefulset():
+def test_nats_cluster_routes_match_the_statefulset_and_log_in():
     nats = WORKLOADS["nats"]
     conf = (BASE / "nats.conf").read_text()
-    routes = re.findall(r"nats-route://(nats-\d+)\.(\S+?):6222", conf)
-    assert len(routes) == nats["spec"]["replicas"] == 3
-    assert {svc for _, svc in routes} == {nats["spec"]["serviceName"]}
-    assert "jetstream" in conf and "$NATS_USER" in conf and "$NATS_PASSWORD" in conf
     (container,) = _containers(nats)
+    env = _env(container)
+    routes = [env[v]["value"] for v in re.findall(r"\$(NATS_ROUTE_\d+)", conf)]
+    found = [re.fullmatch(r"nats-route://route:\$\(NATS_ROUTE_PASSWORD\)@(nats-\d+)\.(\S+):6222", r)
+             for r in routes]  # fmt: skip
+    assert all(found) and len(found) == nats["spec"]["replicas"] == 3
+    assert {m.group(1) for m in found} == {f"nats-{i}" for i in range(3)}
+    assert {m.group(2) for m in found} == {nats["spec"]["serviceName"]}
+    names = list(env)  # $(VAR) expands only entries defined earlier
+    assert all(names.index("NATS_ROUTE_PASSWORD") < names.index(v) for v in env if v[-1].isdigit())
+    secret = env["NATS_ROUTE_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert secret == {"name": "nats-auth", "key": "route.password"}
+    cluster = conf[conf.index("cluster {") :]
+    assert re.search(r"authorization \{\s*user: route\s*password: \$NATS_ROUTE_PASSWORD", cluster)
+    assert "jetstream" in conf and "include ./nats-auth.conf" in conf
     assert container["command"] == ["nats-server", "--config", "/etc/nats/nats.conf"]
-    assert {"POD_NAME", "NATS_USER", "NATS_PASSWORD"} <= set(_env(container))
+
+
+def test_nats_conf_with_generated_users_is_valid_for_nats_server(tmp_path):
+    ensure(tmp_path / "secrets")
+    (tmp_path / "nats.conf").write_text((BASE / "nats.conf").read_text())
+    (tmp_path / "nats-auth.conf").write_text((tmp_path / "secrets" / "nats-auth.conf").read_text())
+    route = "nats-route://route:pw@nats-{}.nats-headless:6222"
+    env = {"POD_NAME": "nats-0", "NATS_ROUTE_PASSWORD": "pw", "PATH": os.environ["PATH"]}
+    env |= {f"NATS_ROUTE_{i}": route.format(i) for i in range(3)}
+    check = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"],
+                           env=env, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    projected = WORKLOADS["nats"]["spec"]["template"]["spec"]["volumes"][0]["projected"]
+    (secret,) = [s["secret"] for s in projected["sources"] if "secret" in s]
+    assert secret["name"] == "nats-auth" and secret["items"][0]["path"] == "nats-auth.conf"
+
+
+def test_monitoring_is_not_exposed_by_a_service():
+    for svc in (d for d in DOCS if d["kind"] == "Service"):
+        ports = {p.get("targetPort") for p in svc["spec"].get("ports", [])}
+        assert "monitor" not in ports and 8222 not in ports, svc["metadata"]["name"]
 
 
 def test_gpu_overlay_patches_real_workloads_with_gpus_and_rdma():
