@@ -30,7 +30,7 @@ from libs.common.messages.control import (
     Usage,
 )
 from libs.common.transfer import RegionBusy, RegionDescriptor
-from libs.common.worker.handoff import handoff_check
+from libs.common.worker.handoff import KvLayout, handoff_check, page_ranges
 from libs.common.worker.handoff_verify import verify_kv
 from libs.common.worker.routers import request_key
 from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
@@ -184,8 +184,9 @@ class DecodeService(WorkerService):
 
         return run
 
-    async def _handoff_region(self) -> RegionDescriptor:
-        """The KV pool registered again, under an id and token for one handoff only.
+    async def _handoff_region(self, pages: list[int]) -> RegionDescriptor:
+        """A write capability on the KV pool's `pages` only (their slices in every layer),
+        under an id and token for one handoff only (TransferEngine.grant).
 
         It is unregistered the moment the handoff ends, however it ends (done, failed,
         cancelled, timed out, prefill worker silent), before the pages are freed: a prefill
@@ -198,10 +199,13 @@ class DecodeService(WorkerService):
         """
         if self.transfer.transport == "rdma":
             return self.kv_region
+        kv = self.engine.core.kv_cache
+        ranges = page_ranges(KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes), pages)
+        ttl = self.config.handoff_timeout + 5.0  # revoked at the handoff's end; a backstop
         async with self._region_freed:
             while True:
                 try:
-                    return self.transfer.register(self.engine.core.kv_cache.buffer)
+                    return self.transfer.grant(self.kv_region, ranges, "write", ttl)
                 except ValueError as e:  # shm: every slot of the segment in use
                     log.warning("handoff waits for a region slot", error=str(e))
                     await self._region_freed.wait()
@@ -225,7 +229,7 @@ class DecodeService(WorkerService):
     async def _handoff(self, req: GenerateRequest, pages: list[int], held: int) -> PrefillResult:
         """Ask the prefill worker to write prompt pages `held..` into `pages` (through a
         region that accepts writes only while this handoff lasts)."""
-        region = await self._handoff_region()
+        region = await self._handoff_region(pages)
         try:
             result = await self._ask_prefill(req, pages, held, region)
         finally:

@@ -1,6 +1,7 @@
 """A forged write into a decode worker's reserved pages, on real processes: the decode
 worker finds it by the prefill worker's handoff MAC and fails that request without
-decoding; another request on the same workers meanwhile is exact.
+decoding; another request on the same workers meanwhile is exact. A write outside the
+reserved pages is refused by the transfer server (the handoff's capability).
 
 The attacker is a bus client that sees the PrefillRequest (its region descriptor and
 token) and writes over a reserved page until the region is refused (the handoff fenced).
@@ -71,6 +72,7 @@ class Attacker:
         self.bus, self.target = bus, target
         self.num_layers, self.slice_nbytes = num_layers, slice_nbytes
         self.landed = 0
+        self.outside_refused = False  # a write to a page not reserved for the request
         self.refused = asyncio.Event()
         self.seen: asyncio.Queue[PrefillRequest] = asyncio.Queue()
 
@@ -86,6 +88,11 @@ class Attacker:
         offset = layout.offset(0, 0, req.page_indices[0])
         async with TcpTransferEngine(host="127.0.0.1", port=0, batch_timeout_s=10.0) as engine:
             src = engine.register(bytearray(b"\x7f" * 64))
+            other = next(p for p in range(req.kv_num_pages) if p not in req.page_indices)
+            try:
+                await engine.write(src, remote, [(0, layout.offset(0, 0, other), 64)])
+            except TransferError as e:
+                self.outside_refused = "outside the granted ranges" in str(e)
             deadline = time.monotonic() + MAX_ATTACK_S
             for _ in range(MAX_WRITES):
                 if time.monotonic() > deadline:
@@ -113,6 +120,7 @@ async def test_a_forged_page_write_fails_its_request_and_no_other(secret_cluster
         await asyncio.wait_for(attack, 30)
     finally:
         await bus.close()
+    assert attacker.outside_refused  # the handoff's capability: the reserved pages only
     assert attacker.landed > 0 and attacker.refused.is_set()
     assert forged.finish_reason == "error" and "failed verification" in (forged.error or "")
     assert len(forged.token_ids) <= 1 and forged.workers == ["dm", "pm"]  # token 0 only

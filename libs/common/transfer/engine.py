@@ -29,7 +29,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import math
 import mmap
+import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -38,7 +40,7 @@ import structlog
 from libs.common.transfer.descriptor import RegionDescriptor
 from libs.common.transfer.errors import RegionBusy
 from libs.common.transfer.ops import Op, validate_ops
-from libs.common.transfer.region import Region, RegionTable
+from libs.common.transfer.region import Grant, Region, RegionTable
 
 
 class EngineState(enum.Enum):
@@ -132,15 +134,48 @@ class TransferEngine(abc.ABC):
             raise ValueError(f"nbytes: must be a positive integer, got {nbytes!r}")
         return memoryview(mmap.mmap(-1, nbytes))
 
-    def register(self, buffer: Any) -> RegionDescriptor:
+    def register(self, buffer: Any, *, grant: Grant | None = None) -> RegionDescriptor:
         self._require_running("register")
-        region = self._regions.add(buffer)
+        region = self._regions.add(buffer, grant)
         try:
             self._on_register(region)
         except BaseException:
             self._regions.remove(region.region_id)
             raise
         return self._descriptor(region)
+
+    def grant(
+        self, region: RegionDescriptor | int, ranges: Sequence[tuple[int, int]], mode: str,
+        ttl_s: float | None = None,
+    ) -> RegionDescriptor:  # fmt: skip
+        """A capability on part of a registered region: a descriptor of its own id and
+        token that allows only ops of `mode` ("read", "write" or "rw") inside the
+        (offset, length) `ranges` (offsets of the region), until `revoke` or `ttl_s`.
+
+        Where it is enforced (docs/transfer.md, "Capabilities"): the tcp server checks
+        every op against it; shm gives it its own slot, so revoking it fences its users,
+        but ranges and mode are checked by the peer's own code only; rdma cannot narrow
+        an rkey here (ValueError)."""
+        self._require_running("grant")
+        region_id = region.region_id if isinstance(region, RegionDescriptor) else region
+        parent = self._regions.get(region_id)
+        if parent is None:
+            raise ValueError(f"region: {region_id} is not registered with this engine")
+        expires = math.inf if ttl_s is None else time.monotonic() + ttl_s
+        built = Grant.build(ranges, mode, parent.length, expires)
+        return self.register(parent.view, grant=built)
+
+    def revoke(self, grant: RegionDescriptor | int) -> None:
+        """End a capability (`grant`): `unregister`, a fence like it."""
+        self.unregister(grant)
+
+    def revoke_expired(self) -> int:
+        """Unregister the grants past their `ttl_s` (they are refused already); how many."""
+        gone = self._regions.expired()
+        for region in gone:
+            with contextlib.suppress(RegionBusy):  # logged; its ops are refused anyway
+                self.unregister(region.region_id)
+        return len(gone)
 
     def unregister(self, region: RegionDescriptor | int) -> None:
         """Forget a region; later ops naming it are refused. Unknown ids are ignored.

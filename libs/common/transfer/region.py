@@ -15,10 +15,13 @@ late prefill writer before it frees the pages (services/decode/service.py).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import hmac
+import math
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,10 +89,54 @@ class Region:
     # Ops from peers in progress on this region: each one's cut-off (a TCP server
     # connection's shutdown), called with the region by `RegionTable.remove`.
     users: set[Callable[[Region], None]] = field(default_factory=set, repr=False)
+    # A capability (TransferEngine.grant): the only bytes and the only op kind it allows,
+    # and until when (time.monotonic). None / "rw" / inf: the whole region, both kinds.
+    grant: Grant | None = None
 
     @property
     def length(self) -> int:
         return self.view.nbytes
+
+
+MODES = ("read", "write", "rw")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a capability allows: `mode` ("read", "write" or "rw") on the byte ranges
+    `starts[i] .. ends[i]` (sorted, disjoint, merged where they touch; none: nothing is
+    allowed), until `expires` (time.monotonic; inf: until revoked)."""
+
+    mode: str
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    expires: float = math.inf
+
+    @classmethod
+    def build(cls, ranges: Any, mode: str, region_length: int, expires: float) -> Grant:
+        """From (offset, length) pairs; ValueError naming the bad argument."""
+        if mode not in MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {MODES}")
+        spans: list[list[int]] = []
+        for offset, length in sorted((int(o), int(n)) for o, n in ranges):
+            if length <= 0 or not check_range(offset, length, region_length):
+                raise ValueError(f"ranges: {offset}+{length} is empty or outside the region")
+            if spans and offset <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], offset + length)
+            else:
+                spans.append([offset, offset + length])
+        return cls(mode, tuple(a for a, _ in spans), tuple(b for _, b in spans), expires)
+
+    def refusal(self, kind: str, offset: int, length: int, now: float) -> str | None:
+        """Why an op of `kind` ("read"/"write") on offset+length is refused, or None."""
+        if now >= self.expires:
+            return "grant expired"
+        if self.mode != "rw" and self.mode != kind:
+            return f"grant is {self.mode}-only"
+        i = bisect.bisect_right(self.starts, offset) - 1
+        if i < 0 or offset + length > self.ends[i]:
+            return f"range {offset}+{length} outside the granted ranges"
+        return None
 
 
 class RegionTable:
@@ -103,15 +150,18 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self._regions)
 
-    def add(self, buffer: Any) -> Region:
+    def add(self, buffer: Any, grant: Grant | None = None) -> Region:
         view, addr = buffer_view(buffer)
+        if grant is not None and grant.ends and grant.ends[-1] > view.nbytes:
+            raise ValueError("ranges: outside the region")
         with self._lock:
             while True:
                 # Random ids: a descriptor from an earlier run never names a new region.
                 region_id = secrets.randbelow(U64_MAX) + 1
                 if region_id not in self._regions:
                     break
-            region = Region(region_id, secrets.token_bytes(TOKEN_BYTES), view, addr, buffer)
+            region = Region(region_id, secrets.token_bytes(TOKEN_BYTES), view, addr, buffer,
+                            grant=grant)  # fmt: skip
             self._regions[region_id] = region
         return region
 
@@ -136,11 +186,12 @@ class RegionTable:
         return region
 
     def enter(
-        self, region_id: int, token: bytes, offset: int, length: int, cut: Callable[[Region], None]
-    ) -> Region:
+        self, region_id: int, token: bytes, offset: int, length: int,
+        cut: Callable[[Region], None], kind: str = "rw",
+    ) -> Region:  # fmt: skip
         """`check`, then count the op as running on the region until `leave`; `cut`
         stops it (called from `remove`, any thread)."""
-        region = self.check(region_id, token, offset, length)
+        region = self.check(region_id, token, offset, length, kind)
         region.users.add(cut)
         # Added before reading `live`, and `remove` clears `live` before reading
         # `users` (each step atomic under the GIL): either this op sees the region
@@ -163,13 +214,23 @@ class RegionTable:
         with self._lock:
             return list(self._regions.values())
 
-    def check(self, region_id: int, token: bytes, offset: int, length: int) -> Region:
+    def expired(self, now: float | None = None) -> list[Region]:
+        """Regions whose grant has expired (their owner unregisters them)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return [r for r in self._regions.values() if r.grant and now >= r.grant.expires]
+
+    def check(
+        self, region_id: int, token: bytes, offset: int, length: int, kind: str = "rw"
+    ) -> Region:
         """The access check for an op from a peer; raises AccessRefused.
 
         The token is compared in constant time whether or not the region exists, an
         unknown region and a wrong token get the same `reason` (REFUSED; `detail` tells
         them apart for the log), and bounds are checked with overflow-safe arithmetic
         before any memory is touched (only a token holder learns the region's length).
+        A capability (`Region.grant`) then allows only its op kind ("read", "write"; "rw"
+        is a check of the bounds alone), its ranges, and only until it expires.
         """
         region = self._regions.get(region_id)
         expected = region.token if region is not None else _DUMMY_TOKEN
@@ -182,4 +243,8 @@ class RegionTable:
             raise AccessRefused(
                 f"range {offset}+{length} outside region {region_id} ({region.length} bytes)"
             )
+        if region.grant is not None:
+            why = region.grant.refusal(kind, offset, length, time.monotonic())
+            if why is not None:
+                raise AccessRefused(f"{kind} refused: {why}", f"region {region_id}: {why}")
         return region

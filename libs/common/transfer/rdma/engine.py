@@ -122,6 +122,12 @@ class RdmaTransferEngine(TransferEngine):
         if self._dev is not None:
             self._dev.close()
 
+    def grant(self, region: Any, ranges: Any, mode: str, ttl_s: float | None = None) -> Any:
+        """Not narrowed here: an rkey opens its whole memory region, for the access flags
+        it was registered with, until deregistered; a memory region per grant (pinning,
+        NIC tables) costs more than a request can pay (docs/transfer.md, "Capabilities")."""
+        raise ValueError("grant: rdma cannot narrow a registered region; use its descriptor")
+
     def _on_register(self, region: Region) -> None:
         region.extra["mr"] = self._device_or_fail().register(region.addr, region.length)
 

@@ -212,7 +212,8 @@ class TcpTransferServer:
             if failed_batch is None:
                 cut.start(region_id)
                 try:
-                    region = self._regions.enter(region_id, token, offset, length, cut)
+                    op_kind = "write" if kind == KIND_WRITE else "read"
+                    region = self._regions.enter(region_id, token, offset, length, cut, op_kind)
                     conn.proven = True
                 except AccessRefused as exc:
                     cut.end()
