@@ -19,11 +19,13 @@ Failure handling, in one place:
   the sink*: retried once on a route that avoids the failed workers (`<rid>-r1`); if
   that fails too, 503 with Retry-After (nothing was produced: safe to retry);
 - the same after chunks reached the sink: the request *migrates*: it continues on a live
-  decode worker that has not failed it (`<rid>-r<n>`), as a GenerateRequest whose
-  `generated` holds every token the sink has had; that worker prefills prompt + those
-  tokens itself, replays them through the grammar and stop strings and streams from
-  index len(generated), so the sink sees one uninterrupted, duplicate-free stream (greedy:
-  the same tokens). With no such worker live: 502 `worker_failed`, as before migration.
+  decode worker (`<rid>-r<n>`), one that has not failed it if there is one (a worker that
+  failed but still reports, e.g. whose chunks NATS lost, may take it back), as a
+  GenerateRequest whose `generated` holds every token the sink has had; that worker
+  prefills prompt + those tokens itself, replays them through the grammar and stop
+  strings and streams from index len(generated), so the sink sees one uninterrupted,
+  duplicate-free stream (greedy: the same tokens). With no decode worker live, or after
+  `_MAX_MIGRATIONS` continuations: 502 `worker_failed`, as before migration.
   Sampling without a seed gets one here, so a continuation draws from the same random
   stream; docs/reliability.md "Migration";
 - chunks lost in transit while both workers are live (a restarted nats-server drops what
@@ -67,6 +69,7 @@ from services.router.workers import Worker, WorkerTable
 log = get_logger(__name__)
 
 _POLL_S = 0.25  # how often a waiting stream checks that its workers still report
+_MAX_MIGRATIONS = 3  # continuations of one choice: bounds a request that fails everywhere
 
 Sink = Callable[[TokenChunk], None]
 
@@ -98,6 +101,7 @@ class _Stream:
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.delivered = 0  # chunks handed to the sink
         self.prefill, self.pending = prefill, pending  # prompt tokens this route still owes
+        self.decode_instance = ""  # the decode worker's process (LoadReport.instance)
 
     def on_chunk(self, chunk: TokenChunk) -> None:
         if self.done.done():
@@ -144,6 +148,7 @@ class _Generation:
             sampling = msgspec.structs.replace(sampling, seed=random.getrandbits(63))
         self.sampling = sampling
         self.sent: list[int] = []
+        self.migrations = 0
 
     def deliver(self, chunk: TokenChunk) -> None:
         self.sink(chunk)
@@ -249,17 +254,19 @@ class Dispatcher:
         gen: _Generation,
         error: WorkerFailed | None,
     ) -> Route:
-        """The next attempt's route. Before any output, any live one (a lone decode worker
-        is tried again); once the client has output, a decode worker that has not failed
-        this request, prefilling the continuation itself; 502 when there is none."""
+        """The next attempt's route: a live one, avoiding the workers that failed this
+        request while others are live (`route` falls back to them). Once the client has
+        output, the decode worker prefills the continuation itself; 502 when no decode
+        worker is live or the request has migrated `_MAX_MIGRATIONS` times already."""
         chosen = route(failed)
         if not gen.sent:
             if chosen is None:
                 raise ApiError(503, "no decode worker is live", headers={"Retry-After": "1"})
             return chosen
-        if chosen is None or chosen.decode in failed:
+        if chosen is None or gen.migrations >= _MAX_MIGRATIONS:
             msg = f"worker failed mid-request: {error}"
             raise ApiError(502, msg, code="worker_failed")
+        gen.migrations += 1
         self.on_migrated()
         return dataclasses.replace(chosen, prefill="")
 
@@ -304,6 +311,7 @@ class Dispatcher:
         rid, subject = self.streams.open(rid, stream.on_chunk)
         if decode is not None:
             decode.inflight.add(rid)
+            stream.decode_instance = decode.report.instance
         try:
             request = GenerateRequest(
                 request_id=rid,
@@ -388,6 +396,8 @@ class Dispatcher:
         streamed = stream.delivered > 0
         if not self.workers.is_live(route.decode):
             raise WorkerFailed(f"decode worker {route.decode} stopped reporting", streamed)
+        if not self.workers.is_live(route.decode, stream.decode_instance):
+            raise WorkerFailed(f"decode worker {route.decode} restarted", streamed)
         if route.prefill and not streamed and not self.workers.is_live(route.prefill):
             raise WorkerFailed(f"prefill worker {route.prefill} stopped reporting", False)
 

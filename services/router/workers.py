@@ -65,11 +65,12 @@ class WorkerTable:
         return len(self._workers)
 
     def update(self, report: LoadReport) -> bool:
-        """Record a report; True when the worker is new (or back after being dropped)."""
+        """Record a report; True when the worker is new (or back after being dropped, or
+        restarted: another process instance under the same id starts afresh)."""
         if report.role not in ROLES:
             return False
         w = self._workers.get(report.worker)
-        if w is None:
+        if w is None or w.report.instance != report.instance:
             self._workers[report.worker] = Worker(report, self.clock())
             return True
         w.report, w.seen_at = report, self.clock()
@@ -79,8 +80,10 @@ class WorkerTable:
         w = self._workers.get(worker_id)
         return w if w is not None and self._alive(w) else None
 
-    def is_live(self, worker_id: str) -> bool:
-        return self.get(worker_id) is not None
+    def is_live(self, worker_id: str, instance: str = "") -> bool:
+        """`worker_id` reports; with `instance`, still from that process (not restarted)."""
+        w = self.get(worker_id)
+        return w is not None and (not instance or w.report.instance == instance)
 
     def live(self, *roles: str) -> list[Worker]:
         return [w for w in self._workers.values() if w.role in roles and self._alive(w)]

@@ -7,7 +7,9 @@ kill -9 are in tests/chaos/test_migration.py.
 from __future__ import annotations
 
 import asyncio
+import time
 
+import msgspec
 import pytest
 
 from libs.common.messages.control import SamplingSpec
@@ -46,7 +48,18 @@ async def test_a_continuation_never_repeats_a_token_the_client_has(nats_url):
     assert ids(out) == [10, 11, 12]
 
 
-async def test_a_lone_decode_worker_failing_after_tokens_is_a_502(nats_url):
+async def test_a_lone_live_worker_takes_its_failed_request_back_after_the_tokens(nats_url):
+    def once(rid):  # fails the first time only (an engine hiccup, a lost reply)
+        if rid == "r1":
+            return [chunk(rid, 0, [10]), chunk(rid, 1, [], "error")]
+        return [chunk(rid, 1, [11], "stop")]
+
+    async with setup(nats_url, {"d1": once}) as (dispatcher, resp, _, _):
+        out = await collect(dispatcher, route_to("d1"))
+    assert ids(out) == [10, 11] and resp[0].seen == ["r1", "r1-r1"]
+
+
+async def test_a_lone_worker_failing_every_continuation_is_a_502_after_three(nats_url):
     def dies(rid):
         return [chunk(rid, 0, [10]), chunk(rid, 1, [], "error")]
 
@@ -54,7 +67,20 @@ async def test_a_lone_decode_worker_failing_after_tokens_is_a_502(nats_url):
         with pytest.raises(ApiError) as e:
             await collect(dispatcher, route_to("d1"))
     assert e.value.status == 502 and e.value.code == "worker_failed"
-    assert resp[0].seen == ["r1"]  # never sent to itself again
+    assert resp[0].seen == ["r1", "r1-r1", "r1-r2", "r1-r3"]
+
+
+async def test_no_live_decode_worker_left_is_a_502(nats_url):
+    def dies(rid):
+        return [chunk(rid, 0, [10]), chunk(rid, 1, [], "error")]
+
+    routes = iter([route_to("d1")(set()), None])  # then d1 is gone, and nobody else
+
+    async with setup(nats_url, {"d1": dies}) as (dispatcher, resp, _, _):
+        with pytest.raises(ApiError) as e:
+            await collect(dispatcher, lambda _exclude: next(routes))
+    assert e.value.status == 502 and "worker failed mid-request" in e.value.message
+    assert resp[0].seen == ["r1"]
 
 
 async def test_a_worker_that_stops_reporting_mid_stream_is_migrated_from(nats_url):
@@ -93,3 +119,24 @@ async def test_unseeded_sampling_keeps_one_seed_across_a_migration(nats_url):
         out = [c async for c in gen]
     first, second = resp[0].requests[0].sampling, resp[1].requests[0].sampling
     assert ids(out) == [10, 11] and first.seed is not None and first.seed == second.seed
+
+
+async def test_a_worker_restarted_under_its_id_is_migrated_from_at_once(nats_url):
+    # The new process reports before --worker-timeout: its id stays live, but the request
+    # ran on the old process (another LoadReport.instance) and is continued elsewhere.
+    def stalls(rid):
+        return [chunk(rid, 0, [10, 11])]  # then the process "dies"
+
+    def continues(rid):
+        return [chunk(rid, 2, [12], "stop")]
+
+    async with setup(nats_url, {"d1": stalls, "d2": continues}) as (dispatcher, resp, _, w):
+        w.update(msgspec.structs.replace(report("d1"), instance="old"))
+        task = asyncio.ensure_future(collect(dispatcher, route_to("d1", "d2")))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        started = time.monotonic()
+        w.update(msgspec.structs.replace(report("d1"), instance="new"))
+        out = await asyncio.wait_for(task, 5)
+    assert ids(out) == [10, 11, 12] and resp[1].requests[0].generated == [10, 11]
+    assert time.monotonic() - started < 1  # the next sweep, not --worker-timeout

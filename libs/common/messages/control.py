@@ -318,6 +318,10 @@ class LoadReport(Message, tag="load"):
     tokens_per_s: float
     max_model_len: int
     timestamp: float
+    # Random per worker process: a worker restarted under the same id reports another one,
+    # so the router sees that the process its requests ran on is gone (even if the new one
+    # reports before --worker-timeout). Empty from an older worker: not compared.
+    instance: str = ""
 
 
 class KvEvent(Message, tag="kv_event"):

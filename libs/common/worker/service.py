@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,7 @@ class WorkerService(BaseService):
         # running for nobody. Bounded, oldest dropped first.
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._tokens_out = 0  # output tokens since the last load report
+        self.instance = secrets.token_hex(8)  # this process, in its load reports
         self.queued_prompt_tokens = 0  # accepted, not yet prefilled (for routing)
 
     # --- what the pairing check and `info` need --------------------------------------
@@ -312,6 +314,7 @@ class WorkerService(BaseService):
             tokens_per_s=self._tokens_out / interval,
             max_model_len=self.max_model_len,
             timestamp=time.time(),
+            instance=self.instance,
         )
         self._tokens_out = 0
         return report
