@@ -218,3 +218,33 @@ def test_every_master_endpoint_has_its_callers():
         "a new master endpoint: add it to STORE_CALLS or CLIENT_CALLS in "
         "libs/common/bus/permissions.py"
     )
+
+
+async def test_the_cli_replays_the_kv_events_stream_but_cannot_delete_it(secured, master):
+    cli, decode = await secured.connect("cli"), await secured.connect("decode")
+    await decode.publish("tandem.kv.events.decode-1", b"{}")
+    await decode.flush()
+    got: list = []
+
+    async def keep(msg) -> None:
+        got.append(msg.subject)
+
+    js = cli.jetstream(timeout=1)
+    await js.subscribe("tandem.kv.events.>", cb=keep, ordered_consumer=True)
+    for _ in range(40):
+        if got:
+            break
+        await asyncio.sleep(0.05)
+    assert got == ["tandem.kv.events.decode-1"]
+    with pytest.raises(nats.errors.TimeoutError):
+        await js.delete_stream("TANDEM_KV_EVENTS")
+    assert await secured.wait_refused("cli", "publish", "$JS.API.STREAM.DELETE.TANDEM_KV_EVENTS")
+
+
+def test_a_both_worker_serves_prefill_and_reports_load_as_both():
+    from libs.common.bus.permissions import permissions
+
+    both = permissions("both", "w", scope="w-1")
+    assert {"tandem.prefill.w-1.prefill", "tandem.decode.w-1.generate"} <= set(both.subscribe)
+    assert "tandem.workers.both.w-1.load" in both.publish
+    assert not [s for s in both.publish if s.startswith("tandem.workers.decode.")]
