@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client
 
 from libs.common.bus.credentials import connect_options
-from libs.common.bus.permissions import CLIENT_CALLS, STORE_CALLS
+from libs.common.bus.permissions import CLIENT_CALLS, STORE_CALLS, permissions
 from libs.common.messages.pool import PoolCount, PoolKeys
 from scripts.identities import AUTH_CONF, Identity, ensure
 from scripts.nats_server import NatsServer
@@ -242,9 +242,31 @@ async def test_the_cli_replays_the_kv_events_stream_but_cannot_delete_it(secured
 
 
 def test_a_both_worker_serves_prefill_and_reports_load_as_both():
-    from libs.common.bus.permissions import permissions
-
     both = permissions("both", "w", scope="w-1")
     assert {"tandem.prefill.w-1.prefill", "tandem.decode.w-1.generate"} <= set(both.subscribe)
     assert "tandem.workers.both.w-1.load" in both.publish
     assert not [s for s in both.publish if s.startswith("tandem.workers.decode.")]
+
+
+def _allowed(patterns: tuple[str, ...], subject: str) -> bool:
+    """NATS subject matching: `*` one token, `>` the rest."""
+    for pattern in patterns:
+        want, have = pattern.split("."), subject.split(".")
+        if want[-1] == ">" and len(have) >= len(want):
+            want, have = want[:-1], have[: len(want) - 1]
+        if len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have, strict=True)):
+            return True
+    return False
+
+
+def test_every_store_endpoint_is_served_by_its_store_and_called_by_the_master():
+    from services.cache_store.config import CacheStoreConfig
+    from services.cache_store.service import CacheStoreService
+
+    store = permissions("cache_store", "store", scope="store-1")
+    master = permissions("cache_master", "master")
+    other = permissions("cache_store", "store2", scope="store-2")
+    for ep in CacheStoreService(CacheStoreConfig(service_id="store-1")).endpoints():
+        assert _allowed(store.subscribe, ep.subject), ep.subject
+        assert _allowed(master.publish, ep.subject), ep.subject
+        assert not _allowed(other.subscribe, ep.subject), ep.subject

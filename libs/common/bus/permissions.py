@@ -36,6 +36,9 @@ SERVICE_OF = {"both": "decode", "cli": ""} | {r: r for r in ROLES if r not in ("
 # The master's endpoints (`<prefix>.pool.master.<name>`), by who may call them.
 STORE_CALLS = ("mount", "mount_chunk", "mount_end", "mount_page", "unmount", "heartbeat")
 CLIENT_CALLS = ("put_start", "put_end", "put_revoke", "get", "exists", "remove", "drop", "stats")
+# What the master sends one store (`<prefix>.pool.store.<id>.<name>`): index updates, copy
+# orders, and the transfer grants of a get or put.
+MASTER_TO_STORE = ("update", "replicate", "grant")
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def _both(p: str, scope: str) -> tuple[list[str], list[str]]:
 
 
 def _cache_master(p: str, scope: str) -> tuple[list[str], list[str]]:
-    publish = [f"{p}.pool.store.*.update", f"{p}.pool.store.*.replicate"]
+    publish = [f"{p}.pool.store.*.{call}" for call in MASTER_TO_STORE]
     publish += [f"{p}.pool.master.epoch", f"{p}.kv.events.*", *_js_writer(p)]
     subscribe = [*_pool(p, (*STORE_CALLS, *CLIENT_CALLS)), f"{p}.pool.master.epoch"]
     return publish, subscribe
@@ -115,7 +118,7 @@ def _cache_master(p: str, scope: str) -> tuple[list[str], list[str]]:
 
 def _cache_store(p: str, scope: str) -> tuple[list[str], list[str]]:
     publish = _pool(p, STORE_CALLS)
-    subscribe = [f"{p}.pool.store.{scope}.update", f"{p}.pool.store.{scope}.replicate"]
+    subscribe = [f"{p}.pool.store.{scope}.{call}" for call in MASTER_TO_STORE]
     return publish, subscribe
 
 
