@@ -2,13 +2,16 @@
 
 The real launcher as a subprocess, in its own run folder and ports: every service gets a
 credentials file bound to its service id, nats-server loads their permissions, and a chat
-completion goes through router, decode, prefill and the pool. No process is started with
-a password on its command line, nats-server's monitoring is off, and Ctrl-C (SIGTERM)
-stops everything with exit code 0. Minutes on a busy 2-core host (two model loads).
+completion goes through router and decode, whose pages then reach the pool (the master's
+stats, asked as the operator's read-only identity, count them); no service hears a
+permissions violation. No process is started with a password on its command line,
+nats-server's monitoring is off, and Ctrl-C (SIGTERM) stops everything with exit code 0.
+Tens of seconds on a busy 2-core host (two model loads).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -21,6 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from libs.common.bus.credentials import connect_options
 from scripts.cluster import REPO
 
 UP = re.compile(r"Tandem is up: router at (http://127\.0\.0\.1:\d+)")
@@ -51,11 +55,30 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(reply.read())
 
 
+async def _pool_objects_seen_by_the_operator(url: str, credentials: Path) -> int:
+    """The master's object count, asked as the read-only cli identity, once the finished
+    request's pages reached the pool (workers' puts under their own identities)."""
+    import nats
+
+    nc = await nats.connect(url, connect_timeout=5, **connect_options(url, str(credentials)))
+    try:
+        for _ in range(40):
+            reply = await nc.request("tandem.pool.master.stats", b"{}", timeout=5)
+            objects = json.loads(reply.data)["objects"]
+            if objects:
+                return objects
+            await asyncio.sleep(0.25)
+        return 0
+    finally:
+        await nc.close()
+
+
 def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path, service_env):
     env = {**service_env, "TANDEM_PREFILL_KV_CACHE_MB": "64", "TANDEM_DECODE_KV_CACHE_MB": "64"}
     env.pop("NATS_MONITOR_PORT", None)
+    nats_port = _free_port()
     cmd = [sys.executable, "-m", "scripts.cluster", "--run-dir", str(tmp_path / "run"),
-           "--nats-port", str(_free_port()), "--router-port", str(_free_port()),
+           "--nats-port", str(nats_port), "--router-port", str(_free_port()),
            "--ready-timeout", "300"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -80,6 +103,8 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
         answer = _post(f"{base}/v1/chat/completions", body, timeout=120)
         assert answer["choices"][0]["message"]["content"]
         assert answer["usage"]["completion_tokens"] > 0
+        url, cli = f"nats://127.0.0.1:{nats_port}", secrets / "cli.credentials"
+        assert asyncio.run(_pool_objects_seen_by_the_operator(url, cli)) > 0
         assert not [line for line in lines if "permissions violation" in line.lower()]
     finally:
         if proc.poll() is None:
