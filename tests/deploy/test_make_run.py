@@ -2,9 +2,9 @@
 
 The real launcher as a subprocess, in its own run folder and ports: every service gets a
 credentials file bound to its service id, nats-server loads their permissions, and a chat
-completion goes through router and decode, whose pages then reach the pool (the master's
-stats, asked as the operator's read-only identity, count them); no service hears a
-permissions violation. No process is started with a password on its command line,
+completion goes through router and decode, a long one through prefill too; their pages
+then reach the pool (the master's stats, asked as the operator's read-only identity,
+count them); no service hears a permissions violation. No process is started with a password on its command line,
 nats-server's monitoring is off, and Ctrl-C (SIGTERM) stops everything with exit code 0.
 Tens of seconds on a busy 2-core host (two model loads).
 """
@@ -103,6 +103,12 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
         answer = _post(f"{base}/v1/chat/completions", body, timeout=120)
         assert answer["choices"][0]["message"]["content"]
         assert answer["usage"]["completion_tokens"] > 0
+        # Past --disagg-threshold (128 tokens): the prefill worker computes it and hands
+        # the KV over (generate, prefill, token 0 on the router's stream, each identity's).
+        long = "Tell me about the history of each of these cities. " + "Paris, Rome, Oslo. " * 40
+        body["messages"] = [{"role": "user", "content": long}]
+        assert _post(f"{base}/v1/chat/completions", body, timeout=120)["choices"][0]["message"]
+        assert any(line.startswith("prefill") and "prefill done" in line for line in lines)
         url, cli = f"nats://127.0.0.1:{nats_port}", secrets / "cli.credentials"
         assert asyncio.run(_pool_objects_seen_by_the_operator(url, cli)) > 0
         assert not [line for line in lines if "permissions violation" in line.lower()]
