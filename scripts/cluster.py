@@ -229,7 +229,11 @@ async def _run(args: argparse.Namespace) -> int:
     # NATS refuses clients without an identity: one per process, made once in run/secrets
     # (0600) and kept; the services get the path of theirs through their environment.
     run_dir: Path = args.run_dir
-    credentials = ensure(run_dir / "secrets", IDENTITIES, kv_secret=False)
+    try:
+        credentials = ensure(run_dir / "secrets", IDENTITIES, kv_secret=False)
+    except (OSError, ValueError) as e:
+        print(f"cannot make the NATS identities in {run_dir / 'secrets'}: {e}", file=sys.stderr)
+        return 1
     nats_server = NatsServer(run_dir / "nats", port=args.nats_port,
                              monitor_port=args.nats_monitor_port or None,
                              config_file=run_dir / "secrets" / AUTH_CONF)  # fmt: skip

@@ -4,8 +4,9 @@ The real launcher as a subprocess, in its own run folder and ports: every servic
 credentials file bound to its service id, nats-server loads their permissions, and a chat
 completion goes through router and decode, a long one through prefill too; their pages
 then reach the pool (the master's stats, asked as the operator's read-only identity,
-count them); no service hears a permissions violation. No process is started with a password on its command line,
-nats-server's monitoring is off, and Ctrl-C (SIGTERM) stops everything with exit code 0.
+count them); no service hears a permissions violation. No process is started with a
+password on its command line, nats-server's monitoring is off, and Ctrl-C (SIGTERM)
+stops everything with exit code 0.
 Tens of seconds on a busy 2-core host (two model loads).
 """
 
@@ -122,3 +123,16 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
             code = proc.wait()
         reader.join(timeout=10)
     assert code == 0, "".join(lines[-40:])
+
+
+def test_make_run_refuses_to_start_on_a_damaged_credentials_file(tmp_path, service_env):
+    secrets = tmp_path / "run" / "secrets"
+    secrets.mkdir(parents=True)
+    (secrets / "router.credentials").write_text("no-colon-here\n")
+    cmd = [sys.executable, "-m", "scripts.cluster", "--run-dir", str(tmp_path / "run"),
+           "--nats-port", str(_free_port())]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, env=service_env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 1
+    assert "router.credentials: expected one line `user:password`" in done.stderr
+    assert not (tmp_path / "run" / "nats").exists()  # nothing was started
