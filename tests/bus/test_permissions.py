@@ -270,3 +270,11 @@ def test_every_store_endpoint_is_served_by_its_store_and_called_by_the_master():
         assert _allowed(store.subscribe, ep.subject), ep.subject
         assert _allowed(master.publish, ep.subject), ep.subject
         assert not _allowed(other.subscribe, ep.subject), ep.subject
+
+
+def test_only_the_owners_of_a_transfer_engine_exchange_queue_pairs():
+    for role in ("router", "cache_master", "cli"):
+        rules = permissions(role, role)
+        assert not [s for s in rules.publish + rules.subscribe if ".transfer." in s], role
+    store = permissions("cache_store", "s", scope="store-1")
+    assert "tandem.transfer.store-1.connect" in store.subscribe

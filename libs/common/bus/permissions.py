@@ -32,6 +32,8 @@ from libs.common.bus.kv_events import stream_name
 ROLES = ("router", "prefill", "decode", "both", "cache_master", "cache_store", "cli")
 # The service (`python -m services.<service>`, micro name `tandem-<service>`) of each role.
 SERVICE_OF = {"both": "decode", "cli": ""} | {r: r for r in ROLES if r not in ("both", "cli")}
+# The roles that own a transfer engine (peers dial them for rdma queue pairs).
+TRANSFER_ROLES = ("prefill", "decode", "both", "cache_store")
 
 # The master's endpoints (`<prefix>.pool.master.<name>`), by who may call them.
 STORE_CALLS = ("mount", "mount_chunk", "mount_end", "mount_page", "unmount", "heartbeat")
@@ -64,7 +66,7 @@ def permissions(role: str, user: str, prefix: str = "tandem", scope: str = "*") 
     # Every service: its micro discovery and info endpoint, and the health check's asks.
     micro = [f"$SRV.{verb}" for verb in ("PING", "INFO", "STATS")]
     micro += [f"$SRV.*.tandem-{service}", f"$SRV.*.tandem-{service}.>"]
-    if role != "router":  # an rdma engine's queue-pair exchange (micro `tandem-transfer`)
+    if role in TRANSFER_ROLES:  # an rdma engine's queue-pair exchange (`tandem-transfer`)
         micro += ["$SRV.*.tandem-transfer", "$SRV.*.tandem-transfer.>"]
         subscribe.append(f"{p}.transfer.{scope}.connect")
         publish.append(f"{p}.transfer.*.connect")
