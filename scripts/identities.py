@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import sys
@@ -64,6 +65,8 @@ class Identity:
         identity = cls(name, role, scope or "*")
         if role not in ROLES:
             raise ValueError(f"--identity {text}: role must be one of {list(ROLES)}")
+        if identity.scope != "*" and not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,63}", scope):
+            raise ValueError(f"--identity {text}: the id must be a --service-id")
         parse_credentials(f"{name}:x", f"--identity {text}")  # the name is a valid user
         return identity
 

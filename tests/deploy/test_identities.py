@@ -53,7 +53,7 @@ def test_export_copies_each_piece_only_into_a_folder_meant_for_it(tmp_path):
     assert all(_mode(p) == 0o600 for p in target.rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("text", ["x=nobody", "x", "bad name=router", "r=router@"])
+@pytest.mark.parametrize("text", ["x=nobody", "x", "bad name=router", "d=decode@a.b", "r=router@"])
 def test_a_bad_identity_is_refused_by_name(text):
     if text == "r=router@":  # an empty id means any instance
         assert Identity.parse(text) == Identity("r", "router", "*")
