@@ -44,6 +44,7 @@ from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor
 from services.cache_master.config import CacheMasterConfig
 from services.cache_master.epoch import MasterEpoch
+from services.cache_master.grants import StoreGrants, by_store
 from services.cache_master.metadata import PoolLimits, PoolMetadata
 from services.cache_master.mounts import Mounts
 from services.cache_master.objects import Changes, PoolRequestError, PutSpec, Replica
@@ -83,6 +84,7 @@ class CacheMasterService(BaseService):
         self._event_seq: dict[str, int] = {}
         self._sweeper: asyncio.Task | None = None
         self._fence_task: asyncio.Task | None = None
+        self.grants = StoreGrants(self.bus, lambda sid: self.subject("pool", "store", sid, "grant"))
         self.repairer = Repairer(self.bus, self.meta, config.subject_prefix, self._publish_changes)
 
     def details(self) -> dict[str, Any]:
@@ -243,29 +245,36 @@ class CacheMasterService(BaseService):
                                      req.client)  # fmt: skip
         await self._publish(self.meta.take_changes())  # evictions made room
         slots = [PoolSlot(status, _replicas(replicas)) for _, status, replicas in results]
-        segments = self._segments([replicas for _, _, replicas in results])
-        return PoolPutStartReply(put_id, slots, segments, self.config.put_timeout, epoch=self.epoch)
+        ranges = by_store([(r, spec.size) for spec, (_, _, replicas) in zip(specs, results,
+                           strict=True) for r in replicas])  # fmt: skip
+        ttl = self.config.put_timeout
+        segments = await self.grants.issue(self.epoch, ranges, "write", ttl)
+        self.grants.remember(put_id, segments, ttl)
+        if len(segments) < len(ranges):  # a store did not grant: nothing of it is written
+            await self.grants.end_put(self.epoch, put_id)
+            self.meta.put_revoke(put_id, [spec.key for spec in specs])
+            await self._publish(self.meta.take_changes())
+            raise HandlerError(503, "a store did not grant access to its ranges; put revoked")
+        return PoolPutStartReply(put_id, slots, segments, ttl, epoch=self.epoch)
 
     async def _put_end(self, req: PoolPutFinish) -> PoolKeys:
         visible = self.meta.put_end(req.put_id, req.keys)
         await self._publish(self.meta.take_changes())
+        await self.grants.end_put(self.epoch, req.put_id)  # no write lands after the reply
         return PoolKeys(visible)
 
     async def _put_revoke(self, req: PoolPutFinish) -> PoolCount:
         count = self.meta.put_revoke(req.put_id, req.keys)
         await self._publish(self.meta.take_changes())
+        await self.grants.end_put(self.epoch, req.put_id)
         return PoolCount(count)
 
     async def _get(self, req: PoolKeys) -> PoolGetReply:
         looked = self.meta.get(req.keys, time.monotonic())
-        found = [obj for _, obj, _ in looked]
-        objects = [
-            PoolFound(obj.size, obj.checksum, _replicas(obj.replicas), mac=obj.mac)
-            if obj
-            else PoolFound(error=error)
-            for _, obj, error in looked
-        ]
-        segments = self._segments([obj.replicas for obj in found if obj])
+        found = [obj for _, obj, _ in looked if obj]
+        ranges = by_store([(r, obj.size) for obj in found for r in obj.replicas])
+        segments = await self.grants.issue(self.epoch, ranges, "read", self.config.lease_ttl)
+        objects = [_found(obj, error, segments) for _, obj, error in looked]
         return PoolGetReply(objects, segments, self.config.lease_ttl)
 
     async def _exists(self, req: PoolKeys) -> PoolCount:
@@ -296,11 +305,6 @@ class CacheMasterService(BaseService):
             return fn(*args)
         except PoolRequestError as e:
             raise HandlerError(e.code, e.message) from None
-
-    def _segments(self, replicas: list[list[Replica]]) -> dict[str, dict[str, Any]]:
-        """The descriptor of each store named: once per reply, however many replicas."""
-        named = {r.store_id for rs in replicas for r in rs}
-        return {sid: self.meta.segments[sid].descriptor for sid in named}
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -371,3 +375,13 @@ def _update_chunks(records: list[PoolRecord], removed: list[str]) -> list[tuple[
 
 def _replicas(replicas: list[Replica]) -> list[PoolReplica]:
     return [PoolReplica(r.store_id, r.offset) for r in replicas]
+
+
+def _found(obj: Any, error: str, granted: dict[str, Any]) -> PoolFound:
+    """get's answer for one key: only replicas on stores that granted reads of them."""
+    if obj is None:
+        return PoolFound(error=error)
+    replicas = [r for r in obj.replicas if r.store_id in granted]
+    if not replicas:
+        return PoolFound(error="unavailable")
+    return PoolFound(obj.size, obj.checksum, _replicas(replicas), mac=obj.mac)

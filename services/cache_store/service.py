@@ -16,7 +16,8 @@ orders only from that epoch; a reply from a higher one makes it mount there.
 store's segment into its own (after a store was lost); each checksum is checked.
 
 Peers never ask this service for bytes over NATS: they read and write the segment
-directly through the transfer engine, with the descriptor the master hands out.
+directly through the transfer engine, with the descriptor the master hands out: a grant
+of this store's (`grant`, grants.py) for one put's or one get's ranges only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from libs.common.log import get_logger
 from libs.common.messages.control import MessageError
 from libs.common.messages.pool import (
     PoolCount,
+    PoolGrant,
+    PoolGrantReply,
     PoolHeartbeatReply,
     PoolKeys,
     PoolMount,
@@ -49,6 +52,7 @@ from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
 from services.cache_store.config import CacheStoreConfig
+from services.cache_store.grants import expire, serve_grant
 from services.cache_store.segment import StoreSegment, checksum
 
 log = get_logger(__name__)
@@ -92,7 +96,17 @@ class CacheStoreService(BaseService):
 
     def endpoints(self) -> list[Endpoint]:
         subject = self.subject("pool", "store", self.config.service_id, "replicate")
-        return [Endpoint("replicate", subject, PoolReplicate, self._replicate, concurrent=True)]
+        grant = self.subject("pool", "store", self.config.service_id, "grant")
+        return [Endpoint("replicate", subject, PoolReplicate, self._replicate, concurrent=True),
+                Endpoint("grant", grant, PoolGrant, self._grant)]  # fmt: skip
+
+    async def _grant(self, req: PoolGrant) -> PoolGrantReply:
+        """A capability for one put or get of the master's (grants.py)."""
+        if req.epoch != self.epoch or not self.mounted:
+            state = "" if self.mounted else ", not mounted"
+            raise HandlerError(409, f"grant of epoch {req.epoch}; this store follows "
+                               f"{self.epoch}{state}")  # fmt: skip
+        return serve_grant(self.engine, self.region, req, self.segment.size)
 
     async def on_start(self) -> None:
         options = self.config.transfer_options(self._transport())
@@ -167,6 +181,7 @@ class CacheStoreService(BaseService):
             except Exception:  # a bug here must not end the loop that keeps us mounted
                 log.exception("pool control step failed")
             await asyncio.to_thread(self.segment.save, self.segment.snapshot())
+            expire(self.engine)
             try:
                 await asyncio.wait_for(self._remount.wait(), timeout=interval)
             except TimeoutError:

@@ -147,3 +147,12 @@ async def pool(pool_procs, nats_url):
     """Master + client; the test starts its stores (pool.procs.store(...)) and waits."""
     async with master_and_client(pool_procs, nats_url) as harness:
         yield harness
+
+
+def corrupt_segment_file(path, offset: int, data: bytes) -> None:
+    """Overwrite bytes of a store's --segment-file under the running store (its shared
+    mapping sees them): stored bytes gone bad at rest. Peers cannot do this through the
+    transfer engine any more: a get's grant is read-only (docs/pool.md, "Capabilities")."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)

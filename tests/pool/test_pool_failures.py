@@ -5,7 +5,7 @@ import os
 import pytest
 
 from libs.common.messages.pool import PoolGetReply, PoolKeys
-from libs.common.transfer import RegionDescriptor
+from tests.pool.conftest import corrupt_segment_file
 
 
 async def _put_blobs(pool, keys, size, replicas=0):
@@ -56,15 +56,13 @@ async def test_every_object_is_readable_after_master_kill_9_and_restart(pool):
     assert data == blobs
 
 
-async def test_corrupted_bytes_are_reported_as_a_miss_and_the_object_dropped(pool):
-    pool.procs.store("store-a")
+async def test_corrupted_bytes_are_reported_as_a_miss_and_the_object_dropped(pool, tmp_path):
+    pool.procs.store("store-a", "--segment-file", str(tmp_path / "a.seg"))
     await pool.wait_stores(1)
     await _put_blobs(pool, ["cor"], 4096)
     reply = await pool.bus.request("tandem.pool.master.get", PoolKeys(["cor"]), PoolGetReply)
-    ((store, offset),) = [(r.store, r.offset) for r in reply.objects[0].replicas]
-    pool.fill(0, b"\xff" * 16)  # overwrite the stored copy through the transfer engine
-    remote = RegionDescriptor.from_dict(reply.segments[store])
-    await pool.engine.write(pool.mem.region, remote, [(0, offset, 16)])
+    ((_, offset),) = [(r.store, r.offset) for r in reply.objects[0].replicas]
+    corrupt_segment_file(tmp_path / "a.seg", offset, b"\xff" * 16)
     got, _ = await _get_all(pool, ["cor"], 4096)
     assert got[0].error == "checksum"
     assert await pool.client.batch_exists(["cor"]) == 0

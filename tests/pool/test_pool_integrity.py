@@ -11,8 +11,8 @@ from libs.common.bus.connection import Bus
 from libs.common.messages.pool import PoolGetReply, PoolKeys
 from libs.common.pool.client import PoolClient
 from libs.common.pool.integrity import KvMac
-from libs.common.transfer import RegionDescriptor, create_engine
-from tests.pool.conftest import PoolHarness
+from libs.common.transfer import create_engine
+from tests.pool.conftest import PoolHarness, corrupt_segment_file
 
 SECRET = b"cluster secret: 32 random bytes!"
 WRONG = b"a wrong secret, also of 32 bytes"
@@ -93,18 +93,18 @@ async def test_an_untagged_forged_put_is_a_miss_for_every_secret_holder(
 
 
 @pytest.mark.parametrize("secret", [SECRET, None], ids=["mac", "checksum"])
-async def test_a_bad_first_replica_falls_through_to_the_good_second(pool_procs, nats_url, secret):
+async def test_a_bad_first_replica_falls_through_to_the_good_second(
+    pool_procs, nats_url, secret, tmp_path
+):
     pool_procs.master()
-    pool_procs.store("store-a")
-    pool_procs.store("store-b")
+    for sid in ("store-a", "store-b"):
+        pool_procs.store(sid, "--segment-file", str(tmp_path / f"{sid}.seg"))
     async with harness(pool_procs, nats_url, "reader", secret and KvMac(secret)) as h:
         await h.wait_stores(2)
         blobs = await put(h, ["fall"], replicas=2)
-        replicas, segments = await where(h, "fall")
+        replicas, _ = await where(h, "fall")
         (store, offset), _ = replicas  # the replica a get reads first
-        h.fill(0, b"\x66" * 64)  # overwrite its first bytes, as a peer with the token could
-        await h.engine.write(h.mem.region, RegionDescriptor.from_dict(segments[store]),
-                             [(0, offset, 64)])  # fmt: skip
+        corrupt_segment_file(tmp_path / f"{store}.seg", offset, b"\x66" * 64)  # gone bad
         errors, data = await get(h, ["fall"])
         assert errors == [""] and data == blobs
         after, _ = await where(h, "fall")

@@ -9,6 +9,7 @@ object, each checked like any field (`pool_get_reply.objects[3].size: Expected `
       |<-- PoolMountReply pages (PoolMountPage) -------| in bounded chunks        |
       |-- PoolStoreRef (heartbeat, 1 s) -->|                                        |
       |<-- PoolReplicate (copy from another store) ---| after a store is lost    |
+      |<-- PoolGrant (a put's or get's ranges) -------| -> PoolGrantReply        |
       |<== PoolStoreUpdate =======| objects added/removed on this store (publish)   |
       |                           |<-- PoolPutStart (keys, sizes, checksums) ------|
       |                           |--> PoolPutStartReply (where to write) -------->|
@@ -336,6 +337,27 @@ class PoolCopy(Record):
     offset: int
     source: str
     source_offset: int
+
+
+class PoolGrant(Message, tag="pool_grant"):
+    """Master -> store (request on `tandem.pool.store.<id>.grant`): a capability on this
+    store's segment for one put or one get (docs/pool.md, "Capabilities"): `mode` "write"
+    (a put's allocated ranges, until put_end/put_revoke or `ttl`, the put timeout) or
+    "read" (a get's replicas, for `ttl`, its lease), over `ranges` ([offset, length] in the
+    segment); and/or end the grants `revoke` (their region ids). Refused (409) unless from
+    the master of the store's epoch. The reply's `descriptor` is what the master hands the
+    client in place of the segment's own (which it never gives to clients)."""
+
+    epoch: int
+    mode: str = ""
+    ranges: list[list[int]] = field(default_factory=list)
+    ttl: float = 0.0
+    revoke: list[int] = field(default_factory=list)
+
+
+class PoolGrantReply(Message, tag="pool_grant_reply"):
+    descriptor: dict[str, Any] = field(default_factory=dict)  # {} when only revoking
+    revoked: int = 0
 
 
 class PoolReplicate(Message, tag="pool_replicate"):

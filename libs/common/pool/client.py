@@ -235,7 +235,10 @@ class PoolClient:
         if loop.time() > deadline:
             log.error("pool read outlived its lease; bytes refused", keys=len(keys),
                       lease_ttl=reply.lease_ttl)  # fmt: skip
-            return [r if not r.ok else GetResult(r.key, r.size, "lease_expired") for r in results]
+            # past the lease the store refuses reads too (the get's grant expired)
+            late = ("", "unreachable")
+            return [GetResult(r.key, r.size, "lease_expired") if r.error in late else r
+                    for r in results]  # fmt: skip
         if bad:  # read within the lease: the bytes were the replica's, not a reused range
             await self._report_bad(bad)
         return results
