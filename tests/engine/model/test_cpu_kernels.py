@@ -1,5 +1,6 @@
-"""The CPU kernels beside the quantized products: decode attention over the mirror and
-the fused residual-add RMSNorm, against torch's own ops."""
+"""The CPU kernels beside the quantized products: decode attention over the mirror, the
+fused residual-add RMSNorm, RoPE, SwiGLU and the sampler's argmax, against torch's own
+ops."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from libs.common.engine.model.attention.torch_backend import _KV_TYPES
-from libs.common.engine.model.fused import add_rms_norm, rms_norm, rope, swiglu
+from libs.common.engine.model.fused import add_rms_norm, argmax, rms_norm, rope, swiglu
 from libs.common.engine.model.quant.native import library
 
 
@@ -85,6 +86,23 @@ def test_rope_matches_the_torch_formula_on_strided_rows():
     half = d // 2
     expected = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
     assert torch.allclose(rope(x, cos, sin), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_argmax_is_torch_argmax_ties_infinities_and_nans_included():
+    gen = torch.Generator().manual_seed(3)
+    for rows, cols in ((1, 49152), (32, 49152), (5, 17), (3, 1)):
+        x = torch.randn(rows, cols, generator=gen)
+        assert torch.equal(argmax(x), torch.argmax(x, dim=-1)), (rows, cols)
+    x = torch.zeros(5, 100)
+    x[0, [40, 7, 99]] = 2.0  # a tie: the first
+    x[1] = float("-inf")  # every token masked
+    x[2, [61, 80]] = float("nan")  # the first NaN, past a larger number
+    x[2, 3] = 5.0
+    x[3, 99] = float("inf")  # in the scalar tail
+    x[4, 96:] = torch.tensor([1.0, 3.0, 3.0, 2.0])
+    assert argmax(x).tolist() == torch.argmax(x, dim=-1).tolist() == [7, 0, 61, 99, 97]
+    strided = torch.randn(4, 64, generator=gen)[:, ::2]  # not contiguous: torch's
+    assert torch.equal(argmax(strided), torch.argmax(strided, dim=-1))
 
 
 def test_swiglu_matches_silu_times_up():

@@ -1,6 +1,6 @@
 """The element-wise parts of a layer as single passes: RMSNorm (with the residual add
-fused in), rotate-half RoPE and SwiGLU. The C kernels (quant/kernels.c) on the CPU, torch
-elsewhere or when no kernel build is available.
+fused in), rotate-half RoPE and SwiGLU, and the sampler's argmax. The C kernels
+(quant/kernels.c) on the CPU, torch elsewhere or when no kernel build is available.
 
 A decode step of one stream is mostly small ops: torch's `F.rms_norm` runs five of them
 (~20 us on these hosts), RoPE six, SwiGLU three; each kernel is one pass of a few us.
@@ -72,4 +72,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(t, h, d)
     optional_library().tq_rope(x.data_ptr(), x.stride(0), h, d, cos.data_ptr(),
                                sin.data_ptr(), t, out.data_ptr())  # fmt: skip
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value ([rows, n] -> [rows] int64; the first of equal
+    ones, a NaN the largest): torch.argmax(x, dim=-1). On the CPU torch takes ~8 ms for
+    4-32 rows of the default model's logits (one row: 0.05 ms); the kernel ~0.1 ms."""
+    if not (_fast(x) and x.dim() == 2 and x.shape[1] > 0):
+        return torch.argmax(x, dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    optional_library().tq_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                      out.data_ptr())  # fmt: skip
     return out

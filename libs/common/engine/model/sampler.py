@@ -15,6 +15,7 @@ import torch
 
 from libs.common.engine.core.outputs import TokenLogprobs
 from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.model.fused import argmax
 
 _MASK = float("-inf")
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: spreads (seed, step) pairs
@@ -63,7 +64,7 @@ class Sampler:
             logits = _apply_mask(logits, allowed)
         want_lp = [r.params.logprobs is not None for r in rows]
         logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, dtype=torch.long)
@@ -134,7 +135,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     for i, r in enumerate(rows):
         gen = torch.Generator().manual_seed(((r.seed + 1) * _SEED_MIX + r.step) & _SEED_MASK)
         noise[i].exponential_(generator=gen)
-    return torch.argmax(probs / noise, dim=-1)
+    return argmax(probs / noise)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -155,6 +155,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tq_round_x16.restype = i
     lib.tq_activation_bits.argtypes = []
     lib.tq_activation_bits.restype = i
+    lib.tq_argmax_rows.argtypes = [p, i, i, ctypes.c_int64, p]
+    lib.tq_argmax_rows.restype = i
     lib.tq_panel_products.argtypes = []
     lib.tq_panel_products.restype = i
     return lib
