@@ -7,7 +7,7 @@ shared host hits both alike:
 
   handoff      the page writes (page_copy_ops, the workers' own op list)
   handoff+mac  the same writes, then what verification adds to the request's critical
-               path, in order: the prefill worker's xxh3-128 of the pages it sent and its
+               path, in order: the prefill worker's seeded xxh3-128 of the pages it sent and its
                HMAC, then the decode worker's xxh3-128 of the pages that landed and the
                MAC check. The decode side's hash runs here over a buffer of the decode
                pool's layout (the peer's memory is not this process's): the same bytes,
@@ -29,6 +29,7 @@ from libs.common.worker.handoff import (
     HandoffClaim,
     KvLayout,
     handoff_mac,
+    handoff_seed,
     kv_digest,
     page_copy_ops,
     verify_handoff,
@@ -47,11 +48,13 @@ def layout_for(region_bytes: int) -> KvLayout:
 
 def _verify(key: bytes, src: Any, dst: Any, layout: KvLayout, pages: list[int]) -> None:
     remote_pages = list(range(layout.num_pages - len(pages), layout.num_pages))
+    seed = handoff_seed(key, "r", "1", "d")
     claim = HandoffClaim("r", "1", "d", [1] * (16 * len(pages)), remote_pages, 7,
-                         kv_digest(src, layout, pages))  # fmt: skip
+                         kv_digest(src, layout, pages, seed))  # fmt: skip
     mac = handoff_mac(key, claim)  # the prefill worker
+    seed = handoff_seed(key, "r", "1", "d")
     landed = HandoffClaim("r", "1", "d", claim.token_ids, remote_pages, 7,
-                          kv_digest(dst, layout, remote_pages))  # fmt: skip
+                          kv_digest(dst, layout, remote_pages, seed))  # fmt: skip
     if not verify_handoff(key, landed, mac):  # the decode worker (dst: a copy of src)
         raise RuntimeError("bench: the copy did not verify")
 

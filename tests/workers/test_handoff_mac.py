@@ -13,6 +13,7 @@ from libs.common.worker.handoff import (
     HandoffClaim,
     KvLayout,
     handoff_mac,
+    handoff_seed,
     kv_digest,
     page_copy_ops,
     verify_handoff,
@@ -59,6 +60,13 @@ async def handoff(engines, local_pages=(2, 3, 7), remote_pages=(9, 10, 4)):
     await prefill.write(pregion, dregion, ops)
     mac = handoff_mac(KEY, claim(list(remote_pages), kv_digest(pview, PREFILL, local_pages)))
     return pview, dview, dregion, mac
+
+
+def test_the_digest_depends_on_the_secret_per_request_seed():
+    data = bytearray(os.urandom(LAYERS * 2 * 10 * SLICE))
+    seeds = {handoff_seed(KEY, "r1", rid, "d1") for rid in ("7", "8")}
+    seeds.add(handoff_seed(KvMac(b"another secret of 32 bytes......").handoff_key, "r1", "7", "d1"))
+    assert len({kv_digest(data, PREFILL, [1, 2], seed) for seed in seeds}) == 3
 
 
 def test_the_digest_is_the_same_wherever_the_pages_sit_in_either_pool():

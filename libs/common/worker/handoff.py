@@ -11,11 +11,12 @@ which the pairing check (model id, page size, KV dtype) guarantees. Runs of cons
 pages on both sides coalesce into one op.
 
 Handoff verification (docs/security.md, "Capabilities and handoff verification"): the
-prefill worker hashes the bytes it wrote (`kv_digest`, xxh3-128 of every written page's
-slices in prompt order) and sends `handoff_mac` of it, keyed with the cluster's KV secret,
-in its PrefillResult; the decode worker fences its pages, hashes what landed in them and
-decodes only when the MAC matches (`verify_handoff`). The digest does not depend on where
-the pages sit in either pool, so both sides compute it over their own layout.
+prefill worker hashes the bytes it wrote (`kv_digest`: xxh3-128, seeded with a secret
+per-request seed, of every written page's slices in prompt order) and sends `handoff_mac`
+of it, keyed with the cluster's KV secret, in its PrefillResult; the decode worker fences
+its pages, hashes what landed in them and decodes only when the MAC matches
+(`verify_handoff`). The digest does not depend on where the pages sit in either pool,
+so both sides compute it over their own layout.
 """
 
 from __future__ import annotations
@@ -104,12 +105,13 @@ def page_ranges(layout: KvLayout, pages: Sequence[int]) -> list[tuple[int, int]]
     ]
 
 
-def kv_digest(view: Any, layout: KvLayout, pages: Sequence[int]) -> bytes:
-    """xxh3-128 of the KV of `pages` (prompt order) in a pool of `layout` whose bytes
-    `view` covers: per layer, K then V, the pages' slices in list order. A streaming hash
-    does not depend on how the bytes are cut, so runs of consecutive pages are one update
-    and two pools that hold the same KV at other page numbers get the same digest."""
-    h = xxhash.xxh3_128()
+def kv_digest(view: Any, layout: KvLayout, pages: Sequence[int], seed: int = 0) -> bytes:
+    """xxh3-128 (seeded with `seed`, handoff_seed) of the KV of `pages` (prompt order) in a
+    pool of `layout` whose bytes `view` covers: per layer, K then V, the pages' slices in
+    list order. A streaming hash does not depend on how the bytes are cut, so runs of
+    consecutive pages are one update and two pools that hold the same KV at other page
+    numbers get the same digest."""
+    h = xxhash.xxh3_128(seed=seed)
     for start, length in page_ranges(layout, pages):
         h.update(view[start : start + length])
     return h.digest()
@@ -152,9 +154,17 @@ def verify_handoff(key: bytes, claim: HandoffClaim, mac: str) -> bool:
     return hmac.compare_digest(handoff_mac(key, claim), mac)
 
 
-def pool_digest(kv_cache: Any, pages: Sequence[int]) -> bytes:
+def handoff_seed(key: bytes, router: str, request_id: str, decode_worker: str) -> int:
+    """The digest's seed for one handoff: secret (from the handoff key) and different for
+    each request, so a forger who knows the honest KV cannot aim at a known hash function
+    (xxh3 is fast, not collision-resistant; docs/security.md says what this buys)."""
+    label = b"seed" + b"".join(_lp(t.encode()) for t in (router, request_id, decode_worker))
+    return int.from_bytes(hmac.digest(key, label, "sha256")[:8], "little")
+
+
+def pool_digest(kv_cache: Any, pages: Sequence[int], seed: int = 0) -> bytes:
     """`kv_digest` of `pages` of a worker's KV pool (engine/model/kv_cache.py). Reads the
     pool's memory; run it in a thread (xxhash releases the GIL): ~3 ms per 100 MB here."""
     view, _ = buffer_view(kv_cache.buffer)
     layout = KvLayout(kv_cache.num_layers, kv_cache.num_pages, kv_cache.slice_nbytes)
-    return kv_digest(view, layout, pages)
+    return kv_digest(view, layout, pages, seed)

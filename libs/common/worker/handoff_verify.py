@@ -14,7 +14,7 @@ from typing import Any
 
 from libs.common.log import get_logger
 from libs.common.messages.control import GenerateRequest, PrefillResult
-from libs.common.worker.handoff import HandoffClaim, pool_digest, verify_handoff
+from libs.common.worker.handoff import HandoffClaim, handoff_seed, pool_digest, verify_handoff
 
 log = get_logger(__name__)
 
@@ -36,10 +36,12 @@ async def verify_kv(
             f"unverified KV handoff: prefill worker {req.prefill_worker} sent no MAC "
             "(is it started without --kv-secret-file?)"
         )
-    digest = await asyncio.to_thread(pool_digest, worker.engine.core.kv_cache, pages)
-    claim = HandoffClaim(req.router, req.request_id, worker.config.service_id, req.token_ids,
-                         pages, result.first_token, digest)  # fmt: skip
-    if not verify_handoff(worker.kv_mac.handoff_key, claim, result.kv_mac):
+    key, me = worker.kv_mac.handoff_key, worker.config.service_id
+    seed = handoff_seed(key, req.router, req.request_id, me)
+    digest = await asyncio.to_thread(pool_digest, worker.engine.core.kv_cache, pages, seed)
+    claim = HandoffClaim(req.router, req.request_id, me, req.token_ids, pages,
+                         result.first_token, digest)  # fmt: skip
+    if not verify_handoff(key, claim, result.kv_mac):
         log.error("KV handoff failed verification: not decoded",
                   prefill_worker=req.prefill_worker, pages=len(pages))  # fmt: skip
         raise HandoffForged(

@@ -37,6 +37,7 @@ from libs.common.worker.handoff import (
     KvLayout,
     handoff_check,
     handoff_mac,
+    handoff_seed,
     pool_digest,
 )
 from libs.common.worker.kv_sender import KvSender
@@ -195,8 +196,9 @@ class PrefillService(WorkerService):
         copy of the same bytes, still held by the request): "" without a KV secret."""
         if self.kv_mac is None:
             return ""
-        kv = self.engine.core.kv_cache
-        digest = await asyncio.to_thread(pool_digest, kv, local_pages)
+        kv, key = self.engine.core.kv_cache, self.kv_mac.handoff_key
+        seed = handoff_seed(key, req.router, req.request_id, req.decode_worker)
+        digest = await asyncio.to_thread(pool_digest, kv, local_pages, seed)
         claim = HandoffClaim(req.router, req.request_id, req.decode_worker, req.token_ids,
                              req.page_indices, first, digest)  # fmt: skip
-        return handoff_mac(self.kv_mac.handoff_key, claim)
+        return handoff_mac(key, claim)
