@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -275,3 +276,23 @@ def test_gpu_overlay_patches_real_workloads_with_gpus_and_rdma():
     for role in ("prefill", "decode"):
         assert patched[role]["nvidia.com/gpu"] == 1
     assert all(any(r.startswith("rdma/") for r in limits) for limits in patched.values())
+
+
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl (its built-in kustomize) not here")
+def test_kustomize_builds_with_generated_secrets_and_rewrites_every_reference(tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(BASE, base, ignore=shutil.ignore_patterns("secrets"))
+    ensure(base / "secrets")
+    built = subprocess.run(["kubectl", "kustomize", str(base)], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    docs = [d for d in yaml.safe_load_all(built.stdout) if d]
+    secrets = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    assert len(secrets) == len(_kustomization(BASE)["secretGenerator"])
+    text = built.stdout
+    refs = set(re.findall(r"secretName: (\S+)", text))  # volumes
+    refs |= set(re.findall(r"- secret:\n\s+items: .*\n(?:.*\n)*?\s+name: (\S+)", text))
+    refs |= {m for m in re.findall(r"secretKeyRef:\n(?:\s+\w+: .*\n)*?\s+name: (\S+)", text)}
+    assert refs <= secrets, refs - secrets  # every reference got the generated name
+    assert {r for r in secrets if not r.startswith("nats-cli-")} <= refs  # and each is used
+    assert not re.search(r"secretName: (nats-[a-z-]+|kv-secret)$", text, re.M)  # unhashed
