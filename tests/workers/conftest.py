@@ -120,8 +120,10 @@ async def generate(
     prefill: str = "",
     max_tokens: int = 16,
     timeout: float = 120.0,
+    generated: list[int] | None = None,
 ) -> Completion:
-    """Send a GenerateRequest and collect its stream, ordered by index."""
+    """Send a GenerateRequest and collect its stream, ordered by index. `generated`: a
+    continuation's tokens (a migrated request)."""
     subject = f"tandem.stream.{request_id}"
     chunks: list[TokenChunk] = []
     done = asyncio.Event()
@@ -142,6 +144,7 @@ async def generate(
                 sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0),
                 stream_subject=subject,
                 prefill_worker=prefill,
+                generated=generated or [],
             ),
             GenerateAccepted,
             timeout=30,
