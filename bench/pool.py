@@ -15,9 +15,11 @@ a registered buffer, TCP transport) runs when the package imports (bench/pool_mo
 Rows of system `floor` (bench/pool_floor.py) measure, in the same run, what the calls are
 built on: a NATS round trip three ways (raw protocol, stock nats-py, the Bus), the
 transfer engine's read/write of one object and its xxh3, and from those the floor of a
-single get and put; `--no-floor` skips them. Rows of system `mac` and `tandem-*+mac`
-(bench/pool_integrity.py, first, on an empty pool) measure the keyed MAC tags: hashing
-GB/s, and put/get of one object with integrity off and on, alternating;
+single get and put, and the master -> store grant round trip that capabilities add to
+get, put_start and put_end (bench/pool_grants.py); `--no-floor` skips them. Rows of
+system `mac` and `tandem-*+mac` (bench/pool_integrity.py, first, on an empty pool)
+measure the keyed MAC tags: hashing GB/s, and put/get of one object with integrity off
+and on, alternating;
 `--no-integrity` skips them, `--only-integrity` runs nothing else (no Mooncake).
 Load averages are recorded: on a shared machine compare ratios from one run.
 """
@@ -39,6 +41,7 @@ import structlog
 
 from bench.pool_common import CASES, BenchProcs, row, timed
 from bench.pool_floor import bounds, bytes_floor, round_trips
+from bench.pool_grants import grant_rows
 from bench.pool_integrity import integrity_rows, overheads
 from libs.common import event_loop
 from libs.common.bus.connection import Bus
@@ -72,6 +75,7 @@ async def run_tandem(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
                 return rows
             rows += await _measure(client, engine, transport, args)
             if not args.no_floor:
+                rows += await grant_rows(client, bus, "store-a", args)
                 rows += await round_trips(nats_server.url, bus, procs, args)
                 rows += bounds(rows)
             return rows

@@ -30,6 +30,7 @@ from libs.common import event_loop
 from libs.common.bus.connection import Bus, Endpoint
 from libs.common.messages.pool import (
     PoolCount,
+    PoolGetReply,
     PoolKeys,
     PoolNewObject,
     PoolPutFinish,
@@ -168,8 +169,9 @@ async def round_trips(url: str, bus: Bus, procs: BenchProcs, args: Any) -> list[
 
 async def bytes_floor(client: PoolClient, mem: LocalMemory, label: str, size: int,
                       args: Any) -> list[dict[str, Any]]:  # fmt: skip
-    """Transfer write and read of one `size` object at a place put_start gave (then
-    revoked: nothing becomes visible), and its xxh3; measured back to back like a row."""
+    """Transfer write of one `size` object at the place put_start gave (its write grant),
+    read of it through a get's read grant (then removed), and its xxh3; measured back to
+    back like a row."""
     data = mem.view[:size]
     start = PoolPutStart([PoolNewObject(f"floor-{size}", size, checksum(data))], 1)
     reply = await client._ask("put_start", start, PoolPutStartReply)
@@ -179,14 +181,18 @@ async def bytes_floor(client: PoolClient, mem: LocalMemory, label: str, size: in
     ((store, offset),) = [(r.store, r.offset) for r in slot.replicas]
     remote = RegionDescriptor.from_dict(reply.segments[store])
     engine, dst = client.engine, mem.view.nbytes // 2
+    keys = [o.key for o in start.objects]
     try:
         write = await timed(lambda i: engine.write(mem.region, remote, [(0, offset, size)]),
                             args.seconds / 2, args.max_iters)  # fmt: skip
-        read = await timed(lambda i: engine.read(mem.region, remote, [(dst, offset, size)]),
+        await client._ask("put_end", PoolPutFinish(reply.put_id, keys), PoolKeys)
+        got = await client._ask("get", PoolKeys(keys), PoolGetReply)
+        readable = RegionDescriptor.from_dict(got.segments[store])
+        read = await timed(lambda i: engine.read(mem.region, readable, [(dst, offset, size)]),
                            args.seconds / 2, args.max_iters)  # fmt: skip
     finally:
-        keys = [o.key for o in start.objects]
         await client._ask("put_revoke", PoolPutFinish(reply.put_id, keys), PoolCount)
+        await client.remove(keys)
     sums = timed_sync(lambda i: checksum(data), args.seconds / 4, args.max_iters)
     return [row("floor", "transfer write", label, size, 1, write),
             row("floor", "transfer read", label, size, 1, read),
