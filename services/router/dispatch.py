@@ -148,7 +148,8 @@ class _Generation:
             sampling = msgspec.structs.replace(sampling, seed=random.getrandbits(63))
         self.sampling = sampling
         self.sent: list[int] = []
-        self.migrations = 0
+        self.migrations = 0  # failures after output, each followed by a continuation
+        self.migrating = False  # one just failed: the next route continues it
 
     def deliver(self, chunk: TokenChunk) -> None:
         self.sink(chunk)
@@ -213,8 +214,12 @@ class Dispatcher:
         failed: set[str] = set()  # workers that failed this request
         error: WorkerFailed | None = None
         retried, pause, tries = False, 0.05, 0
+        waiting_since = start  # --queue-timeout counts from here (again after a failure)
         while True:
             chosen = self._next_route(route, failed, gen, error)
+            if gen.migrating:  # counted once per failure, not per busy retry after it
+                gen.migrating = False
+                self.on_migrated()
             tries += 1
             rid = request_id if tries == 1 else f"{request_id}-r{tries - 1}"
             try:
@@ -222,7 +227,7 @@ class Dispatcher:
                 return
             except WorkerBusy:
                 # Full KV pools are back-pressure: wait for room, up to --queue-timeout.
-                if time.monotonic() + pause > min(deadline, start + self.queue_timeout):
+                if time.monotonic() + pause > min(deadline, waiting_since + self.queue_timeout):
                     raise ApiError(
                         429, "every decode worker is full (KV pages, prefill backlog); retry",
                         code="workers_full", headers={"Retry-After": "1"},
@@ -231,9 +236,11 @@ class Dispatcher:
                 pause = min(pause * 2, 1.0)
                 continue
             except WorkerFailed as e:
-                error = e
+                error, waiting_since, pause = e, time.monotonic(), 0.05
                 failed |= {chosen.decode, chosen.prefill} - {""}
                 if gen.sent:  # the client has output: continue it elsewhere (migrate)
+                    gen.migrations += 1
+                    gen.migrating = True
                     log.warning("request migrates", error=str(e), route=chosen.decode,
                                 generated=len(gen.sent))  # fmt: skip
                     continue
@@ -257,17 +264,15 @@ class Dispatcher:
         """The next attempt's route: a live one, avoiding the workers that failed this
         request while others are live (`route` falls back to them). Once the client has
         output, the decode worker prefills the continuation itself; 502 when no decode
-        worker is live or the request has migrated `_MAX_MIGRATIONS` times already."""
+        worker is live or the request failed again after `_MAX_MIGRATIONS` continuations."""
         chosen = route(failed)
         if not gen.sent:
             if chosen is None:
                 raise ApiError(503, "no decode worker is live", headers={"Retry-After": "1"})
             return chosen
-        if chosen is None or gen.migrations >= _MAX_MIGRATIONS:
+        if chosen is None or gen.migrations > _MAX_MIGRATIONS:
             msg = f"worker failed mid-request: {error}"
             raise ApiError(502, msg, code="worker_failed")
-        gen.migrations += 1
-        self.on_migrated()
         return dataclasses.replace(chosen, prefill="")
 
     async def generate(

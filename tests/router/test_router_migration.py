@@ -12,6 +12,7 @@ import time
 import msgspec
 import pytest
 
+from libs.common.bus.connection import HandlerError
 from libs.common.messages.control import SamplingSpec
 from services.router.errors import ApiError
 from tests.router.test_router_dispatch import chunk, collect, report, route_to, setup
@@ -140,3 +141,36 @@ async def test_a_worker_restarted_under_its_id_is_migrated_from_at_once(nats_url
         out = await asyncio.wait_for(task, 5)
     assert ids(out) == [10, 11, 12] and resp[1].requests[0].generated == [10, 11]
     assert time.monotonic() - started < 1  # the next sweep, not --worker-timeout
+
+
+async def test_a_busy_worker_after_a_failure_is_waited_for_not_counted_as_a_migration(nats_url):
+    # A continuation that meets a full worker waits for room (as a new request would),
+    # even past --queue-timeout from the request's start: it counts from the failure.
+    busy = {"left": 4}
+
+    def stalls(rid):
+        return [chunk(rid, 0, [10])]  # then silence, past the queue timeout
+
+    def full_then_continues(rid):
+        if busy["left"]:
+            busy["left"] -= 1
+            raise HandlerError(429, "KV pool full")
+        return [chunk(rid, 1, [11], "stop")]
+
+    scripts = {"d1": stalls, "d2": full_then_continues}
+    async with setup(nats_url, scripts, queue_timeout=1.0) as (dispatcher, resp, _, w):
+        w.timeout = 1.5
+        migrated = []
+        dispatcher.on_migrated = lambda: migrated.append(1)
+
+        async def keep_d2_alive():
+            for _ in range(100):
+                w.update(report("d2"))
+                await asyncio.sleep(0.1)
+
+        keeper = asyncio.create_task(keep_d2_alive())
+        try:
+            out = await collect(dispatcher, route_to("d1", "d2"))
+        finally:
+            keeper.cancel()
+    assert ids(out) == [10, 11] and len(resp[1].seen) == 5 and migrated == [1]
