@@ -57,6 +57,13 @@ def test_seeded_sampling_continues_the_same_random_stream(make_core, tokenizer):
     _check_continuations(make_core, _chat(tokenizer, PROMPT), params, (5, 20))
 
 
+def test_penalties_count_the_generated_tokens_as_output(make_core, tokenizer):
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
+                            repetition_penalty=1.3, frequency_penalty=0.8,
+                            presence_penalty=0.5)  # fmt: skip
+    _check_continuations(make_core, _chat(tokenizer, PROMPT), params, (4, 19))
+
+
 def test_a_stop_string_spanning_the_cut_still_ends_the_text_once(make_core, tokenizer):
     core = make_core()
     prompt = _chat(tokenizer, PROMPT)
