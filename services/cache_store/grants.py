@@ -21,6 +21,7 @@ from libs.common.transfer import RegionDescriptor, TransferEngine
 log = get_logger(__name__)
 
 MAX_TTL_S = 3600.0
+_warned: list[bool] = []  # the shm fallback is logged once per process
 
 
 def serve_grant(
@@ -45,8 +46,10 @@ def serve_grant(
     except ValueError as e:
         if engine.transport != "shm":
             raise HandlerError(400, f"grant: {e}") from None
-        log.warning("shm grant slots exhausted: the segment's descriptor is handed out",
-                    error=str(e))  # fmt: skip
+        if not _warned:
+            _warned.append(True)
+            log.warning("shm grant slots exhausted: the segment's descriptor is handed out "
+                        "while they are (logged once)", error=str(e))  # fmt: skip
         return PoolGrantReply(segment.to_dict(), revoked)
 
 
