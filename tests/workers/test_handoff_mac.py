@@ -104,3 +104,18 @@ async def test_a_mac_does_not_verify_another_request_prompt_or_page_list(engines
         assert not verify_handoff(KEY, claim([9, 10, 4], digest, **other), mac), other
     other_key = KvMac(b"another secret of 32 bytes......").handoff_key
     assert not verify_handoff(other_key, claim([9, 10, 4], digest), mac)
+
+
+async def test_with_a_secret_a_handoff_without_a_mac_fails_and_without_one_nothing_is_checked():
+    from types import SimpleNamespace
+
+    from libs.common.messages.control import GenerateRequest, PrefillResult, SamplingSpec
+    from libs.common.worker.handoff_verify import HandoffForged, verify_kv
+
+    req = GenerateRequest(request_id="7", token_ids=[1, 2], sampling=SamplingSpec(),
+                          stream_subject="s", prefill_worker="p1")  # fmt: skip
+    result = PrefillResult(request_id="7", first_token=3, check="x", kv_mac="")
+    with_secret = SimpleNamespace(kv_mac=KvMac(b"0123456789abcdef0123456789abcdef"))
+    with pytest.raises(HandoffForged, match="sent no MAC"):
+        await verify_kv(with_secret, req, [0], result)
+    await verify_kv(SimpleNamespace(kv_mac=None), req, [0], result)  # dev mode: no check
