@@ -25,9 +25,8 @@ Failure handling, in one place:
   prefills prompt + those tokens itself, replays them through the grammar and stop
   strings and streams from index len(generated), so the sink sees one uninterrupted,
   duplicate-free stream (greedy: the same tokens). With no decode worker live, or after
-  `_MAX_MIGRATIONS` continuations: 502 `worker_failed`, as before migration.
-  Sampling without a seed gets one here, so a continuation draws from the same random
-  stream; docs/reliability.md "Migration";
+  `MAX_MIGRATIONS` continuations: 502 `worker_failed`, as before migration
+  (services/router/migration.py; docs/reliability.md "Migration");
 - chunks lost in transit while both workers are live (a restarted nats-server drops what
   it held, and what is published before the router has subscribed again): a hole in the
   chunk order for `lost_after` seconds, or a started stream silent for `lost_after` since
@@ -43,13 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-
-import msgspec
 
 from libs.common.bus.connection import Bus, BusError, RemoteError
 from libs.common.log import get_logger
@@ -62,6 +57,7 @@ from libs.common.messages.control import (
 )
 from services.router.chunk_order import FAILED, ChunkOrder
 from services.router.errors import ApiError
+from services.router.migration import Generation, next_route
 from services.router.policy import Route
 from services.router.streams import StreamTable
 from services.router.workers import Worker, WorkerTable
@@ -69,7 +65,6 @@ from services.router.workers import Worker, WorkerTable
 log = get_logger(__name__)
 
 _POLL_S = 0.25  # how often a waiting stream checks that its workers still report
-_MAX_MIGRATIONS = 3  # continuations of one choice: bounds a request that fails everywhere
 
 Sink = Callable[[TokenChunk], None]
 
@@ -136,26 +131,6 @@ class _Stream:
             self.pending = 0
 
 
-class _Generation:
-    """One choice's generation across its attempts: the prompt, its sampling, and `sent`,
-    the tokens its sink has had (a continuation's `generated`). `deliver` is the sink
-    every attempt feeds, in order, so `sent` is exactly what the client holds."""
-
-    def __init__(self, token_ids: list[int], sampling: SamplingSpec, sink: Sink):
-        self.token_ids, self.sink = token_ids, sink
-        if sampling.temperature > 0 and sampling.seed is None:
-            # A continuation must draw from the same random stream as its first attempt.
-            sampling = msgspec.structs.replace(sampling, seed=random.getrandbits(63))
-        self.sampling = sampling
-        self.sent: list[int] = []
-        self.migrations = 0  # failures after output, each followed by a continuation
-        self.migrating = False  # one just failed: the next route continues it
-
-    def deliver(self, chunk: TokenChunk) -> None:
-        self.sink(chunk)
-        self.sent += chunk.token_ids
-
-
 class Dispatcher:
     """Runs generations over the bus; see the module docstring for the contract.
 
@@ -210,13 +185,13 @@ class Dispatcher:
         X-Request-Id, carried to the workers for their logs only."""
         start = time.monotonic()
         deadline = start + timeout
-        gen = _Generation(token_ids, sampling, sink)
+        gen = Generation(token_ids, sampling, sink)
         failed: set[str] = set()  # workers that failed this request
         error: WorkerFailed | None = None
         retried, pause, tries = False, 0.05, 0
         waiting_since = start  # --queue-timeout counts from here (again after a failure)
         while True:
-            chosen = self._next_route(route, failed, gen, error)
+            chosen = next_route(route, failed, gen, error)
             if gen.migrating:  # counted once per failure, not per busy retry after it
                 gen.migrating = False
                 self.on_migrated()
@@ -254,27 +229,6 @@ class Dispatcher:
                 log.warning("retrying on another worker", error=str(e), route=chosen.decode)
                 retried = True
 
-    def _next_route(
-        self,
-        route: Callable[[set[str]], Route | None],
-        failed: set[str],
-        gen: _Generation,
-        error: WorkerFailed | None,
-    ) -> Route:
-        """The next attempt's route: a live one, avoiding the workers that failed this
-        request while others are live (`route` falls back to them). Once the client has
-        output, the decode worker prefills the continuation itself; 502 when no decode
-        worker is live or the request failed again after `_MAX_MIGRATIONS` continuations."""
-        chosen = route(failed)
-        if not gen.sent:
-            if chosen is None:
-                raise ApiError(503, "no decode worker is live", headers={"Retry-After": "1"})
-            return chosen
-        if chosen is None or gen.migrations > _MAX_MIGRATIONS:
-            msg = f"worker failed mid-request: {error}"
-            raise ApiError(502, msg, code="worker_failed")
-        return dataclasses.replace(chosen, prefill="")
-
     async def generate(
         self,
         request_id: str,
@@ -301,7 +255,7 @@ class Dispatcher:
                     await task
 
     async def _attempt(
-        self, rid: str, gen: _Generation, route: Route, deadline: float, *, label: str = ""
+        self, rid: str, gen: Generation, route: Route, deadline: float, *, label: str = ""
     ) -> None:
         try:
             await self.streams.start()
