@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -80,18 +81,23 @@ def in_netns(name: str, make: Callable[[], T]) -> T:
     return out[0]
 
 
-class Relay:
-    """127.0.0.1:<port> inside namespace `netns` -> `target` in the root namespace."""
+def drop_unavailable() -> str | None:
+    """Why `cut(mode="drop")` cannot be used here, or None when it can."""
+    return None if shutil.which("nft") else "nft (nftables) is not installed"
 
-    def __init__(self, netns: str, port: int, target: tuple[str, int]):
-        self.netns, self.port, self.target = netns, port, target
+
+class Relay:
+    """<host>:<port> inside namespace `netns` -> `target` in the root namespace."""
+
+    def __init__(self, netns: str, port: int, target: tuple[str, int], host: str = "127.0.0.1"):
+        self.netns, self.port, self.target, self.host = netns, port, target, host
         self._listener: socket.socket | None = None
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
 
     def start(self) -> Relay:
         self._listener = in_netns(
-            self.netns, lambda: socket.create_server(("127.0.0.1", self.port), backlog=64)
+            self.netns, lambda: socket.create_server((self.host, self.port), backlog=64)
         )
         threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
         return self
@@ -144,7 +150,7 @@ class LinkedNamespaces:
         self.p, self.d = f"{tag}-p", f"{tag}-d"
         self.veth = {self.p: f"{tag}p"[:15], self.d: f"{tag}d"[:15]}
         self.relays: list[Relay] = []
-        self.cut_active = False
+        self.cut_active = ""  # "", "route" or "drop": how the link is cut now
 
     def create(self) -> LinkedNamespaces:
         _ip("netns", "add", self.p)
@@ -162,6 +168,13 @@ class LinkedNamespaces:
         """Make 127.0.0.1:<port> in both namespaces reach the root namespace's port."""
         for ns in (self.p, self.d):
             self.relays.append(Relay(ns, port, ("127.0.0.1", port)).start())
+
+    def relay_nats_across(self, port: int) -> str:
+        """A relay on P_ADDR:<port> in `p` to the root namespace's port: `d` reaches the bus
+        through it, across the veth, so a cut silences `d`'s bus traffic too (a host that
+        vanishes from the network). Returns the URL for processes in `d`."""
+        self.relays.append(Relay(self.p, port, ("127.0.0.1", port), host=P_ADDR).start())
+        return f"nats://{P_ADDR}:{port}"
 
     def command(self, ns: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
@@ -181,16 +194,44 @@ class LinkedNamespaces:
         for ns, peer in ((self.p, D_ADDR), (self.d, P_ADDR)):
             _ip("-n", ns, "route", action, "blackhole", f"{peer}/32")
 
-    def cut(self) -> None:
+    def _drop(self, add: bool) -> None:
+        # Each side drops at its input hook what arrives from the other (nftables, a table
+        # of our own in each namespace): the sender's packets leave and vanish, so even a
+        # new connect() gets no answer and waits for its own timeout.
+        for ns, peer in ((self.p, D_ADDR), (self.d, P_ADDR)):
+            nft = ["ip", "netns", "exec", ns, "nft"]
+            steps = ([["add", "table", "inet", "tdmcut"],
+                      ["add", "chain", "inet", "tdmcut", "in",
+                       "{ type filter hook input priority 0 ; }"],
+                      ["add", "rule", "inet", "tdmcut", "in", "ip", "saddr", peer, "drop"]]
+                     if add else [["delete", "table", "inet", "tdmcut"]])  # fmt: skip
+            for step in steps:
+                done = subprocess.run(nft + step, capture_output=True, text=True, timeout=10)
+                if done.returncode:
+                    raise RuntimeError(f"nft {' '.join(step)} in {ns}: {done.stderr.strip()}")
+
+    def cut(self, mode: str = "route") -> None:
         """Drop every packet on the link, both ways, silently (no RST, no ICMP): what a
-        pulled cable or a dead switch port looks like to TCP."""
-        self._blackhole("add")
-        self.cut_active = True
+        pulled cable or a dead switch port looks like to TCP.
+
+        mode "route": a blackhole route on each side; a local connect() to the other side
+        then fails at once (EINVAL), which a real vanished host would not do. mode "drop":
+        each side drops what it receives (nft); connect() times out, as over a real cut
+        (needs nft: `drop_unavailable`)."""
+        if mode not in ("route", "drop"):
+            raise ValueError(f"mode: 'route' or 'drop', got {mode!r}")
+        if mode == "route":
+            self._blackhole("add")
+        else:
+            self._drop(True)
+        self.cut_active = mode
 
     def restore(self) -> None:
-        if self.cut_active:
+        if self.cut_active == "route":
             self._blackhole("del")
-            self.cut_active = False
+        elif self.cut_active == "drop":
+            self._drop(False)
+        self.cut_active = ""
 
     def close(self) -> None:
         """Stop the relays and delete both namespaces (the veth goes with them)."""
