@@ -151,6 +151,7 @@ class LinkedNamespaces:
         self.veth = {self.p: f"{tag}p"[:15], self.d: f"{tag}d"[:15]}
         self.relays: list[Relay] = []
         self.cut_active = ""  # "", "route" or "drop": how the link is cut now
+        self.slowed = False
 
     def create(self) -> LinkedNamespaces:
         _ip("netns", "add", self.p)
@@ -226,7 +227,26 @@ class LinkedNamespaces:
             self._drop(True)
         self.cut_active = mode
 
+    def slow(self, rate: str) -> None:
+        """Throttle what `p` receives from `d` to `rate` (an nft limit, e.g. "4 mbytes/second";
+        the excess is dropped, so TCP settles near it): a transfer from `d` then takes
+        long enough for a cut to land in the middle of it. `restore` lifts it."""
+        nft = ["ip", "netns", "exec", self.p, "nft"]
+        for step in (["add", "table", "inet", "tdmslow"],
+                     ["add", "chain", "inet", "tdmslow", "in",
+                      "{ type filter hook input priority 0 ; }"],
+                     ["add", "rule", "inet", "tdmslow", "in", "ip", "saddr", D_ADDR,
+                      "limit", "rate", "over", *rate.split(), "drop"]):  # fmt: skip
+            done = subprocess.run(nft + step, capture_output=True, text=True, timeout=10)
+            if done.returncode:
+                raise RuntimeError(f"nft {' '.join(step)} in {self.p}: {done.stderr.strip()}")
+        self.slowed = True
+
     def restore(self) -> None:
+        if self.slowed:
+            subprocess.run(["ip", "netns", "exec", self.p, "nft", "delete", "table", "inet",
+                            "tdmslow"], capture_output=True, timeout=10)  # fmt: skip
+            self.slowed = False
         if self.cut_active == "route":
             self._blackhole("del")
         elif self.cut_active == "drop":
