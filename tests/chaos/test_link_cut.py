@@ -2,11 +2,14 @@
 
 The workers run in two network namespaces joined by a veth (tests/chaos/netns.py); the
 KV bytes are the only traffic on it. Once the prefill worker has put the first MiB of a
-long prompt's KV on the wire, every packet on the link is dropped silently. The request
-must end with a clear error within its timeout (the stalled transfer fails after
---transfer-stall-timeout); after the link is back, neither worker is wedged: new
-requests through the same pair succeed, the free pages of both return to where they
-were, and the decode worker's transfer server holds no dead connection.
+long prompt's KV on the wire, every packet on the link is dropped silently. The handoff
+fails when the stalled transfer does (--transfer-stall-timeout); the client already has
+token 0 (from the prefill worker), so the router continues the request on the live
+decode worker, which prefills prompt + token 0 itself (docs/reliability.md, "Migration"):
+the client gets the whole greedy completion, equal to the same prompt's after the link
+is back. After it, neither worker is wedged: new requests through the same pair succeed,
+the free pages of both return to where they were, and the decode worker's transfer
+server holds no dead connection.
 
 Needs root (ip netns, ip route): skipped, with the reason, elsewhere.
 """
@@ -144,7 +147,7 @@ def namespaces():
         ns.close()
 
 
-async def test_link_cut_mid_transfer_fails_the_request_and_wedges_no_worker(
+async def test_link_cut_mid_transfer_is_continued_exactly_and_wedges_no_worker(
     namespaces: LinkedNamespaces, nats_server, tmp_path: Path
 ):
     ns, logs = namespaces, tmp_path / "logs"
@@ -173,19 +176,17 @@ async def test_link_cut_mid_transfer_fails_the_request_and_wedges_no_worker(
             request = asyncio.create_task(_complete(http, url, LONG_PROMPT))
             sent = await _cut_mid_transfer(ns, request)
             cut_at = time.monotonic()
-            status, text, cut_error, _ = await asyncio.wait_for(request, 120)
-            failed_after = time.monotonic() - cut_at
-            # a clear error (HTTP status, or an error event after token 0), not a hang
-            assert cut_error is not None, f"the request succeeded across a cut link: {text!r}"
-            assert status in (200, 502, 503, 504), status
-            message = cut_error["message"]
-            assert "transfer" in message or "prefill" in message, cut_error
-            assert failed_after < STALL_S + 30, failed_after
+            status, cut_text, cut_error, _ = await asyncio.wait_for(request, 120)
+            done_after = time.monotonic() - cut_at
+            # continued on the decode worker once the stalled handoff failed, not a hang
+            assert (status, cut_error) == (200, None), (status, cut_error)
+            assert done_after < STALL_S + 30, done_after
 
             ns.restore()
             for prompt in (LONG_PROMPT[:300], LONG_PROMPT[100:400], LONG_PROMPT):
                 status, text, error, _ = await _complete(http, url, prompt)
                 assert (status, error) == (200, None), (status, error)
+            assert cut_text == text, (cut_text, text)  # greedy: the uninterrupted answer
             for _ in range(30):
                 if (now := await watch.free_pages()) == baseline:
                     break
@@ -196,8 +197,8 @@ async def test_link_cut_mid_transfer_fails_the_request_and_wedges_no_worker(
             p_info = await watch.transfer_info("prefill", "lp1")
             p_conns, lanes = p_info["peer_connections"], p_info["connections_per_peer"]
             assert d_conns == p_conns <= lanes, (d_conns, p_conns, lanes)
-        print(f"\nlink cut after {sent} B of KV; request failed {failed_after:.1f} s later: "
-              f"HTTP {status} {message!r}; pages back to {baseline}")  # fmt: skip
+        print(f"\nlink cut after {sent} B of KV; request continued and done {done_after:.1f} s "
+              f"later: {cut_text!r}; pages back to {baseline}")  # fmt: skip
     finally:
         router.stop()
         _stop(procs)
