@@ -86,6 +86,23 @@ def report(wid: str) -> LoadReport:
 
 
 @contextlib.asynccontextmanager
+async def kept_alive(workers: WorkerTable, wid: str):
+    """`wid`'s load reports keep coming (every 0.1 s, 10 s at most) inside the block, so
+    it stays live while another worker's reports stop."""
+
+    async def beat() -> None:
+        for _ in range(100):
+            workers.update(report(wid))
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+@contextlib.asynccontextmanager
 async def setup(nats_url: str, scripts: dict, queue_timeout: float = 5.0):
     workers = WorkerTable(timeout=3.0)
     responders = [ScriptedDecodeResponder(nats_url, wid, s) for wid, s in scripts.items()]
@@ -224,15 +241,6 @@ async def test_silent_worker_fails_over_before_the_first_token(nats_url):
 
     async with setup(nats_url, {"d1": silent, "d2": good}) as (dispatcher, resp, _, workers):
         workers.timeout = 0.5  # d1's reports "stop" (no more updates) and it leaves rotation
-
-        async def keep_d2_alive():
-            for _ in range(100):
-                workers.update(report("d2"))
-                await asyncio.sleep(0.1)
-
-        keeper = asyncio.create_task(keep_d2_alive())
-        try:
+        async with kept_alive(workers, "d2"):
             out = await collect(dispatcher, route_to("d1", "d2"))
-        finally:
-            keeper.cancel()
     assert out[-1].token_ids == [5] and resp[1].seen == ["r1-r1"]

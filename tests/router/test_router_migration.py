@@ -15,7 +15,14 @@ import pytest
 from libs.common.bus.connection import HandlerError
 from libs.common.messages.control import SamplingSpec
 from services.router.errors import ApiError
-from tests.router.test_router_dispatch import chunk, collect, report, route_to, setup
+from tests.router.test_router_dispatch import (
+    chunk,
+    collect,
+    kept_alive,
+    report,
+    route_to,
+    setup,
+)
 
 
 def ids(chunks):
@@ -93,17 +100,8 @@ async def test_a_worker_that_stops_reporting_mid_stream_is_migrated_from(nats_ur
 
     async with setup(nats_url, {"d1": stalls, "d2": continues}) as (dispatcher, resp, _, w):
         w.timeout = 0.5
-
-        async def keep_d2_alive():
-            for _ in range(100):
-                w.update(report("d2"))
-                await asyncio.sleep(0.1)
-
-        keeper = asyncio.create_task(keep_d2_alive())
-        try:
+        async with kept_alive(w, "d2"):
             out = await collect(dispatcher, route_to("d1", "d2"))
-        finally:
-            keeper.cancel()
     assert ids(out) == [10, 11, 12] and resp[1].requests[0].generated == [10, 11]
 
 
@@ -162,15 +160,6 @@ async def test_a_busy_worker_after_a_failure_is_waited_for_not_counted_as_a_migr
         w.timeout = 1.5
         migrated = []
         dispatcher.on_migrated = lambda: migrated.append(1)
-
-        async def keep_d2_alive():
-            for _ in range(100):
-                w.update(report("d2"))
-                await asyncio.sleep(0.1)
-
-        keeper = asyncio.create_task(keep_d2_alive())
-        try:
+        async with kept_alive(w, "d2"):
             out = await collect(dispatcher, route_to("d1", "d2"))
-        finally:
-            keeper.cancel()
     assert ids(out) == [10, 11] and len(resp[1].seen) == 5 and migrated == [1]
