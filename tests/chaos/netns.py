@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 T = TypeVar("T")
 
 CLONE_NEWNET = 0x40000000
@@ -262,3 +264,16 @@ class LinkedNamespaces:
             if Path(f"/run/netns/{ns}").exists():
                 with contextlib.suppress(Exception):
                     _ip("netns", "del", ns)
+
+
+def created_or_skip(what: str, *checks: Callable[[], str | None]):
+    """A pytest fixture's body: LinkedNamespaces created (and closed after the test), or
+    the test skipped with the reason (`unavailable`, then each of `checks`)."""
+    reason = unavailable() or next((r for r in (check() for check in checks) if r), None)
+    if reason:
+        pytest.skip(f"{what}: {reason}")
+    ns = LinkedNamespaces()
+    try:
+        yield ns.create()
+    finally:
+        ns.close()

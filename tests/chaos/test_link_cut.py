@@ -30,7 +30,7 @@ import pytest
 
 from libs.common.messages.control import InfoRequest, LoadReport, ServiceInfo
 from scripts.cluster import REPO, LocalCluster
-from tests.chaos.netns import D_ADDR, P_ADDR, LinkedNamespaces, unavailable
+from tests.chaos.netns import D_ADDR, P_ADDR, LinkedNamespaces, created_or_skip
 from tests.router.conftest import router_env, router_port
 from tests.router.e2e_cluster import wait_healthy
 
@@ -137,14 +137,7 @@ async def _cut_mid_transfer(ns: LinkedNamespaces, request: asyncio.Task) -> int:
 
 @pytest.fixture
 def namespaces():
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"link cut: {reason}")
-    ns = LinkedNamespaces()
-    try:
-        yield ns.create()
-    finally:
-        ns.close()
+    yield from created_or_skip("link cut")
 
 
 async def test_link_cut_mid_transfer_is_continued_exactly_and_wedges_no_worker(

@@ -39,7 +39,13 @@ from libs.common.messages.pool import PoolStats
 from scripts.cluster import REPO, LocalCluster
 from tests.chaos.cases import Case, prompt_ids, references
 from tests.chaos.load import Load
-from tests.chaos.netns import D_ADDR, P_ADDR, LinkedNamespaces, drop_unavailable, unavailable
+from tests.chaos.netns import (
+    D_ADDR,
+    P_ADDR,
+    LinkedNamespaces,
+    created_or_skip,
+    drop_unavailable,
+)
 from tests.chaos.reports import connect
 from tests.router.conftest import router_env, router_port
 from tests.router.e2e_cluster import wait_healthy
@@ -157,14 +163,7 @@ async def _warm(bus, load: Load) -> PoolStats:
 
 @pytest.fixture
 def namespaces():
-    reason = unavailable() or drop_unavailable()
-    if reason:
-        pytest.skip(f"store vanish: {reason}")
-    ns = LinkedNamespaces()
-    try:
-        yield ns.create()
-    finally:
-        ns.close()
+    yield from created_or_skip("store vanish", drop_unavailable)
 
 
 async def test_store_vanishing_without_rst_under_load_costs_only_recompute(
