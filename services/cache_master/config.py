@@ -47,12 +47,34 @@ class CacheMasterConfig(CommonConfig):
     )
     epoch: int = field(
         default=0,
-        metadata={"help": "this master's epoch (0: from the clock); a higher one fences it"},
+        metadata={
+            "help": "this master's epoch (0: from the clock or the election); a higher one "
+            "fences it. Set: this master serves at once with it, without an election"
+        },
+    )
+    election: bool = field(
+        default=True,
+        metadata={
+            "help": "elect one leader among the masters through JetStream KV; the others "
+            "stand by (false: serve at once, one master only)"
+        },
+    )
+    election_lease: float = field(
+        default=2.5,
+        metadata={
+            "help": "seconds without a renewal of the leader's claim before a standby "
+            "takes over (renewed every third of it)"
+        },
     )
     sweep_interval: float = field(
         default=0.5,
         metadata={"help": "seconds between sweeps (dead stores, stale puts, ended leases)"},
     )
+
+    @property
+    def elected(self) -> bool:
+        """Whether this master waits to win the election (an imposed --epoch does not)."""
+        return self.election and self.epoch == 0
 
     def validate(self) -> None:
         super().validate()
@@ -60,7 +82,7 @@ class CacheMasterConfig(CommonConfig):
             require_positive(self, name)
         for name in ("put_timeout", "sweep_interval", "min_object_size", "max_pending_puts"):
             require_positive(self, name)
-        for name in ("max_lease_pin", "mount_timeout"):
+        for name in ("max_lease_pin", "mount_timeout", "election_lease"):
             require_positive(self, name)
         if self.epoch < 0:
             raise ValueError(f"{flag_name('epoch')}: must be >= 0, got {self.epoch}")

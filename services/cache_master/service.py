@@ -1,7 +1,10 @@
 """The cache master service: the pool's metadata behind NATS micro endpoints.
 
-Every endpoint is `tandem.pool.master.<name>` in queue group `tandem-pool-master`. The
-master holds no bytes: it answers where to write and where to read; stores and clients
+Every endpoint is `tandem.pool.master.<name>` in queue group `tandem-pool-master`. With
+the election (election.py, the default) only the leader has them: a standby answers
+`info` alone until it wins, and a deposed leader stops serving and (run as a process)
+exits, so that its supervisor starts it again as a fresh standby. The master holds no
+bytes: it answers where to write and where to read; stores and clients
 move the bytes with the transfer engine. After every change it publishes, per store,
 a `PoolStoreUpdate` (the store's own index, so a restarted master can be told what each
 store holds) and `KvEvent`s with tier `pool` (so the router knows what the pool holds).
@@ -10,11 +13,15 @@ store holds) and `KvEvent`s with tier `pool` (so the router knows what the pool 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from typing import Any
 
+from libs.common import __version__
 from libs.common.bus.connection import Endpoint, HandlerError
 from libs.common.bus.kv_events import events_subject, keep_kv_stream
+from libs.common.bus.permissions import election_bucket
 from libs.common.log import get_logger
 from libs.common.messages.control import InfoRequest, KvEvent, Message
 from libs.common.messages.pool import (
@@ -43,6 +50,7 @@ from libs.common.messages.pool import (
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor
 from services.cache_master.config import CacheMasterConfig
+from services.cache_master.election import Claim, LeaderElection
 from services.cache_master.epoch import MasterEpoch
 from services.cache_master.grants import StoreGrants, by_store
 from services.cache_master.metadata import PoolLimits, PoolMetadata
@@ -61,8 +69,10 @@ class CacheMasterService(BaseService):
 
     description = "Tandem cache master: KV pool metadata"
 
-    def __init__(self, config: CacheMasterConfig):
+    def __init__(self, config: CacheMasterConfig, exit_on_step_down: bool = False):
+        """`exit_on_step_down`: a deposed leader ends its process (SIGTERM to itself)."""
         super().__init__(config)
+        self.exit_on_step_down = exit_on_step_down
         self.config: CacheMasterConfig = config
         self.meta = PoolMetadata(
             PoolLimits(
@@ -86,6 +96,12 @@ class CacheMasterService(BaseService):
         self._fence_task: asyncio.Task | None = None
         self.grants = StoreGrants(self.bus, lambda sid: self.subject("pool", "store", sid, "grant"))
         self.repairer = Repairer(self.bus, self.meta, config.subject_prefix, self._publish_changes)
+        self.election = LeaderElection(self.bus, election_bucket(config.subject_prefix),
+                                       config.service_id, config.election_lease)  # fmt: skip
+        self.election.on_elected, self.election.on_deposed = self._lead, self._deposed
+        self.serving = False  # the pool endpoints are up (leader, or no election)
+        self._starting = False
+        self._registered = asyncio.Event()  # start() has registered the micro service
 
     def details(self) -> dict[str, Any]:
         return {
@@ -93,12 +109,26 @@ class CacheMasterService(BaseService):
             "lease_ttl": self.config.lease_ttl,
             "replicas": self.config.replicas,
             "epoch": self.epoch,
+            "role": self.role,
             "fenced_by": self.fence.fenced_by,
             "stores": len(self.meta.segments),
             "objects": len(self.meta.lru),
         }
 
+    @property
+    def role(self) -> str:
+        if self.fence.fenced_by:
+            return "fenced"
+        if not self.config.elected:
+            return "single"
+        return "leader" if self.serving else "standby"
+
     def endpoints(self) -> list[Endpoint]:
+        """With the election, the pool's only when this master won (`_lead` adds them on a
+        later win)."""
+        return self.pool_endpoints() if self.serving or not self.config.elected else []
+
+    def pool_endpoints(self) -> list[Endpoint]:
         handlers = {
             "mount": (PoolMount, self._mount),
             "mount_chunk": (PoolMountChunk, self._mount_chunk),
@@ -128,12 +158,52 @@ class CacheMasterService(BaseService):
             await keep_kv_stream(self.bus, self.config.subject_prefix)
         except Exception as e:  # events still flow on core NATS without the stream
             log.warning("kv events stream unavailable", error=str(e) or type(e).__name__)
+        if self.config.elected:
+            log.info("standing by for the pool master election",
+                     bucket=self.election.bucket, lease=self.config.election_lease)  # fmt: skip
+            self._starting = True
+            try:
+                await self.election.start()  # a master that can win at once leads now
+            finally:
+                self._starting = False
+        else:
+            await self._begin_serving()
+
+    async def start(self) -> None:
+        await super().start()
+        self._registered.set()
+
+    async def _begin_serving(self) -> None:
         # Before the endpoints: a running master with a higher epoch fences this one
         # before any store could mount here.
         await self.fence.start()
         self.repairer.epoch = self.epoch
         log.info("master epoch", epoch=self.epoch)
         self._sweeper = asyncio.create_task(self._sweep_loop())
+        self.serving = not self.fence.fenced_by
+
+    async def _lead(self, epoch: int) -> None:
+        """Won the election: serve the pool with `epoch` (above every earlier leader's).
+        The metadata starts empty; the stores mount here at their next heartbeat."""
+        self.fence.value = epoch
+        await self._begin_serving()
+        if self.fence.fenced_by or self._starting:
+            return  # start() registers the endpoints
+        await self._registered.wait()
+        # One micro service per process (each would answer every `$SRV.PING`, and an
+        # identity may send one response per request): `info` again, with the pool's.
+        await self.bus.stop_services()
+        info = Endpoint("info", self.subject(self.name, self.config.service_id, "info"),
+                        InfoRequest, self._info)  # fmt: skip
+        await self.bus.add_service(
+            name=f"tandem-{self.name}", version=__version__, description=self.description,
+            endpoints=[info, *self.pool_endpoints()],
+            metadata={"service_id": self.config.service_id},
+        )  # fmt: skip
+        log.info("serving the pool as leader", epoch=epoch)
+
+    def _deposed(self, claim: Claim | None) -> None:
+        self.fence.fence(claim.epoch if claim else self.epoch + 1, "the election")
 
     async def on_stop(self) -> None:
         if self._sweeper is not None:
@@ -141,6 +211,7 @@ class CacheMasterService(BaseService):
             await asyncio.gather(self._sweeper, return_exceptions=True)
             self._sweeper = None
         await self.repairer.stop()
+        await self.election.stop()
         await self.fence.stop()
 
     # --- the epoch (epoch.py) ------------------------------------------------------------
@@ -150,10 +221,17 @@ class CacheMasterService(BaseService):
         return self.fence.value
 
     def _on_fenced(self) -> None:
-        """A higher epoch exists: stop serving and stop publishing (no more sweeps)."""
+        """A higher epoch exists: stop serving and stop publishing (no more sweeps). An
+        elected master also stops claiming; as a process it exits (a fresh standby is
+        its supervisor's restart: its metadata is stale from now on)."""
+        self.serving = False
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._fence_task = asyncio.create_task(self.bus.stop_services())
+        if self.config.elected:
+            self.election.abandon()
+            if self.exit_on_step_down:
+                os.kill(os.getpid(), signal.SIGTERM)
 
     def _unfenced(self, handler: Any) -> Any:
         async def guarded(req: Any) -> Any:

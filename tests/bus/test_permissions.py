@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client
 
 from libs.common.bus.credentials import connect_options
-from libs.common.bus.permissions import CLIENT_CALLS, STORE_CALLS, permissions
+from libs.common.bus.permissions import CLIENT_CALLS, STORE_CALLS, election_bucket, permissions
 from libs.common.messages.pool import PoolCount, PoolKeys
 from scripts.identities import AUTH_CONF, Identity, ensure
 from scripts.nats_server import NatsServer
@@ -213,7 +213,7 @@ async def test_no_credentials_or_a_wrong_password_is_refused(secured, tmp_path):
 
 def test_every_master_endpoint_has_its_callers():
     config = CacheMasterConfig(service_id="master-1")
-    served = {ep.name for ep in CacheMasterService(config).endpoints()}
+    served = {ep.name for ep in CacheMasterService(config).pool_endpoints()}
     assert served == set(STORE_CALLS) | set(CLIENT_CALLS), (
         "a new master endpoint: add it to STORE_CALLS or CLIENT_CALLS in "
         "libs/common/bus/permissions.py"
@@ -278,3 +278,24 @@ def test_only_the_owners_of_a_transfer_engine_exchange_queue_pairs():
         assert not [s for s in rules.publish + rules.subscribe if ".transfer." in s], role
     store = permissions("cache_store", "s", scope="store-1")
     assert "tandem.transfer.store-1.connect" in store.subscribe
+
+
+async def test_the_master_elects_itself_in_its_bucket_and_no_other_role_writes_the_key(
+    secured, master
+):
+    """The master identity creates, reads and writes the leader bucket (it leads); it may
+    not delete that stream nor write another bucket, and a worker may not write the key."""
+    assert master.role == "leader" and master.epoch > 0
+    claimed = master.election.revision
+    bucket = election_bucket("tandem")
+    nc, decode = await secured.connect("master"), await secured.connect("decode")
+    await nc.publish(f"$JS.API.STREAM.DELETE.KV_{bucket}", b"")
+    await nc.publish("$KV.OTHER.leader", b"x")
+    await decode.publish(f"$KV.{bucket}.leader", b"x")
+    await nc.flush()
+    await decode.flush()
+    assert await secured.wait_refused("master", "publish", f"$JS.API.STREAM.DELETE.KV_{bucket}")
+    assert await secured.wait_refused("master", "publish", "$KV.OTHER.leader")
+    assert await secured.wait_refused("decode", "publish", f"$KV.{bucket}.leader")
+    await asyncio.sleep(1.0)  # more than a renewal period
+    assert master.role == "leader" and master.election.revision > claimed  # renewed

@@ -75,7 +75,8 @@ async def test_a_newer_master_takes_the_store_and_fences_the_old_one(pool):
     pool.fill(0, os.urandom(4096))
     assert (await pool.client.batch_put(["before"], pool.mem, [0], [4096]))[0].ok
     first = (await pool.client.stats()).epoch
-    pool.procs.start("cache_master", "master-b", "--heartbeat-timeout", "3")
+    # Without the election (it would stand by): a newer master imposed by hand.
+    pool.procs.start("cache_master", "master-b", "--heartbeat-timeout", "3", "--election", "false")
     await _wait_log(pool, "master", "stops serving")
     await _wait_log(pool, "master-b", "store mounted")
     (second,) = await _epochs_answering(pool)

@@ -19,11 +19,14 @@ gets no reply at all.
   so no identity needs publish rights on inboxes.
 - JetStream: writers of KV events may create the events stream (idempotent at start and
   after a reconnect); readers (the router, an operator) may look at it and make
-  consumers on it; nobody here may delete or change a stream.
+  consumers on it; nobody here may delete or change a stream. Masters elect their leader
+  in their own key-value bucket (`election_bucket`, services/cache_master/election.py):
+  they may create it, read it and write its keys, nothing else of JetStream's.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from libs.common.bus.credentials import inbox_prefix
@@ -41,6 +44,13 @@ CLIENT_CALLS = ("put_start", "put_end", "put_revoke", "get", "exists", "remove",
 # What the master sends one store (`<prefix>.pool.store.<id>.<name>`): index updates, copy
 # orders, and the transfer grants of a get or put.
 MASTER_TO_STORE = ("update", "replicate", "grant")
+
+
+def election_bucket(prefix: str) -> str:
+    """The JetStream KV bucket where the masters of subject prefix `prefix` elect their
+    leader (bucket names allow letters, digits, `_` and `-`)."""
+    base = "TANDEM_POOL_MASTER"
+    return base if prefix == "tandem" else f"{base}_{re.sub(r'[^A-Za-z0-9]', '_', prefix).upper()}"
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,7 @@ def _both(p: str, scope: str) -> tuple[list[str], list[str]]:
 
 def _cache_master(p: str, scope: str) -> tuple[list[str], list[str]]:
     publish = [f"{p}.pool.store.*.{call}" for call in MASTER_TO_STORE]
-    publish += [f"{p}.pool.master.epoch", f"{p}.kv.events.*", *_js_writer(p)]
+    publish += [f"{p}.pool.master.epoch", f"{p}.kv.events.*", *_js_writer(p), *_js_election(p)]
     subscribe = [*_pool(p, (*STORE_CALLS, *CLIENT_CALLS)), f"{p}.pool.master.epoch"]
     return publish, subscribe
 
@@ -142,6 +152,20 @@ def _js_writer(p: str) -> list[str]:
     """Make sure the KV events stream exists (libs/common/bus/kv_events.py)."""
     stream = stream_name(p)
     return ["$JS.API.INFO", f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}"]
+
+
+def _js_election(p: str) -> list[str]:
+    """The masters' leader bucket: create it (idempotent), look it up, read its keys (direct
+    or stream get) and write them (compare-and-set publishes on `$KV.<bucket>.<key>`)."""
+    bucket = election_bucket(p)
+    stream, api = f"KV_{bucket}", "$JS.API"
+    return [
+        f"{api}.STREAM.CREATE.{stream}",
+        f"{api}.STREAM.INFO.{stream}",
+        f"{api}.STREAM.MSG.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+        f"$KV.{bucket}.>",
+    ]
 
 
 def _js_reader(p: str) -> list[str]:
