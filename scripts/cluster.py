@@ -39,6 +39,9 @@ REPO = Path(__file__).resolve().parent.parent
 # `make run`: (label, service, extra flags), the processes of compose.yaml.
 TOPOLOGY = (
     ("cache_master", "cache_master", ("--service-id", "master-1")),
+    # A standby: it takes over within seconds if master-1 dies (docs/pool.md, "Master
+    # failover"); a deposed master exits here (no supervisor restarts it).
+    ("cache_master_2", "cache_master", ("--service-id", "master-2")),
     ("cache_store_1", "cache_store", ("--service-id", "store-1")),
     ("cache_store_2", "cache_store", ("--service-id", "store-2")),
     ("prefill", "prefill", ("--service-id", "prefill-1")),

@@ -10,7 +10,9 @@ the key's current one; that compare-and-set is the whole election:
   changed. It claims (an update at the revision it read, or a create where there is no
   key) when the claim has not changed for `lease` seconds (the leader died or cannot
   reach JetStream), when the claim was released (a leader's graceful stop), when the
-  claim is its own (this instance restarted), or at its start when there is no claim.
+  claim is its own and missed a renewal (`lease / 2`: this instance restarted; a claim of
+  its own id that is renewed is a misconfigured duplicate, logged), or at its start when
+  there is no claim.
   Of standbys that claim at once, one write lands; the others fail the compare-and-set.
 - The winner's epoch is above the claim it replaced (`max(clock epoch, previous + 1)`),
   so stores, which follow the highest epoch they have seen, refuse the old leader
@@ -91,6 +93,7 @@ class LeaderElection:
         self._changed_at = 0.0
         self._task: asyncio.Task | None = None
         self._failures = 0
+        self._warned = False  # a live duplicate of our id was logged
 
     @property
     def leading(self) -> bool:
@@ -177,8 +180,16 @@ class LeaderElection:
     def _may_claim(self, seen: Seen, first: bool, unchanged_for: float) -> bool:
         if seen.claim is None:
             return first or unchanged_for >= self.lease
-        if seen.claim.master_id in ("", self.master_id):
-            return True  # released, or held by this instance before a restart
+        if seen.claim.master_id == "":
+            return True  # released
+        if seen.claim.master_id == self.master_id:
+            # This id's earlier process (a restart) once it missed a renewal. A claim of
+            # ours that keeps being renewed is another live master with our id: wait.
+            if not first and unchanged_for == 0.0 and not self._warned:
+                self._warned = True
+                log.error("another live master uses this service id; standing by",
+                          master=self.master_id[:80])  # fmt: skip
+            return unchanged_for >= self.lease / 2
         return unchanged_for >= self.lease
 
     async def _claim(self, seen: Seen, now: float) -> None:

@@ -95,7 +95,7 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
         base = next(m.group(1) for line in lines if (m := UP.search(line)))
         secrets = tmp_path / "run" / "secrets"
         passwords = [f.read_text().split(":", 1)[1].strip() for f in secrets.glob("*.credentials")]
-        assert len(passwords) == 7  # six processes and the operator
+        assert len(passwords) == 8  # seven processes (two masters) and the operator
         for cmdline in _children_cmdlines(proc.pid):
             assert not any(p in cmdline for p in passwords), cmdline
         assert "monitoring" not in next(line for line in lines if UP.search(line))
