@@ -66,6 +66,13 @@ class CacheMasterConfig(CommonConfig):
             "takes over (renewed every third of it)"
         },
     )
+    ssd_spill_watermark: float = field(
+        default=0.5,
+        metadata={
+            "help": "stores with an SSD tier: above this use of a DRAM segment, its coldest "
+            "objects (what lies above it) are copied to SSD ahead of eviction"
+        },
+    )
     sweep_interval: float = field(
         default=0.5,
         metadata={"help": "seconds between sweeps (dead stores, stale puts, ended leases)"},
@@ -98,6 +105,7 @@ class CacheMasterConfig(CommonConfig):
             )
         require_range(self, "high_watermark", 0.01, 1.0)
         require_range(self, "low_watermark", 0.0, 1.0)
+        require_range(self, "ssd_spill_watermark", 0.0, 1.0)
         if self.low_watermark >= self.high_watermark:
             raise ValueError(
                 f"{flag_name('low_watermark')}: must be below --high-watermark "

@@ -10,6 +10,7 @@ replicas on that segment, least recently used object first (a get refreshes an o
 exists does not), skipping:
   - objects under a read lease (a reader may be copying their bytes right now);
   - pending objects (being written; they are not in the LRU until put_end).
+  - objects an SSD spill is copying (ssd.py), until its order ends.
 An object that loses its last replica disappears from the pool; one that keeps another
 replica stays visible with fewer copies.
 """
@@ -17,7 +18,7 @@ replica stays visible with fewer copies.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from services.cache_master.objects import PoolObject, Segment
 
@@ -54,6 +55,7 @@ class Lru:
         now: float,
         low_watermark: float,
         need: int = 0,
+        first: Callable[[PoolObject], bool] | None = None,
     ) -> list[PoolObject]:
         """Free the bytes of `segment`'s replicas of the oldest unleased objects.
 
@@ -61,6 +63,8 @@ class Lru:
         when use is at or under `low_watermark`. Walks the order from the oldest without
         changing it; the caller then forgets each returned object's replica on
         `segment` (its bytes are already free) and drops the key of one left with none.
+        `first`: objects it accepts are evicted before any other (those with an SSD copy,
+        ssd.py: evicting them loses nothing), then the walk goes on over the rest.
         """
         alloc = segment.allocator
 
@@ -72,13 +76,18 @@ class Lru:
         victims: list[PoolObject] = []
         if done():
             return victims
-        for key in self._order:
-            obj = objects.get(key)
-            replica = obj.on(segment.store_id) if obj is not None else None
-            if obj is None or replica is None or obj.leased(now):
-                continue
-            alloc.free(replica.offset)
-            victims.append(obj)
-            if done():
-                break
+        taken: set[str] = set()
+        for accept in (first, None) if first is not None else (None,):
+            for key in self._order:
+                obj = objects.get(key)
+                replica = obj.on(segment.store_id) if obj is not None else None
+                if obj is None or replica is None or obj.leased(now) or key in taken:
+                    continue
+                if obj.spilling_until > now or (accept is not None and not accept(obj)):
+                    continue
+                alloc.free(replica.offset)
+                victims.append(obj)
+                taken.add(key)
+                if done():
+                    return victims
         return victims

@@ -14,7 +14,7 @@ Invariants (tests/pool/test_metadata.py):
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,8 @@ class PoolMetadata:
         self.pending_by_client: dict[str, int] = {}
         self.under_replicated: set[str] = set()  # keys to copy back up to `want` replicas
         self.unplaced: set[str] = set()  # under-replicated, no store to copy to: wait a mount
+        # (object, segment) -> evict it before others there (ssd.py: it has an SSD copy)
+        self.evict_first: Callable[[PoolObject, Segment], bool] | None = None
 
     def take_changes(self) -> Changes:
         changes, self.changes = self.changes, Changes()
@@ -361,7 +363,10 @@ class PoolMetadata:
 
     def evict(self, segment: Segment, now: float, need: int = 0) -> int:
         """Evict LRU replicas on `segment` (policy: eviction.py); return how many."""
-        victims = self.lru.evict(segment, self.objects, now, self.limits.low_watermark, need)
+        first = self.evict_first
+        accept = (lambda obj: first(obj, segment)) if first is not None else None
+        victims = self.lru.evict(segment, self.objects, now, self.limits.low_watermark, need,
+                                 accept)  # fmt: skip
         for obj in victims:
             self.drop_replica(obj, segment, free=False)  # the walk freed its bytes
         self.evictions += len(victims)

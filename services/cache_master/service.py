@@ -42,6 +42,7 @@ from libs.common.messages.pool import (
     PoolRecord,
     PoolReplica,
     PoolSlot,
+    PoolSsdReport,
     PoolStats,
     PoolStoreRef,
     PoolStoreUpdate,
@@ -57,6 +58,8 @@ from services.cache_master.metadata import PoolLimits, PoolMetadata
 from services.cache_master.mounts import Mounts
 from services.cache_master.objects import Changes, PoolRequestError, PutSpec, Replica
 from services.cache_master.repair import Repairer
+from services.cache_master.ssd import SsdTiers
+from services.cache_master.ssd_index import exists, held_on_ssd, with_held
 
 log = get_logger(__name__)
 
@@ -96,6 +99,9 @@ class CacheMasterService(BaseService):
         self._fence_task: asyncio.Task | None = None
         self.grants = StoreGrants(self.bus, lambda sid: self.subject("pool", "store", sid, "grant"))
         self.repairer = Repairer(self.bus, self.meta, config.subject_prefix, self._publish_changes)
+        self.ssd = SsdTiers(self.bus, self.meta, config.subject_prefix,
+                            config.ssd_spill_watermark, self._publish_changes,
+                            self._publish_ssd_events)  # fmt: skip
         self.election = LeaderElection(self.bus, election_bucket(config.subject_prefix),
                                        config.service_id, config.election_lease)  # fmt: skip
         self.election.on_elected, self.election.on_deposed = self._lead, self._deposed
@@ -144,6 +150,7 @@ class CacheMasterService(BaseService):
             "remove": (PoolKeys, self._remove),
             "drop": (PoolDrop, self._drop),
             "stats": (InfoRequest, self._stats),
+            "ssd_report": (PoolSsdReport, self._ssd_report),
         }
         # Not concurrent: each endpoint serves its requests one at a time, in order; every
         # handler changes the index before its first await (the publishes of its changes).
@@ -177,7 +184,7 @@ class CacheMasterService(BaseService):
         # Before the endpoints: a running master with a higher epoch fences this one
         # before any store could mount here.
         await self.fence.start()
-        self.repairer.epoch = self.epoch
+        self.repairer.epoch = self.ssd.epoch = self.epoch
         log.info("master epoch", epoch=self.epoch)
         self._sweeper = asyncio.create_task(self._sweep_loop())
         self.serving = not self.fence.fenced_by
@@ -211,6 +218,7 @@ class CacheMasterService(BaseService):
             await asyncio.gather(self._sweeper, return_exceptions=True)
             self._sweeper = None
         await self.repairer.stop()
+        await self.ssd.stop()
         await self.election.stop()
         await self.fence.stop()
 
@@ -319,8 +327,10 @@ class CacheMasterService(BaseService):
 
     async def _put_start(self, req: PoolPutStart) -> PoolPutStartReply:
         specs = [PutSpec(o.key, o.size, o.checksum, o.mac) for o in req.objects]
-        put_id, results = self._call(self.meta.put_start, specs, req.replicas, time.monotonic(),
-                                     req.client)  # fmt: skip
+        held = held_on_ssd(self.meta, self.ssd.index, [spec.key for spec in specs])
+        put_id, results = self._call(self.meta.put_start, [s for s in specs if s.key not in held],
+                                     req.replicas, time.monotonic(), req.client)  # fmt: skip
+        results = with_held([spec.key for spec in specs], results, held)
         await self._publish(self.meta.take_changes())  # evictions made room
         slots = [PoolSlot(status, _replicas(replicas)) for _, status, replicas in results]
         ranges = by_store([(r, spec.size) for spec, (_, _, replicas) in zip(specs, results,
@@ -338,6 +348,7 @@ class CacheMasterService(BaseService):
     async def _put_end(self, req: PoolPutFinish) -> PoolKeys:
         visible = self.meta.put_end(req.put_id, req.keys)
         await self._publish(self.meta.take_changes())
+        self.ssd.kick()
         await self.grants.end_put(self.epoch, req.put_id)  # no write lands after the reply
         return PoolKeys(visible)
 
@@ -348,7 +359,10 @@ class CacheMasterService(BaseService):
         return PoolCount(count)
 
     async def _get(self, req: PoolKeys) -> PoolGetReply:
-        looked = self.meta.get(req.keys, time.monotonic())
+        promoting = await self.ssd.promote(req.keys)  # keys on SSD only: read into DRAM first
+        looked = self.meta.get(req.keys, time.monotonic())  # leased before any other await
+        if promoting:
+            await self.ssd.published()
         found = [obj for _, obj, _ in looked if obj]
         ranges = by_store([(r, obj.size) for obj in found for r in obj.replicas])
         segments = await self.grants.issue(self.epoch, ranges, "read", self.config.lease_ttl)
@@ -356,11 +370,12 @@ class CacheMasterService(BaseService):
         return PoolGetReply(objects, segments, self.config.lease_ttl)
 
     async def _exists(self, req: PoolKeys) -> PoolCount:
-        return PoolCount(self.meta.exists(req.keys))
+        return PoolCount(exists(self.meta, self.ssd.index, req.keys))
 
     async def _remove(self, req: PoolKeys) -> PoolCount:
         count = self.meta.remove(req.keys, time.monotonic())
         await self._publish(self.meta.take_changes())
+        count += await self.ssd.remove(req.keys)
         return PoolCount(count)
 
     async def _drop(self, req: PoolDrop) -> PoolCount:
@@ -374,7 +389,13 @@ class CacheMasterService(BaseService):
         return PoolCount(count)
 
     async def _stats(self, _req: InfoRequest) -> PoolStats:
-        return PoolStats(**self.meta.stats(), epoch=self.epoch)
+        return PoolStats(**self.meta.stats(), epoch=self.epoch,
+                         ssd=self.ssd.index.stats(self.meta))  # fmt: skip
+
+    async def _ssd_report(self, req: PoolSsdReport) -> PoolCount:
+        """A store's SSD tier after its mount (ssd.py)."""
+        self.fence.seen(req.epoch, req.store_id)
+        return PoolCount(await self.ssd.report(req))
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -405,6 +426,7 @@ class CacheMasterService(BaseService):
         self.meta.enforce_watermarks(now)
         await self._publish(self.meta.take_changes())
         self.repairer.kick()
+        await self.ssd.sweep()
         await self.fence.announce()
 
     async def _publish_changes(self) -> None:
@@ -435,11 +457,24 @@ class CacheMasterService(BaseService):
             except Exception as e:  # a lost update is repaired by the store's re-mount
                 log.warning("pool publish failed", subject=subject, error=str(e))
 
-    def _event(self, store_id: str, kind: str, keys: list[str]) -> KvEvent:
+    def _event(self, store_id: str, kind: str, keys: list[str], tier: str = "pool") -> KvEvent:
         # Seeded from the clock so a restarted master continues above its predecessor's.
         seq = self._event_seq.get(store_id, time.time_ns() // 1000) + 1
         self._event_seq[store_id] = seq
-        return KvEvent(store_id, seq, kind, "pool", keys, timestamp=time.time())
+        return KvEvent(store_id, seq, kind, tier, keys, timestamp=time.time())
+
+    async def _publish_ssd_events(self, events: dict[str, dict[str, list[str]]]) -> None:
+        """KV events of the stores' SSD tiers (ssd.py): tier `ssd`, the store's seq."""
+        subject = events_subject(self.config.subject_prefix, "")
+        for store_id, kinds in events.items():
+            for kind in ("removed", "stored"):
+                keys = kinds.get(kind, [])
+                for start in range(0, len(keys), EVENT_KEYS):
+                    event = self._event(store_id, kind, keys[start : start + EVENT_KEYS], "ssd")
+                    try:
+                        await self.bus.publish(subject + store_id, event)
+                    except Exception as e:  # events are hints; the index is the truth
+                        log.warning("pool publish failed", subject=subject, error=str(e))
 
 
 def _update_chunks(records: list[PoolRecord], removed: list[str]) -> list[tuple[list, list]]:

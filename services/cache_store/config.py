@@ -37,10 +37,26 @@ class CacheStoreConfig(TransferConfig):
     heartbeat_interval: float = field(
         default=1.0, metadata={"help": "seconds between heartbeats to the cache master"}
     )
+    ssd_dir: str = field(
+        default="",
+        metadata={
+            "help": "an SSD tier under the segment: objects the master evicts from DRAM are "
+            "kept as files here and promoted back on a get; re-indexed and checksummed at "
+            "start (empty: no SSD tier)"
+        },
+    )
+    ssd_size: str = field(
+        default="16GiB",
+        metadata={"help": "bytes of objects the SSD tier may hold (its oldest files go first)"},
+    )
 
     @property
     def segment_bytes(self) -> int:
         return parse_size(self.segment_size)
+
+    @property
+    def ssd_bytes(self) -> int:
+        return parse_size(self.ssd_size) if self.ssd_dir else 0
 
     def validate(self) -> None:
         super().validate()
@@ -51,6 +67,12 @@ class CacheStoreConfig(TransferConfig):
         if size < 4096:
             raise ValueError(f"{flag_name('segment_size')}: must be >= 4096 bytes, got {size}")
         require_positive(self, "heartbeat_interval")
+        try:
+            ssd = parse_size(self.ssd_size)
+        except ValueError as e:
+            raise ValueError(f"{flag_name('ssd_size')}: {e}") from None
+        if self.ssd_dir and ssd < 4096:
+            raise ValueError(f"{flag_name('ssd_size')}: must be >= 4096 bytes, got {ssd}")
         if self.segment_file and self.transport == "shm":
             raise ValueError(
                 f"{flag_name('segment_file')}: the shm transport serves only its own shared "

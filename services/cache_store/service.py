@@ -15,6 +15,10 @@ orders only from that epoch; a reply from a higher one makes it mount there.
 `replicate` (PoolReplicate): the master asks this store to copy objects from another
 store's segment into its own (after a store was lost); each checksum is checked.
 
+`ssd` (PoolSsdOrder, with --ssd-dir): the master orders spills of cold objects to the SSD
+tier, promotions back into the segment and removals (ssd.py, ssd_orders.py); after every
+mount the store reports the tier (PoolSsdReport on `ssd_report`).
+
 Peers never ask this service for bytes over NATS: they read and write the segment
 directly through the transfer engine, with the descriptor the master hands out: a grant
 of this store's (`grant`, grants.py) for one put's or one get's ranges only.
@@ -43,6 +47,8 @@ from libs.common.messages.pool import (
     PoolMountPage,
     PoolMountReply,
     PoolReplicate,
+    PoolSsdOrder,
+    PoolSsdReply,
     PoolStoreRef,
     PoolStoreUpdate,
     chunk_records,
@@ -54,6 +60,8 @@ from libs.common.transfer.rdma.exchange import engine_options, serve_connect
 from services.cache_store.config import CacheStoreConfig
 from services.cache_store.grants import expire, serve_grant
 from services.cache_store.segment import StoreSegment, checksum
+from services.cache_store.ssd import SsdTier
+from services.cache_store.ssd_orders import report, serve_order
 
 log = get_logger(__name__)
 
@@ -76,6 +84,8 @@ class CacheStoreService(BaseService):
         self._remount = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._sub: Any = None
+        self.ssd: SsdTier | None = None
+        self._ssd_reported = False  # the tier reported on the current mount
 
     def details(self) -> dict[str, Any]:
         seg = self.segment
@@ -89,6 +99,9 @@ class CacheStoreService(BaseService):
             "epoch": self.epoch,
             "objects": len(seg.index) if seg else 0,
             "used": seg.used if seg else 0,
+            "ssd_dir": self.config.ssd_dir,
+            "ssd_objects": len(self.ssd.entries) if self.ssd else 0,
+            "ssd_used": self.ssd.used if self.ssd else 0,
         }
 
     def master(self, name: str) -> str:
@@ -97,8 +110,19 @@ class CacheStoreService(BaseService):
     def endpoints(self) -> list[Endpoint]:
         subject = self.subject("pool", "store", self.config.service_id, "replicate")
         grant = self.subject("pool", "store", self.config.service_id, "grant")
+        ssd = self.subject("pool", "store", self.config.service_id, "ssd")
         return [Endpoint("replicate", subject, PoolReplicate, self._replicate, concurrent=True),
-                Endpoint("grant", grant, PoolGrant, self._grant)]  # fmt: skip
+                Endpoint("grant", grant, PoolGrant, self._grant),
+                Endpoint("ssd", ssd, PoolSsdOrder, self._ssd_order)]  # fmt: skip
+
+    async def _ssd_order(self, req: PoolSsdOrder) -> PoolSsdReply:
+        """Spill, promote or remove on the SSD tier (ssd_orders.py); the master of my epoch
+        only."""
+        if req.epoch != self.epoch or not self.mounted or self.ssd is None:
+            state = "" if self.ssd is not None else ", no SSD tier"
+            raise HandlerError(409, f"ssd order of epoch {req.epoch}; this store follows "
+                               f"{self.epoch}{state}")  # fmt: skip
+        return await serve_order(self.ssd, self.segment.view, req)
 
     async def _grant(self, req: PoolGrant) -> PoolGrantReply:
         """A capability for one put or get of the master's (grants.py)."""
@@ -121,6 +145,11 @@ class CacheStoreService(BaseService):
         await asyncio.to_thread(self.segment.prefault)
         self.region = self.engine.register(self.segment.view)
         kept = await asyncio.to_thread(self.segment.load)
+        if self.config.ssd_dir:
+            self.ssd = SsdTier(self.config.ssd_dir, self.config.ssd_bytes)
+            dropped = await asyncio.to_thread(self.ssd.scan)
+            log.info("ssd tier indexed", path=self.config.ssd_dir, objects=len(self.ssd.entries),
+                     used=self.ssd.used, capacity=self.ssd.capacity, dropped=dropped)  # fmt: skip
         self.segment.replace(kept)
         if self.config.segment_file:
             log.info("segment file opened", path=self.config.segment_file, objects=len(kept))
@@ -171,6 +200,10 @@ class CacheStoreService(BaseService):
                     await self._mount()
                 else:
                     await self._heartbeat()
+                if self.mounted and not self._ssd_reported and not self._remount.is_set():
+                    ref = {"store_id": self.config.service_id, "epoch": self.epoch}
+                    await report(self.bus, self.master("ssd_report"), self.ssd, ref)
+                    self._ssd_reported = True
                 if failures:
                     log.info("cache master reachable again", after_failures=failures)
                 failures = 0
@@ -209,6 +242,7 @@ class CacheStoreService(BaseService):
         finally:
             self._early = None
         self._remount.clear()
+        self._ssd_reported = False
         self.segment.replace(records)
         self._update_seq = reply.update_seq
         log.info("segment mounted", objects=len(records), rejected=reply.rejected,

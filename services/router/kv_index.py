@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from libs.common.messages.control import KvEvent
 
 POOL = "pool"
+# A store's SSD tier is the pool too: a get promotes its objects back into DRAM.
+POOL_TIERS = (POOL, "ssd")
 WORKER_TIERS = ("device", "host")
 
 
@@ -77,7 +79,7 @@ class KvIndex:
             if not self._by_source.get(holder, True):
                 del self._by_source[holder]
         elif event.kind == "cleared":
-            tiers = [event.tier] if event.tier else [*WORKER_TIERS, POOL]
+            tiers = [event.tier] if event.tier else [*WORKER_TIERS, *POOL_TIERS]
             for tier in tiers:
                 self._clear((event.source, tier))
 
@@ -100,10 +102,10 @@ class KvIndex:
             if not held:
                 break
             self._holders.move_to_end(key)
-            in_pool = any(tier == POOL for _, tier in held)
+            in_pool = any(tier in POOL_TIERS for _, tier in held)
             pool_on = pool_on and in_pool
             out.pool += pool_on
-            owners = {source for source, tier in held if tier != POOL}
+            owners = {source for source, tier in held if tier not in POOL_TIERS}
             for w in local:
                 if local[w] and w in owners:
                     out.local[w] += 1

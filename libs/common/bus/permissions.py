@@ -39,11 +39,12 @@ SERVICE_OF = {"both": "decode", "cli": ""} | {r: r for r in ROLES if r not in ("
 TRANSFER_ROLES = ("prefill", "decode", "both", "cache_store")
 
 # The master's endpoints (`<prefix>.pool.master.<name>`), by who may call them.
-STORE_CALLS = ("mount", "mount_chunk", "mount_end", "mount_page", "unmount", "heartbeat")
+STORE_CALLS = ("mount", "mount_chunk", "mount_end", "mount_page", "unmount", "heartbeat",
+               "ssd_report")  # fmt: skip
 CLIENT_CALLS = ("put_start", "put_end", "put_revoke", "get", "exists", "remove", "drop", "stats")
 # What the master sends one store (`<prefix>.pool.store.<id>.<name>`): index updates, copy
-# orders, and the transfer grants of a get or put.
-MASTER_TO_STORE = ("update", "replicate", "grant")
+# orders, the transfer grants of a get or put, and SSD tier orders (spill, promote, remove).
+MASTER_TO_STORE = ("update", "replicate", "grant", "ssd")
 
 
 def election_bucket(prefix: str) -> str:

@@ -325,6 +325,9 @@ class PoolStats(Message, tag="pool_stats"):
     epoch: int = 0
     under_replicated: int = 0
     repaired: int = 0
+    # SSD tiers (services/cache_master/ssd.py): objects on SSD only / with an SSD copy,
+    # spilled, promoted back to DRAM, dropped by a tier's size bound or checksum.
+    ssd: dict[str, int] = field(default_factory=dict)
 
 
 class PoolCopy(Record):
@@ -373,3 +376,42 @@ class PoolReplicate(Message, tag="pool_replicate"):
         for copy in self.copies:
             if copy.source not in self.segments:
                 raise ValueError(f"store {copy.source!r} has no segment")
+
+
+# --- SSD tiers (docs/pool.md, "SSD tier") ---------------------------------------------------
+
+
+class PoolSsdOrder(Message, tag="pool_ssd_order"):
+    """Master -> store (request on `tandem.pool.store.<id>.ssd`), about its SSD tier:
+    `op` "spill" (copy each record's bytes from my segment at its `offset` into a file of
+    my tier, checking the checksum over the copy), "promote" (read each record's file back
+    into my segment at its `offset`, a range the master reserved, checking the checksum),
+    or "remove" (delete their files; offsets unused). Refused (409) unless from the master
+    of the store's epoch. Answered with `PoolSsdReply`."""
+
+    epoch: int
+    op: str
+    records: list[PoolRecord] = field(default_factory=list)
+
+
+class PoolSsdReply(Message, tag="pool_ssd_reply"):
+    """`done`: the keys spilled, promoted or removed. `dropped`: keys the tier no longer
+    holds (its --ssd-size bound dropped its oldest files to make room, or a file failed
+    its checksum and was deleted)."""
+
+    done: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+
+class PoolSsdReport(Message, tag="pool_ssd_report"):
+    """Store -> master (`ssd_report`), after each mount: chunk `index` of `chunks` of what
+    the store's SSD tier holds (offsets 0), re-indexed and checksummed at its start. The
+    master replaces what it knew of the tier with the whole report once the last chunk is
+    in; `capacity` is the tier's --ssd-size (0: no tier)."""
+
+    store_id: str
+    index: int
+    chunks: int
+    capacity: int
+    records: list[PoolRecord] = field(default_factory=list)
+    epoch: int = 0

@@ -1,0 +1,107 @@
+"""The master's orders for a store's SSD tier (PoolSsdOrder) and the store's report of it.
+
+    spill    the master chose cold objects of my DRAM segment (still allocated there):
+             make room under --ssd-size (oldest files first), copy each object's bytes
+             in a thread, check the checksum over the copy, write its file
+    promote  a get wants objects my tier holds: read each file in a thread into the range
+             of my segment the master reserved, checking its header and checksum
+    remove   the objects were removed from the pool: delete their files
+
+Orders run one at a time (the endpoint is not concurrent), so a key is never spilled and
+promoted at once. The reply's `dropped` tells the master which keys the tier lost.
+After every mount the store reports its whole tier in chunks (`report`), so a restarted
+master, or a master that mounted a restarted store, knows what the SSD holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from libs.common.bus.connection import Bus, HandlerError
+from libs.common.log import get_logger
+from libs.common.messages.pool import (
+    PoolCount,
+    PoolRecord,
+    PoolSsdOrder,
+    PoolSsdReply,
+    PoolSsdReport,
+    chunk_records,
+)
+from services.cache_store.ssd import SsdTier
+
+log = get_logger(__name__)
+
+
+async def serve_order(tier: SsdTier, view: memoryview, req: PoolSsdOrder) -> PoolSsdReply:
+    """Carry out one order (the caller has checked the epoch)."""
+    if req.op in ("spill", "promote"):
+        for r in req.records:
+            if r.offset < 0 or r.size <= 0 or r.offset + r.size > view.nbytes:
+                raise HandlerError(400, f"ssd {req.op} of {r.key}: {r.offset}+{r.size} is "
+                                   f"outside the segment ({view.nbytes} bytes)")  # fmt: skip
+    if req.op == "spill":
+        return await _spill(tier, view, req.records)
+    if req.op == "promote":
+        return await _promote(tier, view, req.records)
+    if req.op == "remove":
+        keys = [r.key for r in req.records if tier.forget(r.key) is not None]
+        await asyncio.to_thread(tier.unlink, keys)
+        return PoolSsdReply(done=keys)
+    raise HandlerError(400, f"ssd: unknown op {req.op!r}")
+
+
+async def _spill(tier: SsdTier, view: memoryview, records: list[PoolRecord]) -> PoolSsdReply:
+    todo = [r for r in records if r.key not in tier.entries]
+    done = [r.key for r in records if r.key in tier.entries]  # already there: same key, bytes
+    keep = {r.key for r in records}
+    dropped: list[str] = []
+    fits: list[PoolRecord] = []
+    for record in todo:
+        freed = tier.reserve(record.size, keep)
+        if freed is None:
+            continue  # larger than the tier, or the rest of the tier is this batch
+        dropped += freed
+        tier.used += record.size  # held until the write is done
+        fits.append(record)
+    await asyncio.to_thread(tier.unlink, dropped)
+    for record in fits:
+        try:
+            entry = await asyncio.to_thread(tier.spill_io, view, record)
+        except OSError as e:  # disk full, permissions: the object simply stays unspilled
+            log.warning("ssd spill failed", key=record.key, error=str(e))
+            entry = None
+        tier.used -= record.size
+        if entry is not None:
+            tier.add(record.key, entry)
+            done.append(record.key)
+    return PoolSsdReply(done=done, dropped=dropped)
+
+
+async def _promote(tier: SsdTier, view: memoryview, records: list[PoolRecord]) -> PoolSsdReply:
+    done: list[str] = []
+    dropped: list[str] = []
+    for record in records:
+        if record.key not in tier.entries:
+            dropped.append(record.key)
+            continue
+        if await asyncio.to_thread(tier.promote_io, view, record):
+            tier.touch(record.key)
+            done.append(record.key)
+        else:
+            log.warning("ssd file dropped: missing, or bad header or checksum", key=record.key)
+            tier.forget(record.key)
+            dropped.append(record.key)
+    return PoolSsdReply(done=done, dropped=dropped)
+
+
+async def report(bus: Bus, subject: str, tier: SsdTier | None, ref: dict[str, Any]) -> None:
+    """Send the whole tier to the master in chunks (`ref`: store_id, epoch). Raises
+    BusError when the master did not take it (the caller tries again later)."""
+    records = tier.records() if tier is not None else []
+    capacity = tier.capacity if tier is not None else 0
+    chunks = chunk_records(records)
+    for index, chunk in enumerate(chunks):
+        message = PoolSsdReport(ref["store_id"], index, len(chunks), capacity, chunk,
+                                epoch=ref["epoch"])  # fmt: skip
+        await bus.request(subject, message, PoolCount)
