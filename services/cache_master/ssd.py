@@ -88,11 +88,12 @@ class SsdTiers:
     async def spill_round(self) -> int:
         """One order per store with a tier and cold objects to spill; how many spilled."""
         orders: dict[str, list[PoolRecord]] = {}
+        now = time.monotonic()
         for store_id in self.index.capacity:
             segment = self.meta.segments.get(store_id)
             if segment is not None:
                 records = plan_spills(self.meta, self.index, segment, self.watermark,
-                                      set(self._busy))  # fmt: skip
+                                      set(self._busy), now)  # fmt: skip
                 if records:
                     orders[store_id] = records
                     self._busy.update((r.key, store_id) for r in records)

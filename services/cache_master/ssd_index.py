@@ -31,8 +31,8 @@ from services.cache_master.objects import (
     check_mac,
 )
 
-SPILL_OBJECTS = 64  # objects per spill order (one order per store in flight)
-SPILL_BYTES = 32 << 20
+SPILL_OBJECTS = 16  # objects per spill order (one order per store in flight); held from
+SPILL_BYTES = 16 << 20  # eviction while it runs, so small orders back to back
 
 
 @dataclass(frozen=True)
@@ -162,15 +162,21 @@ def on_ssd_only(meta: PoolMetadata, index: SsdIndex, key: str) -> bool:
 
 
 def plan_spills(
-    meta: PoolMetadata, index: SsdIndex, segment: Segment, watermark: float, busy: set[str]
+    meta: PoolMetadata,
+    index: SsdIndex,
+    segment: Segment,
+    watermark: float,
+    busy: set[str],
+    now: float,
 ) -> list[PoolRecord]:
     """Cold objects of `segment` to copy to its store's SSD tier now.
 
-    The oldest objects in the LRU whose bytes on this segment add up to what lies above
-    `watermark` of its capacity are kept with an SSD copy, so the eviction that follows
-    (at the high watermark, down to the low one) finds its victims already spilled and only
-    forgets their DRAM ranges. Objects spilled already, or in an order now (`busy`), are
-    skipped; at most SPILL_OBJECTS / SPILL_BYTES per order.
+    The oldest unleased objects in the LRU (those eviction could take now) whose bytes on
+    this segment add up to what lies above `watermark` of its capacity are kept with an
+    SSD copy, so the eviction that follows (at the high watermark, down to the low one)
+    finds its victims already spilled and only forgets their DRAM ranges. Objects spilled
+    already, or in an order now (`busy`), are skipped; at most SPILL_OBJECTS / SPILL_BYTES
+    per order.
     """
     budget = segment.used - watermark * segment.capacity
     out: list[PoolRecord] = []
@@ -180,7 +186,7 @@ def plan_spills(
     for key in meta.lru:
         obj = meta.objects.get(key)
         replica = obj.on(segment.store_id) if obj is not None else None
-        if replica is None:
+        if replica is None or obj.leased(now):
             continue
         budget -= obj.size
         if key not in busy and segment.store_id not in index.copies.get(key, {}):

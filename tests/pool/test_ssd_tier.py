@@ -109,7 +109,7 @@ def test_spills_cover_the_coldest_objects_above_the_watermark_and_skip_spilled_o
     meta = _meta_with(["a", "b", "c", "d"])  # full: 4 of 4 units
     index = SsdIndex()
     index.add("s0", "a", SsdCopy(UNIT, "0123456789abcdef"))
-    planned = plan_spills(meta, index, meta.segments["s0"], 0.25, busy=set())
+    planned = plan_spills(meta, index, meta.segments["s0"], 0.25, busy=set(), now=0.0)
     assert [r.key for r in planned] == ["b", "c"]  # a (spilled) + b + c = 3 units over 1
 
 
@@ -123,3 +123,10 @@ def test_a_key_on_ssd_only_is_present_and_a_get_reserves_its_promotion_on_that_s
     assert promotion.store_id == "s0" and [r.key for r in promotion.records] == ["gone"]
     assert not meta.objects["gone"].complete  # pending until the store has read it in
     assert meta.put_end(promotion.put_id, ["gone"]) == ["gone"]
+
+
+def test_spills_skip_leased_objects_eviction_could_not_take_now():
+    meta = _meta_with(["a", "b", "c", "d"])
+    meta.objects["a"].lease_until = 10.0  # a reader holds it: eviction passes it by
+    planned = plan_spills(meta, SsdIndex(), meta.segments["s0"], 0.5, busy=set(), now=1.0)
+    assert [r.key for r in planned] == ["b", "c"]
