@@ -47,6 +47,8 @@ class Topology:
     router_args: list[str] = field(default_factory=list)
     note: str = ""
     both: int = 0  # `--role both` workers (their flags: role_args["decode"])
+    store_segment: str = ""  # the store's DRAM segment ("": the Deployment's)
+    ssd_size: str = ""  # an SSD tier of this size under it, in the workdir ("": none)
 
 
 async def wait_healthy(url: str, workers: dict[str, int], procs: dict, timeout: float) -> None:
@@ -88,7 +90,10 @@ class Deployment:
         self.cluster = LocalCluster(self.nats.url, capture=logs)
         if t.pool:
             self.cluster.start_one("cache_master")
-            self.cluster.start_one("cache_store", "--segment-size", self.store_segment)
+            store = ["--segment-size", t.store_segment or self.store_segment]
+            if t.ssd_size:
+                store += ["--ssd-dir", str(self.workdir / "ssd"), "--ssd-size", t.ssd_size]
+            self.cluster.start_one("cache_store", *store)
         for role, count in (("prefill", t.prefill), ("decode", t.decode)):
             for i in range(count):
                 label = f"{role[0]}{i + 1}"

@@ -14,6 +14,10 @@ and router), measured with bench.serve's workload through the router, and stoppe
                    --disagg-threshold above any prompt)
     peer           `transformers serve` (continuous batching) on the same weights, or
                    llama.cpp's server (--peer llama.cpp), when installed (--peer-python)
+    small-pool     L1+pool with a store segment smaller than the workload's pages
+                   (--small-segment): the pool evicts what the next rounds need
+    small-pool+ssd the same DRAM with an SSD tier under it (--ssd-size, files in the
+                   workdir): evicted pages spill to SSD and are promoted back on a hit
 
 Workers' KV memory is small on purpose (--prefill-kv-mb, --decode-kv-mb): on a GPU the
 seeds' L1 overflows because of long contexts and many users; here the same pressure comes
@@ -36,10 +40,14 @@ from bench.deployments import PEER_KINDS, Deployment, PeerServer, Topology
 from bench.metrics import Slo
 from bench.serve import add_workload_args, benchmark, make_arrivals, make_workload, served_model
 from libs.common import event_loop
+from libs.common.bus.connection import Bus
 from libs.common.engine.load.source import default_model_path
+from libs.common.messages.control import InfoRequest
+from libs.common.messages.pool import PoolStats
 from scripts.cluster import REPO
 
 CONFIGS = ("baseline", "L1", "L1+pool", "disaggregated", "aggregated", "peer")
+SSD_CONFIGS = ("small-pool", "small-pool+ssd")  # not in the default list: ask for them
 
 
 def topologies(a: argparse.Namespace) -> dict[str, Topology]:
@@ -75,7 +83,12 @@ def topologies(a: argparse.Namespace) -> dict[str, Topology]:
             note="2 `--role both` workers, each prefilling its own requests, L1",
             both=2,
         ),
-    ]
+        Topology("small-pool", 2, 1, common, kv, pool=True, store_segment=a.small_segment,
+                 note=f"prefix cache + pool of {a.small_segment} DRAM"),
+        Topology("small-pool+ssd", 2, 1, common, kv, pool=True, store_segment=a.small_segment,
+                 ssd_size=a.ssd_size,
+                 note=f"prefix cache + pool of {a.small_segment} DRAM + {a.ssd_size} SSD"),
+    ]  # fmt: skip
     return {t.name: t for t in topos}
 
 
@@ -111,6 +124,8 @@ async def run_one(name: str, a: argparse.Namespace, topo: dict[str, Topology]) -
             await benchmark(endpoint, warm, make_arrivals(a), progress=False)
         run = await benchmark(endpoint, make_workload(a), make_arrivals(a), Slo.parse(a.slo),
                               not a.no_progress, label=name)  # fmt: skip
+        if isinstance(system, Deployment) and system.topo.pool:
+            run["pool"] = await pool_stats(system.nats.url)
     except (RuntimeError, TimeoutError, OSError, ValueError) as e:
         return {"note": f"failed: {e}"}
     finally:
@@ -120,17 +135,35 @@ async def run_one(name: str, a: argparse.Namespace, topo: dict[str, Topology]) -
     return run
 
 
+async def pool_stats(nats_url: str) -> dict[str, Any]:
+    """The master's counters after the run (hits, evictions, the SSD tier's), or {}."""
+    bus = Bus(nats_url, "bench-tiers", connect_timeout=5, request_timeout=5)
+    try:
+        await bus.connect()
+        stats = await bus.request("tandem.pool.master.stats", InfoRequest(), PoolStats)
+        keys = ("objects", "bytes", "capacity", "hits", "misses", "evictions", "ssd")
+        return {k: getattr(stats, k) for k in keys}
+    except Exception as e:  # a report without the pool's counters, not a failed run
+        return {"error": str(e)}
+    finally:
+        await bus.close()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.tiers",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {CONFIGS}")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma list of {CONFIGS + SSD_CONFIGS}")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--prefill-kv-mb", type=int, default=48, help="KV pool of a prefill worker")
     p.add_argument("--decode-kv-mb", type=int, default=112, help="KV pool of a decode worker")
     p.add_argument("--store-segment", default="512MiB", help="cache_store segment size")
+    p.add_argument("--small-segment", default="192MiB",
+                   help="small-pool*: a segment below the workload's pages")  # fmt: skip
+    p.add_argument("--ssd-size", default="2GiB", help="small-pool+ssd: the SSD tier's size")
     p.add_argument("--peer", choices=PEER_KINDS, default="transformers", help="which peer")
     p.add_argument(
         "--peer-python",
@@ -169,9 +202,9 @@ def parser() -> argparse.ArgumentParser:
 
 async def _main(a: argparse.Namespace) -> int:
     names = [n.strip() for n in a.configs.split(",") if n.strip()]
-    bad = [n for n in names if n not in CONFIGS]
+    bad = [n for n in names if n not in CONFIGS + SSD_CONFIGS]
     if bad or not names:
-        raise ValueError(f"--configs: unknown {bad}; choose from {CONFIGS}")
+        raise ValueError(f"--configs: unknown {bad}; choose from {CONFIGS + SSD_CONFIGS}")
     for flag in ("threads", "prefill_kv_mb", "decode_kv_mb", "peer_threads"):
         if getattr(a, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1")
@@ -183,6 +216,9 @@ async def _main(a: argparse.Namespace) -> int:
         runs[name] = await run_one(name, a, topo)
         if runs[name].get("summary"):
             print(report.summary_table(runs[name]["summary"]), file=sys.stderr, flush=True)
+            if name in SSD_CONFIGS:  # the comparison is per round: print the rounds
+                print(f"\n{name}, per round:\n{report.rounds_table(runs[name]['rounds'])}\n"
+                      f"pool: {runs[name].get('pool')}", flush=True)  # fmt: skip
         else:
             print(runs[name]["note"], file=sys.stderr, flush=True)
     print(f"\n{report.compare_table(runs)}")
