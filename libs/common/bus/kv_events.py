@@ -5,7 +5,8 @@ Every tier change of pages (a worker's prefix cache, a pool store) is published 
 its index; `nats sub 'tandem.kv.events.>'` shows them live.
 
 Tiers: `device` is the pool a worker computes from (GPU memory, or host memory on a CPU
-worker), `host` a GPU worker's host-memory offload, `pool` the distributed KV pool.
+worker), `host` a GPU worker's host-memory offload, `pool` the distributed KV pool (a
+store's DRAM segment), `ssd` a store's SSD tier below it (docs/pool.md, "SSD tier").
 """
 
 from __future__ import annotations
