@@ -193,3 +193,22 @@ async def test_ssd_size_bounds_the_tier_oldest_files_dropped_and_master_told(poo
         assert await h.client.batch_exists([keys[0]]) == 0  # spilled first, dropped first
         on_disk = {k for k in keys if ssd_file(h, k).exists()}
         assert on_disk and keys[0] not in on_disk
+
+
+@pytest.mark.slow
+async def test_a_new_master_learns_the_ssd_tier_from_the_stores_report(pool_procs, nats_url,
+                                                                        tmp_path):  # fmt: skip
+    async with ssd_pool(pool_procs, nats_url, tmp_path) as h:
+        keys = [f"master-{i:02d}" for i in range(COUNT)]
+        blobs = await put_one_by_one(h, keys)
+        on_ssd = [k for k in keys if ssd_file(h, k).exists()]
+        pool_procs.kill("master")
+        pool_procs.master(*MASTER)  # metadata empty: the store mounts and reports again
+        await h.wait_stores(1)
+
+        async def known() -> bool:
+            return (await h.client.stats()).ssd.get("copies", 0) == len(on_ssd)
+
+        await _until(known, "the new master knows every SSD copy")
+        assert await h.client.batch_exists(on_ssd) == len(on_ssd)
+        assert await read_back(h, on_ssd) == {k: blobs[k] for k in on_ssd}
