@@ -158,7 +158,7 @@ class DecodeService(WorkerService):
             pool_tokens = 0
             tokens = req.token_ids + req.generated
             if self.pool is not None:  # L1 first, then the pool
-                keys = self.page_keys(tokens, len(tokens) - 1)
+                keys = self.page_keys(tokens, self.reusable(tokens, params, req.generated))
                 _, from_pool = await self.pool.fetch_prefix(keys)
                 pool_tokens = from_pool * self.config.page_size
             key = request_key(req.router, req.request_id)
@@ -327,7 +327,7 @@ class DecodeService(WorkerService):
             generated += out.token_ids
             self.count_output_tokens(len(ids))
             if ids or text:
-                await stream.add(ids, text, lps)
+                await stream.add(ids, text, lps, logprobs_wire(out.prompt_logprobs))
             if out.finished:
                 if prefilled is not None:
                     cached = dict(prefilled)

@@ -83,12 +83,17 @@ class TokenStream:
         self._ids: list[int] = []
         self._text: list[str] = []
         self._logprobs: list[dict] = []
+        self._prompt_logprobs: list[dict] = []
         self._lock = asyncio.Lock()
 
-    async def add(self, token_ids: list[int], text: str, logprobs: list[dict]) -> None:
+    async def add(
+        self, token_ids: list[int], text: str, logprobs: list[dict], prompt_logprobs=()
+    ) -> None:
+        """Queue tokens; `prompt_logprobs` go with the request's first tokens only."""
         self._ids += token_ids
         self._text.append(text)
         self._logprobs += logprobs
+        self._prompt_logprobs += prompt_logprobs
         if self._lock.locked():
             return  # the publish in flight will pick these up on its next round
         async with self._lock:
@@ -104,6 +109,7 @@ class TokenStream:
     async def _send(self, **final) -> None:
         ids, text, lps = self._ids, "".join(self._text), self._logprobs
         self._ids, self._text, self._logprobs = [], [], []
+        prompt_lps, self._prompt_logprobs = self._prompt_logprobs, []
         chunk = TokenChunk(
             request_id=self.request_id,
             index=self.next_index,
@@ -111,6 +117,7 @@ class TokenStream:
             worker=self.worker,
             text=text,
             logprobs=lps,
+            prompt_logprobs=prompt_lps,
             **final,
         )
         self.next_index += len(ids)

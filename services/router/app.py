@@ -3,7 +3,8 @@
     middleware  request id (x-request-id in and out; bound to every log line)
                 -> API key check on /v1/*
                 -> handler; ApiError / HTTP errors / anything else -> OpenAI error body
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/render (a chat
+request's prompt text, not run), GET /v1/models, GET /health,
 GET /metrics, GET /openapi.json. No response ever carries a traceback.
 """
 
@@ -21,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.common.log import get_logger, request_context
-from services.router import lifecycle, openapi
+from services.router import lifecycle, openapi, render
 from services.router import openai_format as fmt
 from services.router.errors import ApiError
 from services.router.state import STATE, RouterState
@@ -47,6 +48,7 @@ def routes() -> list[tuple[str, str, Handler]]:
     return [
         ("POST", "/v1/completions", lifecycle.completions),
         ("POST", "/v1/chat/completions", lifecycle.chat_completions),
+        ("POST", "/v1/chat/render", render.chat_render),
         ("GET", "/v1/models", _models),
         ("GET", "/health", _health),
         ("GET", "/metrics", _metrics),

@@ -173,6 +173,7 @@ class Delta:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # the first delta's
 
 
 OnDelta = Callable[[Delta], None]
@@ -236,6 +237,7 @@ class ChoiceDeltas:
             self.last = now
         self.produced += n
         delta = Delta(self.index, self.prompt, chunk.text, chunk.token_ids, chunk.logprobs)
+        delta.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
             delta.finish_reason = chunk.finish_reason
             usage = chunk.usage
@@ -256,11 +258,21 @@ class Tally:
         n = len(prompts) * api.n
         self.choices = [fmt.Choice(i) for i in range(n)]
         self.offsets = [0] * n  # text offset per choice, for completions logprobs
+        # Echo with logprobs: each choice's scored prompt (from its first delta).
+        self.scored = api.echo and api.logprobs is not None
+        self.prompt_lps: dict[int, dict[str, Any]] = {}
+        # max_tokens 0 with echo: the one token the engine had to sample is dropped.
+        self.echo_only = api.echo and api.max_tokens == 0
         # Tool calls are read out of each choice's text as it streams (tool_calls.py).
         calls = api.tools is not None and api.tools.choice != "none"
         self.tool_streams = [ToolCallStream(api.tools) for _ in range(n)] if calls else []
 
     def add(self, d: Delta) -> None:
+        if self.echo_only:
+            d.text, d.token_ids, d.logprobs, d.completion_tokens = "", [], [], 0
+            d.finish_reason = d.finish_reason and "length"
+        if self.scored and d.index not in self.prompt_lps:
+            self.prompt_lps[d.index] = self.echoed_logprobs(d)
         c = self.choices[d.index]
         c.text += d.text
         c.token_ids += d.token_ids
@@ -272,6 +284,15 @@ class Tally:
             if d.index % self.api.n == 0:  # a prompt counts once, as OpenAI bills it
                 self.totals.cached_tokens += min(prompt_len, sum(d.cached.values()))
             self.state.metrics.finished(d.finish_reason, prompt_len, d.completion_tokens, d.cached)
+
+    def echoed_logprobs(self, d: Delta) -> dict[str, Any]:
+        """The scored prompt's logprobs: token 0 has none (nothing precedes it)."""
+        prompt = self.prompts[d.prompt]
+        entries = list(d.prompt_logprobs)
+        if prompt.score_from == 0:
+            entries.insert(0, {"token": prompt.token_ids[0], "logprob": None, "top": []})
+        starts = prompt.offsets[prompt.score_from :] if prompt.offsets is not None else None
+        return fmt.completion_logprobs(entries, self.state.token_text, 0, starts)
 
     def logprobs(self, index: int, entries: list[dict[str, Any]], text: str) -> Any:
         if self.api.logprobs is None:
@@ -308,7 +329,10 @@ async def collect(tally: Tally, choices: list[Choice]) -> web.Response:
                 echoed = prompts[c.index // api.n].text
                 tally.offsets[c.index] = len(echoed)
                 c.text = echoed + c.text
-            out.append(fmt.completion_choice(c, tally.logprobs(c.index, c.logprobs, c.text)))
+            lp = tally.logprobs(c.index, c.logprobs, c.text)
+            out.append(
+                fmt.completion_choice(c, fmt.joined_logprobs(tally.prompt_lps.get(c.index), lp))
+            )
         body = fmt.completion_body(tally.rid, created, model, out, tally.totals)
     return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
 
@@ -356,7 +380,8 @@ def _events(d: Delta, tally: Tally, started: set[int]) -> list:
         elif api.echo:
             echoed = tally.prompts[d.prompt].text
             tally.offsets[d.index] = len(echoed)
-            events.append(fmt.completion_delta(d.index, echoed, None, None))
+            scored = tally.prompt_lps.get(d.index)
+            events.append(fmt.completion_delta(d.index, echoed, scored, None))
     lp = tally.logprobs(d.index, d.logprobs, d.text)
     if chat and tally.tool_streams:
         events.append(_tool_delta(d, tally.tool_streams[d.index], lp))

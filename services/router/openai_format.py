@@ -43,18 +43,33 @@ class Totals:
 
 
 def completion_logprobs(
-    entries: list[dict[str, Any]], token_text: TokenText, offset: int
+    entries: list[dict[str, Any]],
+    token_text: TokenText,
+    offset: int,
+    starts: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+
+    Offsets count on from `offset` by each token's text, or are `starts` when given (an
+    echoed prompt's, from its tokenizer). An entry with logprob None (a prompt's first
+    token: nothing precedes it) has None for its alternatives too, as OpenAI's."""
     tokens, lps, tops, offsets = [], [], [], []
-    for e in entries:
+    for i, e in enumerate(entries):
         text = token_text(e["token"])
         tokens.append(text)
         lps.append(e["logprob"])
-        tops.append({token_text(t): lp for t, lp in e.get("top", [])})
-        offsets.append(offset)
+        top = e.get("top", [])
+        tops.append(None if e["logprob"] is None else {token_text(t): lp for t, lp in top})
+        offsets.append(starts[i] if starts is not None else offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) -> Any:
+    """Two legacy completions logprobs objects as one (an echoed prompt's, the output's)."""
+    if first is None or then is None:
+        return first if then is None else then
+    return {key: first[key] + then[key] for key in first}
 
 
 def chat_logprobs(entries: list[dict[str, Any]], token_text: TokenText) -> dict[str, Any]:

@@ -161,11 +161,29 @@ MODELS = _obj(
     data={"type": "array", "items": _obj(["id", "object", "created", "owned_by"], id=_STR)},
 )
 HEALTH = _obj(["status", "nats", "workers"], status={"enum": ["ok", "unavailable"]})
+RENDER_REQUEST = {
+    "type": "object",
+    "required": ["messages"],
+    "additionalProperties": False,
+    "properties": {
+        "model": _STR,
+        "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+        "add_generation_prompt": {"type": "boolean", "default": True},
+    },
+}
+RENDER = _obj(
+    ["object", "prompt", "prompt_tokens"],
+    object={"const": "chat.prompt"},
+    prompt=_STR,
+    prompt_tokens=_INT,
+)
 SCHEMAS = {
     "CompletionRequest": _schema(COMPLETION_SPECS),
     "ChatCompletionRequest": _schema(CHAT_SPECS),
     "Completion": COMPLETION,
     "ChatCompletion": CHAT,
+    "ChatRenderRequest": RENDER_REQUEST,
+    "ChatPrompt": RENDER,
     "ModelList": MODELS,
     "Health": HEALTH,
     "Error": ERROR,
@@ -225,6 +243,19 @@ def document(model_name: str) -> dict[str, Any]:
             "/v1/chat/completions": _generate(
                 "ChatCompletionRequest", "ChatCompletion", "Chat completion"
             ),
+            "/v1/chat/render": {
+                "post": {
+                    "summary": "The prompt text a chat request would become (not run)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("ChatRenderRequest")}},
+                    },
+                    "responses": {
+                        "200": _json("ChatPrompt", "the rendered prompt and its token count"),
+                        **{k: _ERRORS[k] for k in ("400", "401", "404")},
+                    },
+                }
+            },
             "/v1/models": {
                 "get": {
                     "summary": "Served models",

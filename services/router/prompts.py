@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from libs.common.engine.core.sampling_params import SamplingError, SamplingParams
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
@@ -23,14 +25,22 @@ from services.router.defaults import NO_DEFAULTS, SamplingDefaults
 from services.router.errors import bad_request
 from services.router.validation import ApiRequest
 
+# Prompt logprobs travel in one message (NATS: 1 MiB): scored tokens x (1 + logprobs)
+# values at most, each ~40 bytes on the wire.
+MAX_PROMPT_LOGPROB_VALUES = 16384
+
 
 @dataclass
 class Prompt:
-    """One prompt of a request: its ids, its text (for echo) and its sampling."""
+    """One prompt of a request: its ids, its text (for echo) and its sampling. With echo
+    and logprobs, the prompt is scored from token `score_from` on, and `offsets[i]` is
+    where token i starts in `text` (None: not known, a prompt given as ids)."""
 
     token_ids: list[int]
     text: str
     sampling: SamplingSpec
+    score_from: int = 0
+    offsets: list[int] | None = None
 
 
 def prepare(
@@ -40,13 +50,7 @@ def prepare(
     defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> list[Prompt]:
     if api.endpoint == "chat":
-        try:
-            has_tools = tools.template_has_tools(tokenizer.chat_template)
-            messages, extra = tools.render_messages(api.messages, api.tools, has_tools)
-            text = tokenizer.apply_chat_template(messages, **extra)
-        except Exception as e:  # a template may raise anything; the client sees why
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        sources: list[str | list[int]] = [text]
+        sources: list[str | list[int]] = [render_chat(tokenizer, api.messages, api.tools)]
     else:
         sources = api.prompts
     prompts = []
@@ -63,8 +67,67 @@ def prepare(
             ids, text = source, tokenizer.decode(source) if api.echo else ""
         if not ids:
             raise bad_request("the prompt is empty after tokenization", "prompt")
-        prompts.append(Prompt(ids, text, _sampling(api, len(ids), max_model_len, defaults)))
+        prompt = Prompt(ids, text, _sampling(api, len(ids), max_model_len, defaults))
+        if api.echo and api.logprobs is not None:
+            _score(api, tokenizer, prompt, isinstance(source, str))
+        prompts.append(prompt)
     return prompts
+
+
+def _score(api: ApiRequest, tokenizer: TextTokenizer, prompt: Prompt, text: bool) -> None:
+    """Echo with logprobs: the prompt's tokens are scored from the one that holds the
+    character `prompt_logprobs_from` (0 when unset) on; 400s when that is not possible."""
+    char_from = api.prompt_logprobs_from
+    if text:
+        spans = token_spans(tokenizer, prompt.text, len(prompt.token_ids))
+        prompt.offsets = [start for start, _ in spans]
+        if char_from is not None:
+            prompt.score_from = next(
+                (i for i, (_, end) in enumerate(spans) if end > char_from), len(spans)
+            )
+    elif char_from is not None:
+        raise bad_request("'prompt_logprobs_from' needs a text prompt", "prompt_logprobs_from")
+    values = (len(prompt.token_ids) - max(prompt.score_from, 1)) * (1 + api.logprobs)
+    if values > MAX_PROMPT_LOGPROB_VALUES:
+        raise bad_request(
+            f"scoring this prompt takes {values} logprob values (tokens x (1 + logprobs)); "
+            f"at most {MAX_PROMPT_LOGPROB_VALUES}: lower 'logprobs' or score from later "
+            "with 'prompt_logprobs_from'",
+            "logprobs",
+        )
+    prompt.sampling = msgspec.structs.replace(
+        prompt.sampling, prompt_logprobs=api.logprobs, prompt_logprobs_from=prompt.score_from
+    )
+
+
+def token_spans(tokenizer: TextTokenizer, text: str, num_tokens: int) -> list[tuple[int, int]]:
+    """The characters (start, end) of each of `encode(text)`'s tokens in `text`; a BOS
+    that encode added, and special tokens the tokenizer adds, are (0, 0)."""
+    encoding = tokenizer.tokenizer.encode_batch([text], add_special_tokens=True)[0]
+    spans = [tuple(span) for span in encoding.offsets]
+    if len(spans) == num_tokens - 1:  # the BOS `encode` put in front
+        spans = [(0, 0), *spans]
+    if len(spans) != num_tokens:
+        raise bad_request("the prompt's token offsets do not match its tokens", "prompt")
+    return spans
+
+
+def render_chat(
+    tokenizer: TextTokenizer,
+    messages: list[dict],
+    tool_request: tools.ToolRequest | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt text the model's chat template makes of `messages`; a 400 naming
+    "messages" when the template refuses them."""
+    try:
+        has_tools = tools.template_has_tools(tokenizer.chat_template)
+        rendered, extra = tools.render_messages(messages, tool_request, has_tools)
+        return tokenizer.apply_chat_template(
+            rendered, add_generation_prompt=add_generation_prompt, **extra
+        )
+    except Exception as e:  # a template may raise anything; the client sees why
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 
 
 class PromptTooLong(Exception):
@@ -96,7 +159,8 @@ def encode(tokenizer: TextTokenizer, text: str, limit: int | None = None) -> lis
 def _sampling(
     api: ApiRequest, prompt_len: int, max_model_len: int, defaults: SamplingDefaults
 ) -> SamplingSpec:
-    max_tokens = _max_tokens(api, prompt_len, max_model_len)
+    # max_tokens 0 (echo only): the engine samples one token, which the router drops.
+    max_tokens = max(1, _max_tokens(api, prompt_len, max_model_len))
     # The fields the request left out take the deployment's defaults (defaults.py).
     values = {**defaults.fill(api.sampling), "max_tokens": max_tokens, "logprobs": api.logprobs}
     try:

@@ -68,9 +68,23 @@ _SAMPLING = (
 )
 COMPLETION_SPECS = (
     Spec("prompt", "prompt", "string, list of strings, token ids or lists of ids", required=True),
-    *_SAMPLING,
+    # max_tokens 0 scores a prompt without a completion: only with echo (OpenAI's rule).
+    *(s for s in _SAMPLING if s.name != "max_tokens"),
+    Spec(
+        "max_tokens",
+        "integer",
+        BOUNDS["max_tokens"].help + " (0: with echo only)",
+        bound=Bound(int, BOUNDS["max_tokens"].help, lo=0),
+    ),
     _sampling_spec("logprobs"),
-    Spec("echo", "boolean", "prepend the prompt to the completion"),
+    Spec("echo", "boolean", "prepend the prompt to the completion (with logprobs: scored)"),
+    Spec(
+        "prompt_logprobs_from",
+        "integer",
+        "with echo and logprobs: score the prompt from the token holding this character "
+        "on; the cached prefix before it is not recomputed (Tandem's extension)",
+        bound=Bound(int, "a character offset into the prompt", lo=0),
+    ),
 )
 CHAT_SPECS = (
     Spec("messages", "messages", "the conversation: [{role, content}]", required=True),
@@ -118,6 +132,7 @@ class ApiRequest:
     max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs_from: int | None = None  # a character offset (completions, echo)
     sampling: dict[str, Any] = field(default_factory=dict)
     user: str = ""
     grammar: Grammar | None = None  # what the output must follow (structured.py)
@@ -179,8 +194,15 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
             )
         req.max_tokens = 16 if v["max_tokens"] is None else v["max_tokens"]  # OpenAI's default
         req.logprobs, req.echo = v["logprobs"], bool(v["echo"])
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("'max_tokens' 0 needs 'echo': true (the prompt scored only)",
+                              "max_tokens")  # fmt: skip
+        req.prompt_logprobs_from = v["prompt_logprobs_from"]
+        if req.prompt_logprobs_from is not None and not (req.echo and req.logprobs is not None):
+            raise bad_request("'prompt_logprobs_from' needs 'echo': true and 'logprobs'",
+                              "prompt_logprobs_from")  # fmt: skip
     else:
-        req.messages = _messages(v["messages"])
+        req.messages = parse_messages(v["messages"])
         req.max_tokens = v["max_completion_tokens"] or v["max_tokens"]
         if v["top_logprobs"] is not None and not v["logprobs"]:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -269,7 +291,7 @@ def _prompts(value: Any) -> list[str | list[int]]:
     )
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def parse_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' must be a non-empty list", "messages")
     out = []

@@ -45,6 +45,8 @@ class _Request:
     penalized: bool
     matcher: Any = None  # an llguidance matcher when the request has a grammar
     grammar_done: bool = False  # the matcher is complete (or refused a token): stop
+    # prompt logprobs computed so far, by token index, until the first output carries them
+    scores: dict[int, TokenLogprobs] | None = None
 
 
 class EngineCore:
@@ -151,8 +153,12 @@ class EngineCore:
             request_id, token_ids, params, prefill_only=prefill_only, keep_pages=keep_pages
         )
         seq.token_ids.extend(generated)
+        if not generated:  # a migrated request's client has its prompt logprobs already
+            seq.logits_from = params.prompt_logits_from
         self.scheduler.add(seq)
         self._track(seq, matcher)
+        if seq.logits_from is not None:
+            self._requests[request_id].scores = {}
         return self._replay(self._requests[request_id], list(generated))
 
     def reserve(
@@ -261,6 +267,10 @@ class EngineCore:
         sampled = {
             item.seq.request_id: tok for item, tok in zip(sampling, result.token_ids, strict=True)
         }
+        for request_id, scored in result.prompt_logprobs.items():
+            req = self._requests.get(request_id)
+            if req is not None and req.scores is not None:
+                req.scores.update(scored)
         self.scheduler.postprocess(out, sampled)
         outputs = [self._progress(item.seq) for item in out.scheduled
                    if not item.sample and item.seq.prefill_only]  # fmt: skip
@@ -376,8 +386,20 @@ class EngineCore:
             seq.num_cached_tokens,
             seq.num_output_tokens,
         )
+        if req.scores is not None:
+            out.prompt_logprobs = self._prompt_logprobs(req)
         if finished and seq.status == SequenceStatus.HELD:
             out.page_table = list(seq.page_table)
         elif finished:
             self._requests.pop(seq.request_id, None)
         return out
+
+    def _prompt_logprobs(self, req: _Request) -> list[TokenLogprobs]:
+        """The prompt's logprobs, for its first output; scoring ends there."""
+        seq, scores = req.seq, req.scores or {}
+        first = max(seq.sampling_params.prompt_logprobs_from, 1)
+        missing = [i for i in range(first, seq.num_prompt_tokens) if i not in scores]
+        if missing:  # a bug, never a silent gap: the client would misalign them
+            raise RuntimeError(f"{seq.request_id}: prompt tokens {missing[:4]} were not scored")
+        req.scores, seq.logits_from = None, None
+        return [scores[i] for i in range(first, seq.num_prompt_tokens)]

@@ -225,6 +225,8 @@ class TokenChunk(Message, tag="token_chunk"):
     The last chunk of a request has `finish_reason` ("stop", "length", "abort", "error")
     and `usage`; an error ends the stream with `finish_reason="error"` and `error` set.
     `logprobs[i]` (when asked) is `{"token": id, "logprob": x, "top": [[id, x], ...]}`.
+    `prompt_logprobs` (sampling.prompt_logprobs set; on the chunk of token 0 only) are
+    entries of the same shape for the prompt tokens from max(prompt_logprobs_from, 1) on.
     """
 
     request_id: str
@@ -236,6 +238,7 @@ class TokenChunk(Message, tag="token_chunk"):
     usage: Usage | None = None
     error: str | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class TokenChunkBatch(Message, tag="token_chunk_batch"):

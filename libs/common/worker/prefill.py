@@ -139,7 +139,7 @@ class PrefillService(WorkerService):
     async def _run(self, req, params, sender: KvSender) -> PrefillResult:
         pool_tokens = 0
         if self.pool is not None:  # L1 first, then the pool; at least 1 token is computed
-            keys = self.page_keys(req.token_ids, len(req.token_ids) - 1)
+            keys = self.page_keys(req.token_ids, self.reusable(req.token_ids, params))
             _, from_pool = await self.pool.fetch_prefix(keys)
             pool_tokens = from_pool * self.config.page_size
         last = None
@@ -167,6 +167,7 @@ class PrefillService(WorkerService):
                 worker=self.config.service_id,
                 text=last.text,
                 logprobs=logprobs_wire(last.logprobs),
+                prompt_logprobs=logprobs_wire(last.prompt_logprobs),
                 finish_reason=last.finish_reason,
                 usage=Usage(
                     prompt_tokens=len(req.token_ids), completion_tokens=1, cached_tokens=cached

@@ -228,6 +228,16 @@ class WorkerService(BaseService):
         n = num_tokens // self.config.page_size * self.config.page_size
         return hasher.keys(token_ids[:n])
 
+    def reusable(
+        self, token_ids: list[int], params: SamplingParams, generated: list[int] | tuple = ()
+    ) -> int:
+        """How many leading tokens may come from a cache (the pool included): all but the
+        last, and none whose logits the prompt's logprobs need (the engine's rule)."""
+        n = len(token_ids) - 1
+        if params.prompt_logits_from is not None and not generated:
+            n = min(n, params.prompt_logits_from)
+        return n
+
     def write_back(self, token_ids: list[int], num_tokens: int) -> None:
         """Copy computed full pages to the pool in the background (write-through)."""
         if self.pool is not None:

@@ -52,12 +52,16 @@ class KvPages:
 
     def match_prefix(self, seq: Sequence) -> tuple[int, int]:
         """Give a sequence holding no pages the longest cached prefix of its
-        tokens, minus at least its last token (whose logits must be computed).
-        Sets page_table, num_committed_pages and num_computed_tokens; returns
-        (pages looked up, pages found)."""
+        tokens, minus at least its last token (whose logits must be computed) and
+        every position from `seq.logits_from` on. Sets page_table,
+        num_committed_pages and num_computed_tokens; returns (pages looked up, pages
+        found)."""
         if self.cache is None or seq.page_table:
             return 0, 0
-        keys = self.page_keys(seq, (seq.num_tokens - 1) // self.page_size)
+        computed_from = seq.num_tokens - 1
+        if seq.logits_from is not None:
+            computed_from = min(computed_from, seq.logits_from)
+        keys = self.page_keys(seq, computed_from // self.page_size)
         hit = self.cache.match(keys)
         if hit:
             self.cache.acquire(keys[: len(hit)])

@@ -26,6 +26,9 @@ class RequestOutput:
     carries `page_table`, the pages holding the KV of `all_token_ids`
     positions in order, valid until `Engine.release(request_id)`.
 
+    With `prompt_logprobs` set in its sampling, a request's first output carries the
+    logprobs of its prompt tokens from index max(prompt_logprobs_from, 1) on, in order.
+
     A prefill-only request also gets progress outputs after each chunk that did not
     sample: no tokens, not finished, and `page_table` listing the pages whose KV is final
     already (so a transfer can overlap the next chunk's compute).
@@ -41,3 +44,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     page_table: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)

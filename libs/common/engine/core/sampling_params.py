@@ -124,7 +124,17 @@ def check_sampling(obj: Any) -> dict[str, Any]:
         raise SamplingError("ignore_eos", f"'ignore_eos' must be a boolean, got {obj.ignore_eos!r}")
     if not isinstance(obj.grammar, str) or len(obj.grammar) > MAX_GRAMMAR_CHARS:
         raise SamplingError("grammar", f"'grammar' must be a string, <= {MAX_GRAMMAR_CHARS} chars")
+    if obj.prompt_logprobs is not None:
+        out["prompt_logprobs"] = BOUNDS["logprobs"].check("prompt_logprobs", obj.prompt_logprobs)
+    out["prompt_logprobs_from"] = _PROMPT_FROM.check(
+        "prompt_logprobs_from", obj.prompt_logprobs_from
+    )
     return out
+
+
+# Not in BOUNDS: the API sets them from `echo`, `logprobs` and `prompt_logprobs_from`
+# (services/router), not from a body field of the same name.
+_PROMPT_FROM = Bound(int, "first prompt token to score", lo=0, hi=MAX_TOKEN_ID)
 
 
 def _num(x: int | float) -> str:
@@ -146,7 +156,11 @@ class SamplingParams:
     - logprobs: None for none, n >= 0 for the sampled token's logprob plus the
       top n alternatives (of the constrained distribution when there is a grammar);
     - grammar: "" for none, else a grammar in llguidance's format (libs/common/grammar)
-      that every sampled token must follow; generation stops when it is complete.
+      that every sampled token must follow; generation stops when it is complete;
+    - prompt_logprobs: None for none, n >= 0 for the logprob of every prompt token from
+      index `prompt_logprobs_from` on (token 0 has none: nothing precedes it) plus the
+      top n alternatives at each. Those positions are computed, never read from the
+      prefix cache: the cached prefix stops at the first one (`prompt_logits_from`).
 
     `n` is deliberately absent: the router fans a request with n > 1 out into
     n engine requests. A bad value raises ValueError naming the field.
@@ -166,6 +180,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: str = ""
+    prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 0
 
     def __post_init__(self) -> None:
         # frozen: normalized values go in through object.__setattr__.
@@ -177,6 +193,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def prompt_logits_from(self) -> int | None:
+        """The first position whose logits the prompt's logprobs need (they score the
+        token after it), or None without prompt logprobs."""
+        if self.prompt_logprobs is None:
+            return None
+        return max(self.prompt_logprobs_from, 1) - 1
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:

@@ -60,7 +60,10 @@ class Sequence:
       first admission (for `usage`); it does not change on recompute;
     - `prefill_only`: stop after the first sampled token (a prefill worker);
     - `keep_pages`: on finish go to HELD and keep the pages until released
-      (export to a decode worker, write to the pool). prefill_only implies it.
+      (export to a decode worker, write to the pool). prefill_only implies it;
+    - `logits_from`: the first prompt position whose logits are wanted besides the last
+      (prompt logprobs), or None. The prefix cache is read up to it only, and the model
+      runner scores positions logits_from .. num_prompt_tokens - 2 as it computes them.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_committed_pages = 0
         self.num_preemptions = 0
+        self.logits_from: int | None = None
 
     def __repr__(self) -> str:
         return (

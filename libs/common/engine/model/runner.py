@@ -6,10 +6,13 @@ import concurrent.futures
 
 import torch
 
+from libs.common.engine.core.outputs import TokenLogprobs
 from libs.common.engine.core.scheduler import ScheduledSeq
 from libs.common.engine.model.attention import AttentionBackend, AttentionBatch
 from libs.common.engine.model.model import LlamaModel
-from libs.common.engine.model.sampler import Sampler, SamplerOutput, SamplingRow
+from libs.common.engine.model.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
+
+SCORE_ROWS = 256  # prompt positions scored per logits product (runner._score_prompts)
 
 
 class ModelRunner:
@@ -31,6 +34,11 @@ class ModelRunner:
 
     def forward(self, items: list[ScheduledSeq]) -> torch.Tensor:
         """Hidden states of the sampling rows, [n_sampling, hidden]."""
+        hidden, last_rows = self._forward(items)
+        return self._rows(hidden, last_rows)
+
+    def _forward(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of every computed token, and the rows of the sampling ones."""
         ids: list[int] = []
         positions: list[int] = []
         q_lens, ctx_lens, tables, keys, last_rows = [], [], [], [], []
@@ -51,9 +59,12 @@ class ModelRunner:
             self.attention,
             plan,
         )
-        if len(last_rows) == hidden.shape[0]:
+        return hidden, last_rows
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if len(rows) == hidden.shape[0]:
             return hidden
-        return hidden.index_select(0, torch.tensor(last_rows, dtype=torch.long, device=dev))
+        return hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def run(
@@ -62,9 +73,41 @@ class ModelRunner:
         rows: list[SamplingRow],
         allowed: concurrent.futures.Future[torch.Tensor | None] | None = None,
     ) -> SamplerOutput:
-        hidden = self.forward(items)
+        hidden, last_rows = self._forward(items)
+        scored = self._score_prompts(items, hidden)
         if not rows:
-            return SamplerOutput([], [])
-        logits = self.model.logits(hidden)
+            return SamplerOutput([], [], scored)
+        logits = self.model.logits(self._rows(hidden, last_rows))
         mask = allowed.result() if allowed is not None else None
-        return self.sampler(logits.cpu(), rows, mask)
+        out = self.sampler(logits.cpu(), rows, mask)
+        out.prompt_logprobs = scored
+        return out
+
+    def _score_prompts(
+        self, items: list[ScheduledSeq], hidden: torch.Tensor
+    ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+        """Prompt logprobs of this step's chunks: per request, (token index, its logprob
+        and top n) for each prompt token after a computed position p >= seq.logits_from
+        (the logits at p score token p + 1). Logits go SCORE_ROWS rows at a time: a whole
+        2,048-token chunk of a 49k vocabulary would be 400 MB of fp32 at once."""
+        # request, hidden row, scored token's index, its id, top n
+        wanted: list[tuple[str, int, int, int, int]] = []
+        row = 0
+        for item in items:
+            seq = item.seq
+            if seq.logits_from is not None:
+                first = max(item.start, seq.logits_from)
+                end = min(item.start + item.num_tokens, seq.num_prompt_tokens - 1)
+                n = seq.sampling_params.prompt_logprobs or 0
+                for p in range(first, end):
+                    token = seq.token_ids[p + 1]
+                    wanted.append((seq.request_id, row + p - item.start, p + 1, token, n))
+            row += item.num_tokens
+        out: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+        for at in range(0, len(wanted), SCORE_ROWS):
+            part = wanted[at : at + SCORE_ROWS]
+            logits = self.model.logits(self._rows(hidden, [w[1] for w in part]))
+            lps = torch.log_softmax(logits.float(), dim=-1).cpu()
+            for (rid, _, index, token, n), lp in zip(part, lps, strict=True):
+                out.setdefault(rid, []).append((index, token_logprobs(lp, token, n)))
+        return out

@@ -40,8 +40,14 @@ class SamplingRow:
 
 @dataclasses.dataclass(slots=True)
 class SamplerOutput:
+    """One step's sampled tokens and their logprobs, in row order; `prompt_logprobs`
+    (set by the model runner) per request id: (prompt token index, its logprobs)."""
+
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class Sampler:
@@ -75,7 +81,7 @@ class Sampler:
         if logprobs is not None:
             for i, r in enumerate(rows):
                 if want_lp[i]:
-                    out_lp[i] = _token_logprobs(logprobs[i], token_ids[i], r.params.logprobs)
+                    out_lp[i] = token_logprobs(logprobs[i], token_ids[i], r.params.logprobs)
         return SamplerOutput(token_ids, out_lp)
 
 
@@ -153,7 +159,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.full_like(logits, _MASK).scatter_(1, order, values)
 
 
-def _token_logprobs(lp: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
+def token_logprobs(lp: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
     """The alternatives are the top n that can be sampled: a grammar may allow fewer."""
     top: list[tuple[int, float]] = []
     if n:

@@ -1,0 +1,56 @@
+"""POST /v1/chat/render: the prompt text a chat request would become, without running it.
+
+A client that drives /v1/completions with its own text (the llm_programs frontend: gens,
+selects and forks that share prefixes) renders chat turns through the model's template
+here, so its prompts are the ones /v1/chat/completions would build, token for token.
+
+    {"messages": [...], "add_generation_prompt": true}
+      -> {"object": "chat.prompt", "prompt": "<text>", "prompt_tokens": n}
+
+`model` is optional (checked when given); any other field is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import web
+
+from services.router.errors import ApiError, bad_request
+from services.router.prompts import encode, render_chat
+from services.router.state import STATE
+from services.router.tools import check_tool_messages
+from services.router.validation import parse_messages
+
+FIELDS = ("model", "messages", "add_generation_prompt")
+
+
+async def chat_render(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise bad_request(f"'{unknown[0]}' is not a field of /v1/chat/render", unknown[0])
+    model = body.get("model")
+    if model is not None and model not in (state.config.model_name, state.model_id):
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                       f"'{state.config.model_name}'.", param="model",
+                       code="model_not_found")  # fmt: skip
+    messages = parse_messages(body.get("messages"))
+    check_tool_messages(body["messages"])
+    generation = body.get("add_generation_prompt", True)
+    if not isinstance(generation, bool):
+        raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+
+    def render() -> tuple[str, int]:
+        text = render_chat(state.tokenizer, messages, None, generation)
+        return text, len(encode(state.tokenizer, text))
+
+    text, n = await asyncio.to_thread(render)  # template and tokenizer: CPU, off the loop
+    return web.json_response({"object": "chat.prompt", "prompt": text, "prompt_tokens": n})
