@@ -118,6 +118,11 @@ def score_body(model: str, prefix: str, continuation: str) -> dict[str, Any]:
     }
 
 
+def prefix_body(model: str, prefix: str) -> dict[str, Any]:
+    """A request that only puts `prefix` in the workers' caches (one token, greedy)."""
+    return {"model": model, "prompt": prefix, "max_tokens": 1, "temperature": 0}
+
+
 def gen(
     name: str,
     max_tokens: int = 128,

@@ -16,10 +16,8 @@ asyncio.gather); `join(branches)` brings what they stored back as lists.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from llm_programs.calls import (
@@ -31,38 +29,10 @@ from llm_programs.calls import (
     gen,
 )
 from llm_programs.errors import ProgramInputError
+from llm_programs.fork import SharedPrefix
+from llm_programs.gather import gather_all
+from llm_programs.records import CallRecord, ChoiceScore, Piece
 from llm_programs.router import Router
-
-
-@dataclass(frozen=True)
-class CallRecord:
-    """One request a state sent: its label, kind (gen, score, render), the body sent (to
-    replay it by hand), the usage the router reported and the wall time."""
-
-    call: str
-    kind: str
-    body: dict[str, Any]
-    usage: Usage = field(default_factory=Usage)
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class ChoiceScore:
-    """A select's choice: the sum of its tokens' log-probabilities, and how many."""
-
-    choice: str
-    logprob: float
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A streamed piece of a gen's output (Program.stream)."""
-
-    call: str
-    name: str
-    text: str
-
 
 Sink = Callable[[Piece], None]
 
@@ -80,6 +50,7 @@ class State:
         self._rendered: tuple[int, str] | None = None  # (messages, their generation prompt)
         self._busy: str | None = None
         self._parent: State | None = None
+        self._shared: SharedPrefix | None = None  # a branch's prefix, sent once per fork
         self._names_at_fork: frozenset[str] = frozenset()
         self._joined = False
 
@@ -168,7 +139,8 @@ class State:
         far, which the router's caches compute once)."""
         if not isinstance(n, int) or n < 1:
             raise ProgramInputError(f"{self.program}: fork({n!r}): n must be an integer >= 1")
-        return [self._branch(i) for i in range(n)]
+        shared = SharedPrefix(self, n) if n > 1 else None
+        return [self._branch(i, shared) for i in range(n)]
 
     def join(self, branches: list[State]) -> list[str]:
         """Store, for each name the branches set since the fork, the list of their values
@@ -205,6 +177,8 @@ class State:
             )
         self._busy = call.label
         try:
+            if self._shared is not None:
+                await self._shared.ready()
             prefix = await self._prefix(label)
             if isinstance(call, Gen):
                 out = await self._gen(label, call, prefix)
@@ -317,22 +291,11 @@ class State:
                 "state; each gen/select stores under its own name"
             )
 
-    def _branch(self, i: int) -> State:
+    def _branch(self, i: int, shared: SharedPrefix | None) -> State:
         b = State(self.router, f"{self.program}[{i}]", self._sink)
+        b._shared = shared
         b.vars, b.scores = dict(self.vars), dict(self.scores)
         b._text, b._turn, b._rendered = self._text, self._turn, self._rendered
         b._messages = None if self._messages is None else self.messages
         b._parent, b._names_at_fork = self, frozenset(self.vars)
         return b
-
-
-async def gather_all(aws: Iterable[Awaitable]) -> list[Any]:
-    """asyncio.gather that cancels (and waits for) the others when one fails."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise

@@ -66,14 +66,26 @@ def test_text_program_sends_each_call_the_text_so_far():
     assert state["title"] == " Radix" and state["good"] == "yes"
     assert state.text == "Topic: caches\nTitle: Radix\nGood? yes"
     gen_body, *score_bodies = router.bodies
-    assert gen_body == {"model": "default", "prompt": "Topic: caches\nTitle:",
-                        "max_tokens": 8, "stop": ["\n"], "temperature": 0}  # fmt: skip
+    assert gen_body == {
+        "model": "default",
+        "prompt": "Topic: caches\nTitle:",
+        "max_tokens": 8,
+        "stop": ["\n"],
+        "temperature": 0,
+    }
     prefix = "Topic: caches\nTitle: Radix\nGood? "
     assert [b["prompt"] for b in score_bodies] == [prefix + "yes", prefix + "no"]
-    assert all(b["prompt_logprobs_from"] == len(prefix) and b["max_tokens"] == 0
-               and b["echo"] and b["logprobs"] == 0 for b in score_bodies)  # fmt: skip
+    assert all(
+        b["prompt_logprobs_from"] == len(prefix)
+        and b["max_tokens"] == 0
+        and b["echo"]
+        and b["logprobs"] == 0
+        for b in score_bodies
+    )
     assert [(c.choice, c.logprob, c.tokens) for c in state.scores["good"]] == [
-        ("yes", -0.5, 1), ("no", -2.0, 1)]  # fmt: skip
+        ("yes", -0.5, 1),
+        ("no", -2.0, 1),
+    ]
 
 
 def test_select_sums_token_logprobs_skips_null_and_takes_the_first_on_a_tie():
@@ -107,7 +119,7 @@ def test_chat_turns_continue_the_rendered_conversation():
     assert state.text.endswith("assistant: ?\n")  # the whole chat, rendered at the end
 
 
-def test_fork_branches_share_the_prefix_and_join_gathers_their_values():
+def test_fork_sends_the_shared_prefix_once_first_and_join_gathers_the_branches_values():
     @function
     async def prog(s):
         s += "Idea:"
@@ -120,7 +132,15 @@ def test_fork_branches_share_the_prefix_and_join_gathers_their_values():
     router = ScriptedRouter({f"Idea: {i}": f"-{i}" for i in range(3)})
     state = prog.run(router)
     assert state["idea"] == ["-0", "-1", "-2"] and state.text == "Idea:"
-    assert sorted(c.call for c in state.calls) == [f"prog[{i}]: gen('idea')" for i in range(3)]
+    assert router.bodies[0] == {
+        "model": "default",
+        "prompt": "Idea:",
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    assert sorted(b["prompt"] for b in router.bodies[1:]) == [f"Idea: {i}" for i in range(3)]
+    assert state.calls[0].call == "prog: fork(3) prefix"
+    assert sorted(c.call for c in state.calls[1:]) == [f"prog[{i}]: gen('idea')" for i in range(3)]
 
 
 def test_select_with_no_choices_names_the_call():
@@ -226,8 +246,10 @@ async def silent_server():
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         if b"stream" in head.split(b"\r\n")[0] or b'"stream"' in await _body(reader, head):
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
-                         b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n')  # fmt: skip
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+                b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+            )
             await writer.drain()
         await asyncio.sleep(3600)
 
