@@ -11,12 +11,15 @@ use, the segment's descriptor; rdma cannot narrow an rkey: the segment's descrip
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any
 
 from libs.common.bus.connection import HandlerError
 from libs.common.log import get_logger
 from libs.common.messages.pool import PoolGrant, PoolGrantReply
 from libs.common.transfer import RegionDescriptor, TransferEngine
+from libs.common.transfer.errors import RegionBusy
 
 log = get_logger(__name__)
 
@@ -69,3 +72,41 @@ def expire(engine: Any) -> None:
     """Drop grants past their ttl (already refused; this frees their table entries)."""
     if engine is not None:
         engine.revoke_expired()
+
+
+class GrantBook:
+    """The grants this store handed out and the master epoch each was asked under.
+
+    After a failover the new leader may re-use a range that the deposed one had granted
+    for a put still in flight: a late writer would overwrite the new object (readers see
+    a MAC mismatch: a miss, never wrong KV, but a lost object). So when the store follows
+    a higher epoch it revokes every grant of the lower ones at once (`revoke_below`),
+    instead of letting them run to their ttl (up to the put timeout)."""
+
+    def __init__(self) -> None:
+        self._issued: dict[int, tuple[int, float]] = {}  # region id -> (epoch, expiry)
+
+    def __len__(self) -> int:
+        return len(self._issued)
+
+    def add(self, reply: PoolGrantReply, segment: RegionDescriptor, epoch: int, ttl: float):
+        """Note a grant just made (not the segment's own descriptor, which rdma and a full
+        shm table hand out); forget those past their ttl."""
+        now = time.monotonic()
+        self._issued = {r: e for r, e in self._issued.items() if e[1] > now}
+        region_id = reply.descriptor.get("region_id") if reply.descriptor else None
+        if region_id is not None and region_id != segment.region_id:
+            self._issued[region_id] = (epoch, now + ttl)
+
+    def forget(self, region_ids: list[int]) -> None:
+        for region_id in region_ids:
+            self._issued.pop(region_id, None)
+
+    def revoke_below(self, engine: TransferEngine, epoch: int) -> int:
+        """Revoke every grant asked under an epoch below `epoch`; how many."""
+        stale = [r for r, (e, _) in self._issued.items() if e < epoch]
+        for region_id in stale:
+            with contextlib.suppress(RegionBusy):  # unregistered all the same (errors.py)
+                engine.revoke(region_id)
+            del self._issued[region_id]
+        return len(stale)

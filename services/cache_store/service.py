@@ -58,7 +58,7 @@ from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
 from services.cache_store.config import CacheStoreConfig
-from services.cache_store.grants import expire, serve_grant
+from services.cache_store.grants import GrantBook, expire, serve_grant
 from services.cache_store.segment import StoreSegment, checksum
 from services.cache_store.ssd import SsdTier
 from services.cache_store.ssd_orders import report, serve_order
@@ -79,6 +79,7 @@ class CacheStoreService(BaseService):
         self.region: RegionDescriptor | None = None
         self.mounted = False
         self.epoch = 0  # the highest master epoch seen
+        self.grants = GrantBook()  # revoked when a higher epoch is followed
         self._update_seq = 0
         self._early: list[PoolStoreUpdate] | None = None  # updates that came mid-mount
         self._remount = asyncio.Event()
@@ -130,7 +131,11 @@ class CacheStoreService(BaseService):
             state = "" if self.mounted else ", not mounted"
             raise HandlerError(409, f"grant of epoch {req.epoch}; this store follows "
                                f"{self.epoch}{state}")  # fmt: skip
-        return serve_grant(self.engine, self.region, req, self.segment.size)
+        reply = serve_grant(self.engine, self.region, req, self.segment.size)
+        self.grants.forget(req.revoke)
+        if req.mode:
+            self.grants.add(reply, self.region, req.epoch, req.ttl)
+        return reply
 
     async def on_start(self) -> None:
         options = self.config.transfer_options(self._transport())
@@ -228,7 +233,8 @@ class CacheStoreService(BaseService):
         try:
             begin = PoolMount(sid, self.region.to_dict(), chunks[0], epoch=self.epoch)
             reply = await self._ask("mount", begin, PoolMountReply)
-            self.epoch, mount_id = reply.epoch, reply.mount_id
+            self._follow(reply.epoch)
+            mount_id = reply.mount_id
             for index, chunk in enumerate(chunks[1:], 1):
                 message = PoolMountChunk(sid, mount_id, index, chunk, epoch=self.epoch)
                 await self._ask("mount_chunk", message, PoolCount)
@@ -253,6 +259,16 @@ class CacheStoreService(BaseService):
         for update in sorted(early, key=lambda u: u.seq):
             self._apply(update)
 
+    def _follow(self, epoch: int) -> None:
+        """Take `epoch` (>= mine: `_ask` and `_heartbeat` refuse lower ones). A higher one
+        is a new leader: the grants the old one asked for end now (grants.GrantBook)."""
+        if epoch > self.epoch:
+            revoked = self.grants.revoke_below(self.engine, epoch)
+            if revoked:
+                log.warning("grants of an older master revoked", revoked=revoked,
+                            old_epoch=self.epoch, epoch=epoch)  # fmt: skip
+        self.epoch = epoch
+
     async def _ask(self, name: str, message: Any, reply_type: type) -> Any:
         """A mount step; a reply from a master below the highest epoch seen is refused."""
         reply = await self.bus.request(self.master(name), message, reply_type)
@@ -273,7 +289,7 @@ class CacheStoreService(BaseService):
             return  # a stale master answered (it stops serving when it sees our epoch)
         if reply.epoch > self.epoch:
             log.warning("a master with a higher epoch; mounting there", epoch=reply.epoch)
-            self.epoch = reply.epoch
+            self._follow(reply.epoch)
             self._remount.set()
         elif not reply.known:
             log.warning("cache master does not know this store; mounting again")

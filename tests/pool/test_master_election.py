@@ -16,7 +16,8 @@ import pytest
 
 from libs.common.bus.connection import BusError, HandlerError
 from libs.common.messages.control import InfoRequest, ServiceInfo
-from libs.common.messages.pool import PoolNewObject, PoolPutStart, PoolStats
+from libs.common.messages.pool import PoolNewObject, PoolPutStart, PoolPutStartReply, PoolStats
+from libs.common.transfer import RegionDescriptor, TransferError
 from services.cache_master.config import CacheMasterConfig
 from services.cache_master.election import Claim
 from services.cache_master.service import CacheMasterService
@@ -121,6 +122,37 @@ async def test_a_standby_takes_over_a_killed_leader_within_5s_and_every_object_r
     for i in range(32):
         assert pool.read(pool.half + i * 4096, 4096) == pool.read(i * 4096, 4096)
     assert takeover < TAKEOVER_LIMIT
+
+
+async def test_a_put_grant_of_a_killed_leader_ends_when_the_store_follows_the_new_one(two):
+    """A put the deposed leader started must not write into a range the new leader may
+    hand out again: the store revokes the old epoch's grants when it follows the new one
+    (services/cache_store/grants.py, GrantBook), not at the grant's ttl (--put-timeout)."""
+    pool = two
+    pool.procs.store("store-a")
+    await pool.wait_stores(1)
+    new = PoolNewObject("late-writer", 4096, "0" * 16)
+    started = await pool.bus.request("tandem.pool.master.put_start", PoolPutStart([new]),
+                                     PoolPutStartReply)  # fmt: skip
+    (replica,) = started.slots[0].replicas
+    grant = RegionDescriptor.from_dict(started.segments[replica.store])
+    await pool.engine.write(pool.mem.region, grant, [(0, replica.offset, 4096)])  # granted
+    (old_epoch,) = await _stats_epochs(pool, 3)
+    leader, _ = await _leader_first(pool.bus)
+    pool.procs.kill(leader)  # kill -9: its put never ends
+    deadline = time.monotonic() + 15
+    while True:  # until the store has mounted at the new leader's epoch
+        try:
+            stats = await pool.bus.request("tandem.pool.master.stats", InfoRequest(), PoolStats,
+                                           timeout=0.5, responder_wait=0.05)  # fmt: skip
+            if stats.epoch > old_epoch and len(stats.stores) == 1:
+                break
+        except BusError:
+            pass
+        assert time.monotonic() < deadline, "no takeover within 15 s"
+        await asyncio.sleep(0.05)
+    with pytest.raises(TransferError, match="unknown region or wrong token"):
+        await pool.engine.write(pool.mem.region, grant, [(0, replica.offset, 16)])
 
 
 async def test_a_graceful_leader_stop_hands_over_at_once(two):
