@@ -213,17 +213,15 @@ class State:
         return answer
 
     async def _select(self, label: str, call: Select, prefix: str) -> str:
-        model = self.router.model
-        scored = [
-            self._timed(
-                f"{label} choice {c!r}",
-                "score",
-                body,
-                self.router.complete(f"{label} choice {c!r}", body),
-            )
-            for c, body in zip(call.choices, call.bodies(model, prefix), strict=True)
+        # The first choice alone, then the others side by side: the first computes the
+        # prefix (often new text, such as a question just added) and the others find it
+        # in the cache instead of each computing it at the same time.
+        work = [
+            (f"{label} choice {c!r}", body)
+            for c, body in zip(call.choices, call.bodies(self.router.model, prefix), strict=True)
         ]
-        answers = await gather_all(scored)
+        answers = [await self._score(*work[0])]
+        answers += await gather_all(self._score(name, body) for name, body in work[1:])
         scores = []
         for choice, answer in zip(call.choices, answers, strict=True):
             logprob, tokens = choice_logprob(f"{label} choice {choice!r}", answer)
@@ -231,6 +229,9 @@ class State:
         self.scores[call.name] = scores
         best = max(range(len(scores)), key=lambda i: (scores[i].logprob, -i))
         return scores[best].choice
+
+    async def _score(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._timed(name, "score", body, self.router.complete(name, body))
 
     async def _timed(self, label: str, kind: str, body: dict[str, Any], work: Awaitable) -> Any:
         """Await `work` and record the call; a completion's answer becomes its text."""

@@ -157,8 +157,8 @@ async def test_a_bad_call_raises_the_routers_400_naming_the_call(stack):
 
 async def test_fork_of_4_and_select_of_3_compute_the_shared_prefix_once(stack):
     """The issue's test: the branches' and the choices' cached tokens cover the prefix
-    they share (all of it but the last, partial page), and the greedy results equal the
-    same calls made by hand."""
+    they share (all of it but the last, partial page; for the choices after the first,
+    the question too), and the greedy results equal the same calls made by hand."""
     question = "\nQuestion: which bridge is at mile 30?\n"
     ask = "Is there a bridge at mile 30? Answer:"
     choices = [" yes", " no", " maybe"]
@@ -183,6 +183,8 @@ async def test_fork_of_4_and_select_of_3_compute_the_shared_prefix_once(stack):
     for choice in choices:
         usage = calls[f"judge: select('verdict') choice {choice!r}"].usage
         assert usage.cached_tokens >= shared // PAGE * PAGE, (choice, usage, shared)
+        if choice != choices[0]:  # scored after the first, which computed the question
+            assert usage.cached_tokens >= (usage.prompt_tokens - 4) // PAGE * PAGE, usage
 
     hand = []
     for i in range(4):
