@@ -1,7 +1,8 @@
 """deploy/k8s (kustomize) names only what exists: image, commands, flags, ports, probes.
 
-Offline: no cluster and no kustomize binary here, so the checks read the YAML the way
-kustomize would use it (resources, generators, patches by kind and name).
+Offline and without a cluster: these checks read the YAML the way kustomize would use it
+(resources, generators, patches by kind and name); test_manifests.py renders it with
+`kubectl kustomize` and validates what comes out against Kubernetes' schemas.
 """
 
 from __future__ import annotations
