@@ -34,17 +34,21 @@ KUBERNETES_VERSION = "1.32.0"
 RBG_API_VERSION = "workloads.x-k8s.io/v1alpha2"
 RBG_SCHEMA = DEPLOY / "rbg" / "rolebasedgroup.schema.json"
 KUSTOMIZATION_NAMES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
-# Folders no kustomization lives in, skipped by the search (the venv, models, run state).
-_SKIP = {".git", ".venv", "node_modules", "__pycache__", "models", "run", "wheels"}
+# Folders of the repo root no kustomization lives in (models, run state, wheels), skipped by
+# the search along with hidden folders (.venv, .git) and caches anywhere.
+_SKIP_TOP = {"models", "run", "bench/results", "deploy/wheels"}
+_SKIP_ANY = {"__pycache__", "node_modules"}
 
 
 def kustomizations() -> list[str]:
     """Every folder of the repo that holds a kustomization, relative to the repo root."""
     found = []
     for folder, subfolders, files in os.walk(REPO):
-        subfolders[:] = [d for d in subfolders if d not in _SKIP and not d.startswith(".")]
+        here = Path(folder).relative_to(REPO)
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in _SKIP_ANY
+                         and (here / d).as_posix() not in _SKIP_TOP]  # fmt: skip
         if any(name in files for name in KUSTOMIZATION_NAMES):
-            found.append(Path(folder).relative_to(REPO).as_posix())
+            found.append(here.as_posix())
     return sorted(found)
 
 
