@@ -6,6 +6,7 @@ find their shared prefix in the cache."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import re
 from typing import Any
@@ -15,6 +16,7 @@ import jsonschema
 import pytest
 
 from llm_programs import CallError, Router, function, gen
+from llm_programs.examples import EXAMPLES
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +198,11 @@ async def test_fork_of_4_and_select_of_3_compute_the_shared_prefix_once(stack):
     # The program scores its choices side by side, the hand one after another: batched
     # differently, the sums differ in the 4th decimal (measured: 5e-4 at most).
     assert [c.logprob for c in state.scores["verdict"]] == pytest.approx(sums, abs=5e-3)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_each_example_runs_from_its_command_line(stack, name, capsys):
+    example = importlib.import_module(f"llm_programs.examples.{name}")
+    assert example.main(["--base-url", stack.url, "-n", "2", "--timeout", "120"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(json.loads(line) for line in lines)
