@@ -144,7 +144,8 @@ async def _raise_for_status(call: str, r: aiohttp.ClientResponse) -> None:
 
 
 async def _sse(call: str, content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
-    """`data:` lines of an SSE body as dicts; an `error` event raises a CallError."""
+    """`data:` lines of an SSE body as dicts, up to `[DONE]`; an `error` event, or a body
+    that ends without `[DONE]` (a cut stream, not a whole answer), raises a CallError."""
     async for raw in content:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -152,8 +153,13 @@ async def _sse(call: str, content: aiohttp.StreamReader) -> AsyncIterator[dict[s
         data = line[5:].strip()
         if data == b"[DONE]":
             return
-        event = orjson.loads(data)
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            message = f"the stream sent an event that is not JSON: {data[:80]!r}"
+            raise CallError(call, message) from None
         if "error" in event:
             message = (event["error"] or {}).get("message", "error event")
             raise CallError(call, f"the stream ended with an error: {message}")
         yield event
+    raise CallError(call, "the stream ended before its [DONE] (the connection closed)")

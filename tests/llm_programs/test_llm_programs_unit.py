@@ -285,6 +285,33 @@ async def test_a_router_that_never_answers_times_out_naming_the_call(silent_serv
     assert time.monotonic() - t0 < 3
 
 
+async def test_a_stream_cut_before_its_end_is_an_error_not_a_short_answer():
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"connection: close\r\n\r\n"
+            b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+
+    @function
+    async def prog(s):
+        s += "a"
+        await s.gen("answer", 4)
+
+    router = Router(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", timeout=5)
+    try:
+        with pytest.raises(CallError, match=r"gen\('answer'\): the stream ended before"):
+            async for _ in prog.stream(router):
+                pass
+    finally:
+        server.close()
+
+
 async def test_run_batch_bounds_concurrency():
     active = peak = 0
 
