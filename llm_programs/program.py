@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable
 from typing import Any
 
 from llm_programs.router import Router
@@ -40,14 +40,16 @@ class Program:
         self.func, self.name = func, func.__name__
         functools.update_wrapper(self, func)
 
-    async def arun(self, router: Router, /, *args: Any, **kwargs: Any) -> State:
-        """Run once; the final state. Errors propagate (a ProgramError names the call)."""
+    async def arun(self, router: Router | str, /, *args: Any, **kwargs: Any) -> State:
+        """Run once; the final state. Errors propagate (a ProgramError names the call).
+        `router`: a Router, or a base URL for one with the default settings."""
+        router = as_router(router)
         async with router.session():
             return await self._run(State(router, self.name), args, kwargs)
 
     async def arun_batch(
         self,
-        router: Router,
+        router: Router | str,
         inputs: Iterable[dict[str, Any]],
         *,
         concurrency: int = 8,
@@ -58,7 +60,7 @@ class Program:
         `return_exceptions`: then each failed run's exception takes its place."""
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency: must be an integer >= 1, got {concurrency!r}")
-        inputs = list(inputs)
+        inputs, router = list(inputs), as_router(router)
         bound = asyncio.Semaphore(concurrency)
 
         async def one(i: int, kwargs: dict[str, Any]) -> State | BaseException:
@@ -74,18 +76,18 @@ class Program:
         async with router.session():
             return await gather_all(one(i, kw) for i, kw in enumerate(inputs))
 
-    def run(self, router: Router, /, *args: Any, **kwargs: Any) -> State:
+    def run(self, router: Router | str, /, *args: Any, **kwargs: Any) -> State:
         return _sync(self.arun(router, *args, **kwargs))
 
     def run_batch(
-        self, router: Router, inputs: Iterable[dict[str, Any]], **options: Any
+        self, router: Router | str, inputs: Iterable[dict[str, Any]], **options: Any
     ) -> list[State | BaseException]:
         return _sync(self.arun_batch(router, inputs, **options))
 
-    def stream(self, router: Router, /, *args: Any, **kwargs: Any) -> Streamed:
+    def stream(self, router: Router | str, /, *args: Any, **kwargs: Any) -> Streamed:
         """Run once with every gen streamed; iterate for the pieces (`Piece`: the call,
         the gen's name, the text), then read `.state`."""
-        return Streamed(self, router, args, kwargs)
+        return Streamed(self, as_router(router), args, kwargs)
 
     async def _run(self, state: State, args: tuple, kwargs: dict[str, Any]) -> State:
         state.returned = await self.func(state, *args, **kwargs)
@@ -94,16 +96,27 @@ class Program:
 
 
 class Streamed:
-    """One streamed run: an async iterator of Pieces; `.state` once it is exhausted. An
-    error of the program is raised from the iteration; leaving the loop early cancels
-    the run."""
+    """One streamed run: an async iterator of Pieces, then `.state`. The run starts with
+    the iteration; an error of the program is raised from it. To stop early, leave the
+    loop and `await run.aclose()` (or use `contextlib.aclosing(run)`): the run is
+    cancelled, its requests with it."""
 
     def __init__(self, program: Program, router: Router, args: tuple, kwargs: dict[str, Any]):
         self.program, self.router = program, router
         self.args, self.kwargs = args, kwargs
         self.state: State | None = None
+        self._pieces: AsyncGenerator[Piece, None] | None = None
 
-    async def __aiter__(self) -> AsyncIterator[Piece]:
+    def __aiter__(self) -> AsyncGenerator[Piece, None]:
+        if self._pieces is None:
+            self._pieces = self._run()
+        return self._pieces
+
+    async def aclose(self) -> None:
+        if self._pieces is not None:
+            await self._pieces.aclose()
+
+    async def _run(self) -> AsyncGenerator[Piece, None]:
         queue: asyncio.Queue[Piece | None] = asyncio.Queue()
 
         async def main() -> State:
@@ -126,6 +139,10 @@ class Streamed:
 def function(func: ProgramFunc) -> Program:
     """Make `async def f(s, ...)` a Program."""
     return Program(func)
+
+
+def as_router(router: Router | str) -> Router:
+    return Router(router) if isinstance(router, str) else router
 
 
 def _sync(coro: Coroutine[Any, Any, Any]) -> Any:

@@ -200,9 +200,8 @@ async def test_a_closed_port_raises_a_call_error_naming_the_call():
         s += "a"
         await s.gen("answer", 1)
 
-    router = Router(f"http://127.0.0.1:{_closed_port()}", timeout=5)
     with pytest.raises(CallError, match=r"prog: gen\('answer'\): connection to") as e:
-        await prog.arun(router)
+        await prog.arun(f"http://127.0.0.1:{_closed_port()}")  # a URL: a default Router
     assert e.value.status is None
 
 
@@ -310,6 +309,23 @@ async def test_a_stream_cut_before_its_end_is_an_error_not_a_short_answer():
                 pass
     finally:
         server.close()
+
+
+async def test_closing_a_stream_early_cancels_its_run(silent_server):
+    @function
+    async def prog(s):
+        s += "a"
+        await s.gen("answer", 4)
+
+    run = prog.stream(Router(silent_server, timeout=30))
+    t0 = time.monotonic()
+    async for piece in run:
+        assert piece.text == "x"
+        break
+    await run.aclose()
+    assert time.monotonic() - t0 < 3 and run.state is None
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert [t for t in others if "silent_server" not in t.get_coro().__qualname__] == []
 
 
 async def test_run_batch_bounds_concurrency():
