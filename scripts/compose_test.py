@@ -45,7 +45,8 @@ WORKDIR = REPO / "run" / "compose-test"
 BASE_IMAGE = "tandem-base:bookworm-gcc"
 IMAGE = "tandem:compose-test"
 PROJECT = "tandem-compose-test"
-SERVICES = ("nats", "cache_master", "cache_store_1", "cache_store_2", "prefill", "decode", "router")
+SERVICES = ("nats", "cache_master", "cache_master_2", "cache_store_1", "cache_store_2", "prefill",
+            "decode", "router")  # fmt: skip
 DEBIAN_MIRROR = os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
 
 
@@ -189,11 +190,22 @@ def free_port() -> int:
 
 
 class Stack:
-    """The compose project of this test, with its own env file and ports."""
+    """The compose project of this test, with its own env file and ports. `services`: the
+    ones that must be healthy (the default profile's); `profiles`: compose profiles to
+    enable; `env`: more lines of the env file (VAR=value)."""
 
-    def __init__(self, compose: list[str]):
+    def __init__(
+        self,
+        compose: list[str],
+        project: str = PROJECT,
+        workdir: Path = WORKDIR,
+        services: tuple[str, ...] = SERVICES,
+        profiles: tuple[str, ...] = (),
+        env: tuple[str, ...] = (),
+    ):
+        self.services, self.workdir = services, workdir
         self.ports = {"router": free_port(), "nats": free_port()}
-        self.env_file = WORKDIR / "compose.env"
+        self.env_file = workdir / "compose.env"
         self.env_file.write_text(
             "\n".join(
                 [
@@ -203,13 +215,15 @@ class Stack:
                     f"NATS_HOST_PORT={self.ports['nats']}",
                     "TANDEM_LOG_LEVEL=info",
                     "TANDEM_CACHE_STORE_SEGMENT_SIZE=256MiB",
+                    *env,
                     "",
                 ]
             )
         )
         self.base = [
-            *compose, "--project-name", PROJECT, "--project-directory", str(REPO),
+            *compose, "--project-name", project, "--project-directory", str(REPO),
             "--env-file", str(self.env_file), "-f", str(REPO / "compose.yaml"),
+            *(arg for p in profiles for arg in ("--profile", p)),
         ]  # fmt: skip
 
     @property
@@ -251,15 +265,17 @@ class Stack:
             if states != last:
                 print("   " + ", ".join(f"{k}={v}" for k, v in sorted(states.items())), flush=True)
                 last = states
-            if set(SERVICES) <= set(states) and all(states[s] == "healthy" for s in SERVICES):
+            if set(self.services) <= set(states) and all(
+                states[s] == "healthy" for s in self.services
+            ):
                 return
             time.sleep(3)
         raise StepFailed(f"not every service healthy within {timeout:g}s: {last}")
 
     def save_logs(self) -> None:
         logs = self("logs", "--no-color", "--timestamps", capture=True, check=False)
-        (WORKDIR / "compose.log").write_text(logs)
-        print(f"compose logs: {WORKDIR / 'compose.log'}", flush=True)
+        (self.workdir / "compose.log").write_text(logs)
+        print(f"compose logs: {self.workdir / 'compose.log'}", flush=True)
 
 
 LONG_PROMPT = (

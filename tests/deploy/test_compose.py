@@ -41,8 +41,9 @@ def _env(spec: dict) -> dict:
 def test_every_role_runs_as_its_own_compose_service():
     assert sorted(set(TANDEM.values())) == sorted(SERVICES)
     assert sorted(TANDEM) == sorted(
-        ["cache_master", "cache_store_1", "cache_store_2", "prefill", "decode", "router"]
-    )
+        ["cache_master", "cache_master_2", "cache_store_1", "cache_store_2", "prefill",
+         "decode", "decode_2", "router"]
+    )  # fmt: skip
     for module in TANDEM.values():
         assert (REPO / "services" / module / "__main__.py").is_file()
 
@@ -88,6 +89,31 @@ def test_start_order_waits_for_health():
     assert set(services["cache_master"]["depends_on"]) == {"nats"}
     assert set(services["nats"]["depends_on"]) == {"secrets"}
     assert services["secrets"]["restart"] == "no"  # a one-shot: made once, then kept
+
+
+def test_two_masters_with_their_own_ids_elect_a_leader():
+    one, two = (COMPOSE["services"][n] for n in ("cache_master", "cache_master_2"))
+    env_one, env_two = _env(one), _env(two)
+    key = "TANDEM_CACHE_MASTER_SERVICE_ID"
+    assert env_one[key] == "${TANDEM_CACHE_MASTER_SERVICE_ID:-master-1}"
+    assert env_two[key] == "master-2"
+    # Same settings otherwise (the election is on by default: neither sets it off).
+    assert {k: v for k, v in env_one.items() if k != key} == {
+        k: v for k, v in env_two.items() if k != key
+    }
+    assert env_one["TANDEM_CACHE_MASTER_ELECTION"] is None
+    assert one["volumes"] == two["volumes"] and one["depends_on"] == two["depends_on"]
+    assert "profiles" not in two  # both run on a plain `up`
+
+
+def test_second_decode_worker_differs_only_in_its_transfer_host_under_profile_ha():
+    one, two = COMPOSE["services"]["decode"], COMPOSE["services"]["decode_2"]
+    assert two["profiles"] == ["ha"] and "profiles" not in one
+    diff = {k for k in set(_env(one)) | set(_env(two)) if _env(one).get(k) != _env(two).get(k)}
+    assert diff == {"TANDEM_DECODE_TRANSFER_HOST"}
+    assert _env(two)["TANDEM_DECODE_TRANSFER_HOST"] == "decode_2"
+    for key in ("command", "volumes", "depends_on", "healthcheck"):
+        assert one[key] == two[key], key
 
 
 def test_router_listens_on_all_interfaces_on_the_published_port():
