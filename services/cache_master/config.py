@@ -73,6 +73,17 @@ class CacheMasterConfig(CommonConfig):
             "objects (what lies above it) are copied to SSD ahead of eviction"
         },
     )
+    max_pinned_fraction: float = field(
+        default=0.25,
+        metadata={
+            "help": "soft pins hold at most this fraction (0-1, below --low-watermark) of "
+            "each segment out of eviction; a pin that would need more is refused"
+        },
+    )
+    max_pins: int = field(default=64, metadata={"help": "live soft pins at most"})
+    max_pin_ttl: float = field(
+        default=7 * 24 * 3600.0, metadata={"help": "longest TTL of a soft pin, seconds"}
+    )
     sweep_interval: float = field(
         default=0.5,
         metadata={"help": "seconds between sweeps (dead stores, stale puts, ended leases)"},
@@ -89,7 +100,7 @@ class CacheMasterConfig(CommonConfig):
             require_positive(self, name)
         for name in ("put_timeout", "sweep_interval", "min_object_size", "max_pending_puts"):
             require_positive(self, name)
-        for name in ("max_lease_pin", "mount_timeout", "election_lease"):
+        for name in ("max_lease_pin", "mount_timeout", "election_lease", "max_pins"):
             require_positive(self, name)
         if self.epoch < 0:
             raise ValueError(f"{flag_name('epoch')}: must be >= 0, got {self.epoch}")
@@ -106,6 +117,12 @@ class CacheMasterConfig(CommonConfig):
         require_range(self, "high_watermark", 0.01, 1.0)
         require_range(self, "low_watermark", 0.0, 1.0)
         require_range(self, "ssd_spill_watermark", 0.0, 1.0)
+        require_positive(self, "max_pin_ttl")
+        if not 0.0 <= self.max_pinned_fraction < self.low_watermark:
+            raise ValueError(
+                f"{flag_name('max_pinned_fraction')}: must be in [0, --low-watermark "
+                f"({self.low_watermark})), got {self.max_pinned_fraction}"
+            )
         if self.low_watermark >= self.high_watermark:
             raise ValueError(
                 f"{flag_name('low_watermark')}: must be below --high-watermark "

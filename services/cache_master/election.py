@@ -78,6 +78,19 @@ class Seen:
     claim: Claim | None = None
 
 
+async def open_bucket(bus: Bus, bucket: str, timeout: float) -> Any:
+    """The masters' bucket (the leader key; the saved pins, pin_store.py), created when
+    missing: two masters creating it with one config both succeed."""
+    js = bus.nc.jetstream(timeout=timeout)
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            bucket=bucket, history=1, storage=StorageType.FILE,
+            description="Tandem cache master leader",
+        )  # fmt: skip
+
+
 class LeaderElection:
     """Claims and holds the leader key; `on_elected(epoch)` when this master wins,
     `on_deposed(claim)` when another holds the key (then this object stops)."""
@@ -149,14 +162,7 @@ class LeaderElection:
         return True
 
     async def _open(self) -> None:
-        js = self.bus.nc.jetstream(timeout=max(self.lease / 2, 0.5))
-        try:
-            self._kv = await js.key_value(self.bucket)
-        except BucketNotFoundError:  # two masters creating it with one config both succeed
-            self._kv = await js.create_key_value(
-                bucket=self.bucket, history=1, storage=StorageType.FILE,
-                description="Tandem cache master leader",
-            )  # fmt: skip
+        self._kv = await open_bucket(self.bus, self.bucket, max(self.lease / 2, 0.5))
 
     async def _read(self) -> Seen:
         try:

@@ -10,7 +10,8 @@ replicas on that segment, least recently used object first (a get refreshes an o
 exists does not), skipping:
   - objects under a read lease (a reader may be copying their bytes right now);
   - pending objects (being written; they are not in the LRU until put_end).
-  - objects an SSD spill is copying (ssd.py), until its order ends.
+  - objects an SSD spill is copying (ssd.py), until its order ends;
+  - replicas a soft pin holds (`keep`, pins.py), within the pins' bound.
 An object that loses its last replica disappears from the pool; one that keeps another
 replica stays visible with fewer copies.
 """
@@ -56,6 +57,7 @@ class Lru:
         low_watermark: float,
         need: int = 0,
         first: Callable[[PoolObject], bool] | None = None,
+        keep: Callable[[PoolObject], bool] | None = None,
     ) -> list[PoolObject]:
         """Free the bytes of `segment`'s replicas of the oldest unleased objects.
 
@@ -65,6 +67,7 @@ class Lru:
         `segment` (its bytes are already free) and drops the key of one left with none.
         `first`: objects it accepts are evicted before any other (those with an SSD copy,
         ssd.py: evicting them loses nothing), then the walk goes on over the rest.
+        `keep`: objects it accepts are never evicted here (pinned, pins.py).
         """
         alloc = segment.allocator
 
@@ -84,6 +87,8 @@ class Lru:
                 if obj is None or replica is None or obj.leased(now) or key in taken:
                     continue
                 if obj.spilling_until > now or (accept is not None and not accept(obj)):
+                    continue
+                if keep is not None and keep(obj):
                     continue
                 alloc.free(replica.offset)
                 victims.append(obj)

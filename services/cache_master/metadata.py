@@ -7,6 +7,7 @@ from one event loop (no locking) and publishes `take_changes()` after each call.
 Invariants (tests/pool/test_metadata.py):
   - a key is visible (exists/get) only after put_end, and never while pending;
   - eviction and remove never free bytes of an object under a lease;
+  - eviction never takes a replica a soft pin holds (`keep`, pins.py);
   - every replica's byte range is allocated in its segment's allocator exactly once;
   - the replicas of one object are on distinct stores.
 """
@@ -64,6 +65,7 @@ class PoolMetadata:
         self.unplaced: set[str] = set()  # under-replicated, no store to copy to: wait a mount
         # (object, segment) -> evict it before others there (ssd.py: it has an SSD copy)
         self.evict_first: Callable[[PoolObject, Segment], bool] | None = None
+        self.keep: Callable[[PoolObject, Segment], bool] | None = None  # pinned (pins.py)
 
     def take_changes(self) -> Changes:
         changes, self.changes = self.changes, Changes()
@@ -363,10 +365,11 @@ class PoolMetadata:
 
     def evict(self, segment: Segment, now: float, need: int = 0) -> int:
         """Evict LRU replicas on `segment` (policy: eviction.py); return how many."""
-        first = self.evict_first
+        first, keep = self.evict_first, self.keep
         accept = (lambda obj: first(obj, segment)) if first is not None else None
+        held = (lambda obj: keep(obj, segment)) if keep is not None else None
         victims = self.lru.evict(segment, self.objects, now, self.limits.low_watermark, need,
-                                 accept)  # fmt: skip
+                                 accept, held)  # fmt: skip
         for obj in victims:
             self.drop_replica(obj, segment, free=False)  # the walk freed its bytes
         self.evictions += len(victims)

@@ -24,6 +24,7 @@ from libs.common.bus.kv_events import events_subject, keep_kv_stream
 from libs.common.bus.permissions import election_bucket
 from libs.common.log import get_logger
 from libs.common.messages.control import InfoRequest, KvEvent, Message
+from libs.common.messages.pins import PoolPin, PoolPinList, PoolPinRef
 from libs.common.messages.pool import (
     PoolCount,
     PoolDrop,
@@ -57,6 +58,9 @@ from services.cache_master.grants import StoreGrants, by_store
 from services.cache_master.metadata import PoolLimits, PoolMetadata
 from services.cache_master.mounts import Mounts
 from services.cache_master.objects import Changes, PoolRequestError, PutSpec, Replica
+from services.cache_master.pin_store import PinStore
+from services.cache_master.pinning import Pinning
+from services.cache_master.pins import PinLimits
 from services.cache_master.repair import Repairer
 from services.cache_master.ssd import SsdTiers
 from services.cache_master.ssd_index import exists, held_on_ssd, with_held
@@ -105,6 +109,9 @@ class CacheMasterService(BaseService):
         self.election = LeaderElection(self.bus, election_bucket(config.subject_prefix),
                                        config.service_id, config.election_lease)  # fmt: skip
         self.election.on_elected, self.election.on_deposed = self._lead, self._deposed
+        pin_limits = PinLimits(config.max_pinned_fraction, config.max_pins, config.max_pin_ttl)
+        saved = PinStore(self.bus, self.election.bucket) if config.elected else None
+        self.pinning = Pinning(self.meta, pin_limits, saved)  # soft pins (pinning.py)
         self.serving = False  # the pool endpoints are up (leader, or no election)
         self._starting = False
         self._registered = asyncio.Event()  # start() has registered the micro service
@@ -119,6 +126,7 @@ class CacheMasterService(BaseService):
             "fenced_by": self.fence.fenced_by,
             "stores": len(self.meta.segments),
             "objects": len(self.meta.lru),
+            "pins": len(self.pinning.book.pins),
         }
 
     @property
@@ -151,6 +159,9 @@ class CacheMasterService(BaseService):
             "drop": (PoolDrop, self._drop),
             "stats": (InfoRequest, self._stats),
             "ssd_report": (PoolSsdReport, self._ssd_report),
+            "pin": (PoolPin, self.pinning.pin),
+            "unpin": (PoolPinRef, self.pinning.unpin),
+            "pins": (PoolPinList, self.pinning.pins),
         }
         # Not concurrent: each endpoint serves its requests one at a time, in order; every
         # handler changes the index before its first await (the publishes of its changes).
@@ -184,6 +195,7 @@ class CacheMasterService(BaseService):
         # Before the endpoints: a running master with a higher epoch fences this one
         # before any store could mount here.
         await self.fence.start()
+        await self.pinning.load()  # a new leader keeps the saved pins (pin_store.py)
         self.repairer.epoch = self.ssd.epoch = self.epoch
         log.info("master epoch", epoch=self.epoch)
         self._sweeper = asyncio.create_task(self._sweep_loop())
@@ -287,6 +299,7 @@ class CacheMasterService(BaseService):
             if obj is not None and obj.complete and replica is not None:
                 records.append(PoolRecord(key, replica.offset, obj.size, obj.checksum, obj.mac))
         session.rejected = rejected
+        self.pinning.refresh()  # adopted objects under pinned keys are held again
         self.mounts.finish(session, records, segment.update_seq)
         log.info("store mounted", store=req.store_id, objects=len(records), rejected=rejected,
                  capacity=segment.capacity, chunks=req.chunks)  # fmt: skip
@@ -347,6 +360,7 @@ class CacheMasterService(BaseService):
 
     async def _put_end(self, req: PoolPutFinish) -> PoolKeys:
         visible = self.meta.put_end(req.put_id, req.keys)
+        self.pinning.hold(visible)
         await self._publish(self.meta.take_changes())
         self.ssd.kick()
         await self.grants.end_put(self.epoch, req.put_id)  # no write lands after the reply
@@ -423,6 +437,7 @@ class CacheMasterService(BaseService):
             log.info("unfinished puts reclaimed", count=stale)
         self.mounts.expire(now)
         self.meta.reap(now)
+        await self.pinning.sweep()  # expired pins hold nothing before the watermarks
         self.meta.enforce_watermarks(now)
         await self._publish(self.meta.take_changes())
         self.repairer.kick()

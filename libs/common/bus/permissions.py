@@ -42,6 +42,8 @@ TRANSFER_ROLES = ("prefill", "decode", "both", "cache_store")
 STORE_CALLS = ("mount", "mount_chunk", "mount_end", "mount_page", "unmount", "heartbeat",
                "ssd_report")  # fmt: skip
 CLIENT_CALLS = ("put_start", "put_end", "put_revoke", "get", "exists", "remove", "drop", "stats")
+# Soft pins (services/cache_master/pinning.py): the router's pin API asks the master.
+PIN_CALLS = ("pin", "unpin", "pins")
 # What the master sends one store (`<prefix>.pool.store.<id>.<name>`): index updates, copy
 # orders, the transfer grants of a get or put, and SSD tier orders (spill, promote, remove).
 MASTER_TO_STORE = ("update", "replicate", "grant", "ssd")
@@ -89,6 +91,7 @@ def permissions(role: str, user: str, prefix: str = "tandem", scope: str = "*") 
 def _router(p: str, scope: str) -> tuple[list[str], list[str]]:
     publish = [f"{p}.decode.*.generate", f"{p}.cancel", f"{p}.routers.*.heartbeat"]
     publish += [*_js_writer(p), *_js_reader(p)]  # its index replays the KV events stream
+    publish += _pool(p, PIN_CALLS)  # POST/GET/DELETE /v1/pins (services/router/pins.py)
     subscribe = [f"{p}.workers.*.*.load", f"{p}.kv.events.>"]
     subscribe += [f"{p}.stream.{scope}.>", f"{p}.chunks.{scope}"]
     return publish, subscribe
@@ -125,7 +128,7 @@ def _both(p: str, scope: str) -> tuple[list[str], list[str]]:
 def _cache_master(p: str, scope: str) -> tuple[list[str], list[str]]:
     publish = [f"{p}.pool.store.*.{call}" for call in MASTER_TO_STORE]
     publish += [f"{p}.pool.master.epoch", f"{p}.kv.events.*", *_js_writer(p), *_js_election(p)]
-    subscribe = [*_pool(p, (*STORE_CALLS, *CLIENT_CALLS)), f"{p}.pool.master.epoch"]
+    subscribe = [*_pool(p, (*STORE_CALLS, *CLIENT_CALLS, *PIN_CALLS)), f"{p}.pool.master.epoch"]
     return publish, subscribe
 
 
