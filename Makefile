@@ -10,7 +10,7 @@ RUN_STAMP := $(VENV)/.tandem-run
 STAMP := $(VENV)/.tandem-test
 
 .PHONY: run test lint format bench bench-tiers bench-peers bench-peer-llama-cpp venv clean \
-	compose-test
+	compose-test upgrade-test
 
 venv: $(STAMP)
 
@@ -62,6 +62,12 @@ bench-tiers: $(STAMP)
 # image); minutes, needs root. Not part of `make test`.
 compose-test: $(STAMP)
 	$(PY) -m scripts.compose_test $(ARGS)
+
+# The same stack (plus a second decode worker) under a multi-turn load while every
+# container is recreated in turn; prints JSON (failed requests, hit rate before and after).
+# Tens of minutes on 2 cores, needs root. Not part of `make test` (docs/deployment.md).
+upgrade-test: $(STAMP)
+	$(PY) -m scripts.upgrade_test $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
