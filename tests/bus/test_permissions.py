@@ -16,7 +16,14 @@ import pytest
 from nats.aio.client import Client
 
 from libs.common.bus.credentials import connect_options
-from libs.common.bus.permissions import CLIENT_CALLS, STORE_CALLS, election_bucket, permissions
+from libs.common.bus.permissions import (
+    CLIENT_CALLS,
+    PIN_CALLS,
+    STORE_CALLS,
+    election_bucket,
+    permissions,
+)
+from libs.common.messages.pins import PoolPin, PoolPinInfo, PoolPinList
 from libs.common.messages.pool import PoolCount, PoolKeys
 from scripts.identities import AUTH_CONF, Identity, ensure
 from scripts.nats_server import NatsServer
@@ -218,8 +225,8 @@ async def test_no_credentials_or_a_wrong_password_is_refused(secured, tmp_path):
 def test_every_master_endpoint_has_its_callers():
     config = CacheMasterConfig(service_id="master-1")
     served = {ep.name for ep in CacheMasterService(config).pool_endpoints()}
-    assert served == set(STORE_CALLS) | set(CLIENT_CALLS), (
-        "a new master endpoint: add it to STORE_CALLS or CLIENT_CALLS in "
+    assert served == set(STORE_CALLS) | set(CLIENT_CALLS) | set(PIN_CALLS), (
+        "a new master endpoint: add it to STORE_CALLS, CLIENT_CALLS or PIN_CALLS in "
         "libs/common/bus/permissions.py"
     )
 
@@ -303,3 +310,25 @@ async def test_the_master_elects_itself_in_its_bucket_and_no_other_role_writes_t
     assert await secured.wait_refused("decode", "publish", f"$KV.{bucket}.leader")
     await asyncio.sleep(1.0)  # more than a renewal period
     assert master.role == "leader" and master.election.revision > claimed  # renewed
+
+
+async def test_the_router_pins_and_the_master_saves_the_pin_where_no_worker_may_pin(
+    secured, master
+):
+    """Soft pins (services/cache_master/pinning.py): the router identity calls pin and
+    pins; the master identity may write the pin into its bucket (a refused write would
+    answer 503); a worker or the cli may not pin."""
+    router = await secured.connect("router")
+    reply = await router.request("tandem.pool.master.pin", PoolPin(["0" * 32], 60.0).encode(),
+                                 timeout=5)  # fmt: skip
+    info = PoolPinInfo.decode(reply.data)  # a 503 (not saved) would not decode
+    reply = await router.request("tandem.pool.master.pins", PoolPinList().encode(), timeout=5)
+    assert [p.pin_id for p in PoolPinList.decode(reply.data).pins] == [info.pin_id]
+    assert (await master.pinning.store.load(0.0))[0].pin_id == info.pin_id
+    for name in ("decode", "cli"):
+        nc = await secured.connect(name)
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request("tandem.pool.master.pin", PoolPin(["1" * 32], 60.0).encode(),
+                             timeout=0.5)  # fmt: skip
+        assert await secured.wait_refused(name, "publish", "tandem.pool.master.pin"), name
+    assert not secured.errors["router"]
