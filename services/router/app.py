@@ -4,7 +4,8 @@
                 -> API key check on /v1/*
                 -> handler; ApiError / HTTP errors / anything else -> OpenAI error body
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/render (a chat
-request's prompt text, not run), GET /v1/models, GET /health,
+request's prompt text, not run), POST/GET /v1/pins and DELETE /v1/pins/{id} (soft pins of
+prefixes in the KV pool, pins.py), GET /v1/models, GET /health,
 GET /metrics, GET /openapi.json. No response ever carries a traceback.
 """
 
@@ -22,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.common.log import get_logger, request_context
-from services.router import lifecycle, openapi, render
+from services.router import lifecycle, openapi, pins, render
 from services.router import openai_format as fmt
 from services.router.errors import ApiError
 from services.router.state import STATE, RouterState
@@ -49,6 +50,9 @@ def routes() -> list[tuple[str, str, Handler]]:
         ("POST", "/v1/completions", lifecycle.completions),
         ("POST", "/v1/chat/completions", lifecycle.chat_completions),
         ("POST", "/v1/chat/render", render.chat_render),
+        ("POST", "/v1/pins", pins.create_pin),
+        ("GET", "/v1/pins", pins.list_pins),
+        ("DELETE", "/v1/pins/{pin_id}", pins.delete_pin),
         ("GET", "/v1/models", _models),
         ("GET", "/health", _health),
         ("GET", "/metrics", _metrics),

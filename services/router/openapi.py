@@ -16,6 +16,7 @@ from libs.common.engine.core.sampling_params import (
     MAX_STOP_IDS,
     MAX_TOKEN_ID,
 )
+from services.router import pins
 from services.router.validation import CHAT_SPECS, COMPLETION_SPECS, ROLES, Spec
 
 
@@ -286,9 +287,10 @@ def document(model_name: str) -> dict[str, Any]:
                     "responses": {"200": {"description": "OpenAPI 3.1"}},
                 }
             },
+            **pins.PATHS,
         },
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": {**SCHEMAS, **pins.SCHEMAS},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
