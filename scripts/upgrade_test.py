@@ -245,6 +245,9 @@ async def scenario(stack: Stack, a: argparse.Namespace) -> dict[str, Any]:
         step("after: cohort B's rounds 1..R-1")
         await load.run("B", Phase(cohort_b.inner, until=a.rounds, first=cohort_b.held),
                        a.concurrency)  # fmt: skip
+    rows = [{"label": r.label, "began": r.began, "ended": r.ended, "retries": r.retries,
+             **r.result.as_json()} for r in load.records]  # fmt: skip
+    (WORKDIR / "requests.json").write_text(json.dumps({"restarts": restarts, "requests": rows}))
     return report(load, restarts, upgrade_s, batches, a)
 
 
@@ -254,17 +257,18 @@ def report(load: Load, restarts: list[dict], upgrade_s: float, batches: int,
     before, after = load.hit_rate("A", rounds), load.hit_rate("B", rounds)
     failed = [r for r in load.records if not r.result.ok]
     retries: Counter[str] = Counter(x for r in load.records for x in r.retries)
+    windows = {r["service"]: [x for x in load.records if r["service"] in during(x, restarts)]
+               for r in restarts}  # fmt: skip
+    failures = [{"label": r.label, "round": r.result.round, "error": r.result.error[:200],
+                 "during": during(r, restarts)} for r in failed[:20]]  # fmt: skip
     for r in restarts:
-        mine = [x for x in load.records if r["service"] in during(x, restarts)]
-        r["requests"] = len(mine)
-        r["failed"] = sum(not x.result.ok for x in mine)
-        r["retried"] = sum(bool(x.retries) for x in mine)
-        r.pop("begin"), r.pop("end")
+        mine = windows[r["service"]]
+        del r["begin"], r["end"]
+        r.update(requests=len(mine), failed=sum(not x.result.ok for x in mine),
+                 retried=sum(bool(x.retries) for x in mine))  # fmt: skip
     bg = [r for r in load.records if r.label == "background"]
     background = {"requests": len(bg), "failed": sum(not r.result.ok for r in bg),
                   "batches": batches}  # fmt: skip
-    failures = [{"label": r.label, "round": r.result.round, "error": r.result.error[:200],
-                 "during": during(r, restarts)} for r in failed[:20]]  # fmt: skip
     workload = {k: getattr(a, k) for k in ("clients", "rounds", "input_len", "question_len",
                                            "output_len", "concurrency", "settle")}  # fmt: skip
     return {
