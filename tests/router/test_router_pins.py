@@ -10,6 +10,9 @@ system prompt used after it. Bad input gets OpenAI-shaped 4xx. Slow (model load)
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -18,7 +21,7 @@ import pytest
 
 from libs.common.messages.control import InfoRequest
 from libs.common.messages.pool import PoolStats
-from scripts.cluster import LocalCluster
+from scripts.cluster import REPO, LocalCluster
 from tests.router.conftest import router_env, router_port
 from tests.router.e2e_cluster import wait_healthy
 
@@ -176,3 +179,25 @@ async def test_deleting_an_unknown_pin_is_a_404(cluster, http):
     for pin_id in ("0123456789abcdef", "not-a-pin"):
         status, reply = await call(http, "DELETE", f"{url}/v1/pins/{pin_id}")
         assert status == 404 and reply["error"]["code"] == "pin_not_found", reply
+
+
+def run_pin(url: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "scripts.pin", "--url", url, *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+async def test_the_operator_command_adds_lists_and_removes_a_pin(cluster):
+    url, _ = cluster
+    added = await asyncio.to_thread(run_pin, url, "add", "--system", OTHER_SYSTEM, "--ttl",
+                                    "120", "--label", "bakery")  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    pin = json.loads(added.stdout)
+    listed = await asyncio.to_thread(run_pin, url, "list", "--json")
+    assert pin["id"] in [p["id"] for p in json.loads(listed.stdout)["data"]]
+    table = await asyncio.to_thread(run_pin, url, "list")
+    assert "bakery" in table.stdout and "allowed" in table.stdout
+    assert (await asyncio.to_thread(run_pin, url, "rm", pin["id"])).returncode == 0
+    again = await asyncio.to_thread(run_pin, url, "rm", pin["id"])
+    assert again.returncode == 1 and "404" in again.stderr
+    refused = await asyncio.to_thread(run_pin, url, "add", "--text", SYSTEM, "--ttl", "0")
+    assert refused.returncode == 1 and "400" in refused.stderr and "ttl_s" in refused.stderr
