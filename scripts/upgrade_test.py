@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import platform
@@ -191,9 +192,13 @@ def wait_service_healthy(stack: Stack, service: str, timeout: float) -> None:
 
 
 def restart_all(stack: Stack, services: list[str], timeout: float, settle: float) -> list[dict]:
-    """Recreate each service in turn; [{service, begin, recreate_s, healthy_s, end}]."""
+    """Recreate each service in turn; [{service, begin, recreate_s, healthy_s, end}]. A
+    recreated container's logs go with it: they are saved first, to logs/<service>.log."""
     done = []
+    (WORKDIR / "logs").mkdir(exist_ok=True)
     for service in services:
+        logs = stack("logs", "--no-color", "--timestamps", service, capture=True, echo=False)
+        (WORKDIR / "logs" / f"{service}.log").write_text(logs)
         begin = time.time()
         print(f"   restarting {service}", flush=True)
         stack("up", "-d", "--no-deps", "--force-recreate", "--no-build", service, echo=False)
@@ -206,6 +211,44 @@ def restart_all(stack: Stack, services: list[str], timeout: float, settle: float
         done.append({"service": service, "begin": begin, "recreate_s": round(recreated - begin, 1),
                      "healthy_s": round(healthy - begin, 1), "end": time.time()})  # fmt: skip
     return done
+
+
+POOL_EVENTS = ("elected pool master leader", "leadership released", "store mounted")
+
+
+def pool_events(logs: list[str]) -> list[dict[str, Any]]:
+    """The masters' election and the stores' mounts, in time order, from compose logs."""
+    events = []
+    for line in (x for text in logs for x in text.splitlines()):
+        _, _, rest = line.partition(" | ")
+        _, _, body = rest.partition(" ")
+        if not any(e in body for e in POOL_EVENTS):
+            continue
+        try:
+            e = json.loads(body)
+        except ValueError:
+            continue
+        facts = {k: e[k] for k in ("store", "objects", "rejected", "epoch") if k in e}
+        events.append({"t": e.get("timestamp", ""), "master": e.get("service_id", ""),
+                       "event": e.get("event", ""), **facts})  # fmt: skip
+    return sorted(events, key=lambda e: e["t"])
+
+
+def takeovers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Seconds from a leader's release to the next election (the pool's gap)."""
+    out, released = [], None
+    for e in events:
+        if e["event"] == "leadership released":
+            released = e
+        elif e["event"] == "elected pool master leader" and released is not None:
+            gap = _seconds(e["t"]) - _seconds(released["t"])
+            out.append({"from": released["master"], "to": e["master"], "gap_s": round(gap, 3)})
+            released = None
+    return out
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
 def during(rec: Record, restarts: list[dict]) -> list[str]:
@@ -245,10 +288,18 @@ async def scenario(stack: Stack, a: argparse.Namespace) -> dict[str, Any]:
         step("after: cohort B's rounds 1..R-1")
         await load.run("B", Phase(cohort_b.inner, until=a.rounds, first=cohort_b.held),
                        a.concurrency)  # fmt: skip
+    saved = WORKDIR / "logs"
+    masters = [(saved / f"{m}.log").read_text() for m in ("cache_master_2", "cache_master")]
+    masters.append(stack("logs", "--no-color", "--timestamps", "cache_master", "cache_master_2",
+                         capture=True, echo=False))  # fmt: skip
+    events = pool_events(masters)
     rows = [{"label": r.label, "began": r.began, "ended": r.ended, "retries": r.retries,
              **r.result.as_json()} for r in load.records]  # fmt: skip
     (WORKDIR / "requests.json").write_text(json.dumps({"restarts": restarts, "requests": rows}))
-    return report(load, restarts, upgrade_s, batches, a)
+    result = report(load, restarts, upgrade_s, batches, a)
+    result["master_takeovers"] = takeovers(events)
+    result["pool_events"] = events
+    return result
 
 
 def report(load: Load, restarts: list[dict], upgrade_s: float, batches: int,
