@@ -56,6 +56,7 @@ class Lru:
         now: float,
         low_watermark: float,
         need: int = 0,
+        *,
         first: Callable[[PoolObject], bool] | None = None,
         keep: Callable[[PoolObject], bool] | None = None,
     ) -> list[PoolObject]:

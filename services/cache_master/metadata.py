@@ -369,7 +369,7 @@ class PoolMetadata:
         accept = (lambda obj: first(obj, segment)) if first is not None else None
         held = (lambda obj: keep(obj, segment)) if keep is not None else None
         victims = self.lru.evict(segment, self.objects, now, self.limits.low_watermark, need,
-                                 accept, held)  # fmt: skip
+                                 first=accept, keep=held)  # fmt: skip
         for obj in victims:
             self.drop_replica(obj, segment, free=False)  # the walk freed its bytes
         self.evictions += len(victims)

@@ -91,7 +91,8 @@ class Pinning:
             before = {p.pin_id: p.expires_at for p in self.book.pins.values()}
             try:
                 pin = self.book.add(req.keys, req.ttl_s, time.time(), self.meta.objects,
-                                    self.meta.segments, req.label, req.tokens)  # fmt: skip
+                                    self.meta.segments, label=req.label,
+                                    tokens=req.tokens)  # fmt: skip
             except PoolRequestError as e:
                 raise HandlerError(e.code, e.message) from None
             self.refresh()

@@ -95,6 +95,7 @@ class PinBook:
         now: float,
         objects: Mapping[str, PoolObject],
         segments: Mapping[str, Segment],
+        *,
         label: str = "",
         tokens: int = 0,
     ) -> Pin:
