@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from services.cache_master.objects import PoolObject, PoolRequestError, Segment, check_key
 
 MAX_PIN_KEYS = 8192  # libs/common/messages/pins.py: one message, one bucket value
+MAX_LABEL = 200
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class PinBook:
         """Pin `keys` for `ttl` seconds, or renew the pin of exactly these keys; raises
         PoolRequestError 400 (bad keys or TTL) or 409 (over a bound)."""
         distinct = tuple(dict.fromkeys(check_key(k) for k in keys))
+        label = label[:MAX_LABEL]
         if not distinct:
             raise PoolRequestError(400, "keys: a pin needs at least one page key")
         if len(distinct) > MAX_PIN_KEYS:
