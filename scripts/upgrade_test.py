@@ -74,10 +74,11 @@ from scripts.compose_test import (
 WORKDIR = REPO / "run" / "upgrade-test"
 PROJECT = "tandem-upgrade-test"
 HA_SERVICES = (*SERVICES, "decode_2")
-# Restart order: the bus first; the standby master before the leader (master-1 leads after
-# a fresh `up`: it starts first), so the pool hands over once; workers; the router last.
+# Restart order: the bus first; the masters (the standby before the leader, so that the
+# pool hands over once); stores; workers; the router last.
 ORDER = ("nats", "cache_master_2", "cache_master", "cache_store_1", "cache_store_2",
          "prefill", "decode", "decode_2", "router")  # fmt: skip
+MASTERS = {"cache_master": "master-1", "cache_master_2": "master-2"}  # compose.yaml's ids
 HIT_RATE_GOAL = 0.05  # |after - before|
 MAX_BACKGROUND_BATCHES = 200  # bounds the background load even if the upgrade never ends
 
@@ -234,21 +235,35 @@ def pool_events(logs: list[str]) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: e["t"])
 
 
-def takeovers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Seconds from a leader's release to the next election (the pool's gap)."""
-    out, released = [], None
-    for e in events:
-        if e["event"] == "leadership released":
-            released = e
-        elif e["event"] == "elected pool master leader" and released is not None:
-            gap = _seconds(e["t"]) - _seconds(released["t"])
-            out.append({"from": released["master"], "to": e["master"], "gap_s": round(gap, 3)})
-            released = None
+def takeovers(events: list[dict[str, Any]], restarts: list[dict]) -> list[dict[str, Any]]:
+    """Each election during a master's restart: seconds from its stop to the election
+    (the pool answers no request between the two)."""
+    out = []
+    for r in restarts:
+        if r["service"] not in MASTERS:
+            continue
+        for e in events:
+            if e["event"] == "elected pool master leader" and e["master"] != MASTERS[r["service"]]:
+                t = _seconds(e["t"])
+                if r["begin"] <= t <= r["end"]:
+                    out.append({"stopped": MASTERS[r["service"]], "elected": e["master"],
+                                "takeover_s": round(t - r["begin"], 2)})  # fmt: skip
     return out
+
+
+def leader(events: list[dict[str, Any]]) -> str | None:
+    """The compose service of the master elected last, if any."""
+    elected = [e["master"] for e in events if e["event"] == "elected pool master leader"]
+    by_id = {v: k for k, v in MASTERS.items()}
+    return by_id.get(elected[-1]) if elected else None
 
 
 def _seconds(stamp: str) -> float:
     return datetime.datetime.fromisoformat(stamp).timestamp()
+
+
+def master_logs(stack: Stack) -> str:
+    return stack("logs", "--no-color", "--timestamps", *MASTERS, capture=True, echo=False)
 
 
 def during(rec: Record, restarts: list[dict]) -> list[str]:
@@ -274,6 +289,11 @@ async def scenario(stack: Stack, a: argparse.Namespace) -> dict[str, Any]:
         step("upgrade: every service recreated in turn, under a background load")
         running = stack.states()
         services = [s for s in ORDER if s in running]
+        first = leader(pool_events([master_logs(stack)]))
+        standby = next((m for m in MASTERS if m != first), None)
+        if first in services and standby in services:  # the leader after the standby
+            services.remove(first)
+            services.insert(services.index(standby) + 1, first)
         stop = asyncio.Event()
         bg = asyncio.create_task(background(load, stop, a.background_concurrency))
         began = time.time()
@@ -290,14 +310,15 @@ async def scenario(stack: Stack, a: argparse.Namespace) -> dict[str, Any]:
                        a.concurrency)  # fmt: skip
     saved = WORKDIR / "logs"
     masters = [(saved / f"{m}.log").read_text() for m in ("cache_master_2", "cache_master")]
-    masters.append(stack("logs", "--no-color", "--timestamps", "cache_master", "cache_master_2",
-                         capture=True, echo=False))  # fmt: skip
+    masters.append(master_logs(stack))
     events = pool_events(masters)
     rows = [{"label": r.label, "began": r.began, "ended": r.ended, "retries": r.retries,
              **r.result.as_json()} for r in load.records]  # fmt: skip
     (WORKDIR / "requests.json").write_text(json.dumps({"restarts": restarts, "requests": rows}))
+    handovers = takeovers(events, restarts)
     result = report(load, restarts, upgrade_s, batches, a)
-    result["master_takeovers"] = takeovers(events)
+    result["leader_before"] = MASTERS.get(first or "")
+    result["master_takeovers"] = handovers
     result["pool_events"] = events
     return result
 
