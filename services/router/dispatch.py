@@ -264,7 +264,8 @@ class Dispatcher:
         decode = self.workers.get(route.decode)
         prefill = self.workers.get(route.prefill) if route.prefill else None
         pending = len(gen.token_ids)
-        if prefill is not None:
+        if prefill is not None:  # what it must compute: its cached prefix pages are not work
+            pending = max(1, pending - route.cached_pages * prefill.report.page_size)
             prefill.pending_prefill_tokens += pending
         stream = _Stream(gen.deliver, route, deadline, prefill, pending, len(gen.sent))
         rid, subject = self.streams.open(rid, stream.on_chunk)

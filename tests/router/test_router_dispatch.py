@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 import pytest
 
 from libs.common.bus.connection import Bus, Endpoint, HandlerError
@@ -244,3 +245,26 @@ async def test_silent_worker_fails_over_before_the_first_token(nats_url):
         async with kept_alive(workers, "d2"):
             out = await collect(dispatcher, route_to("d1", "d2"))
     assert out[-1].token_ids == [5] and resp[1].seen == ["r1-r1"]
+
+
+async def test_a_prefill_worker_is_owed_only_the_prompt_tokens_it_has_not_cached(nats_url):
+    """Branches of a fork on a prefix one prefill worker holds: counting their whole
+    prompts as its queued work made the idle worker look cheaper (docs/programs.md)."""
+    owed: list[int] = []
+    workers_ref: list[WorkerTable] = []
+
+    def script(rid):  # runs when the request reaches the decode side: the route owes it
+        owed.append(workers_ref[0].get("p1").pending_prefill_tokens)
+        return [chunk(rid, 0, [7], "stop")]
+
+    async with setup(nats_url, {"d1": script}) as (dispatcher, _, _, workers):
+        workers_ref.append(workers)
+        workers.update(msgspec.structs.replace(report("p1"), role="prefill"))
+        route = lambda exclude: Route("d1", "p1", 2, "test")  # noqa: E731
+        gen = dispatcher.generate("r1", list(range(40)), SamplingSpec(), route, 10.0)
+        async with contextlib.aclosing(gen) as chunks:
+            out = [c async for c in chunks]
+        left = workers.get("p1").pending_prefill_tokens
+    assert out[-1].token_ids == [7]
+    assert owed == [40 - 2 * 16]  # 2 cached pages of 16 tokens are not its work
+    assert left == 0  # paid back at the first token
