@@ -414,17 +414,23 @@ def main() -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
     finally:
-        if stack is not None:
-            if code != 0:
-                stack("ps", check=False)
-            stack.save_logs()
-            if not args.keep:
-                stack("down", "-v", "--remove-orphans", check=False)
-        if dockerd is not None and not args.keep:
-            stop_process(dockerd)
+        tear_down(stack, dockerd, keep=args.keep, failed=code != 0)
     verdict = "PASSED" if code == 0 else "FAILED"
     print(f"\ncompose-test {verdict} in {time.monotonic() - started:.0f} s", flush=True)
     return code
+
+
+def tear_down(stack, dockerd, *, keep: bool, failed: bool) -> None:
+    """After a run: the containers' state when it failed, their logs, and (unless `keep`)
+    the stack with its volumes and the dockerd this run started."""
+    if stack is not None:
+        if failed:
+            stack("ps", check=False)
+        stack.save_logs()
+        if not keep:
+            stack("down", "-v", "--remove-orphans", check=False)
+    if dockerd is not None and not keep:
+        stop_process(dockerd)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ from scripts.compose_test import (
     ensure_tools,
     fill_wheels,
     step,
-    stop_process,
+    tear_down,
 )
 
 WORKDIR = REPO / "run" / "upgrade-test"
@@ -426,14 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
     finally:
-        if stack is not None:
-            if code != 0:
-                stack("ps", check=False)
-            stack.save_logs()
-            if not a.keep:
-                stack("down", "-v", "--remove-orphans", check=False)
-        if dockerd is not None and not a.keep:
-            stop_process(dockerd)
+        tear_down(stack, dockerd, keep=a.keep, failed=code != 0)
     if result is not None:
         print(json.dumps(result, indent=2), flush=True)
     return code

@@ -37,7 +37,8 @@ from libs.common.log import get_logger, request_context
 from libs.common.messages.control import SamplingSpec, TokenChunk
 from services.router import openai_format as fmt
 from services.router import structured, tools
-from services.router.errors import ApiError, bad_request, no_workers
+from services.router.bodies import check_model, json_body
+from services.router.errors import ApiError, no_workers
 from services.router.prompts import Prompt, prepare
 from services.router.state import STATE, RouterState
 from services.router.streaming import DONE, SseStream, sse
@@ -85,19 +86,8 @@ async def serve(request: web.Request, endpoint: str) -> web.StreamResponse:
 
 async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiRequest:
     """The body as an ApiRequest for a model this router serves; 400 or 404 otherwise."""
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as e:
-        raise bad_request(f"the body is not valid JSON: {e}") from None
-    api = parse_request(endpoint, body, state.config.max_n)
-    if api.model not in (state.config.model_name, state.model_id):
-        raise ApiError(
-            404,
-            f"The model '{api.model}' does not exist; this server serves "
-            f"'{state.config.model_name}'.",
-            param="model",
-            code="model_not_found",
-        )
+    api = parse_request(endpoint, await json_body(request), state.config.max_n)
+    check_model(state, api.model)
     # Grammars compile off the loop, once per distinct text; the tools' schemas compile
     # even under "auto", so a schema that cannot be enforced is a 400 in every mode.
     if api.tools is not None:

@@ -22,7 +22,6 @@ import asyncio
 import re
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from libs.common.bus.connection import BusError, RemoteError
@@ -35,6 +34,7 @@ from libs.common.messages.pins import (
     PoolPinList,
     PoolPinRef,
 )
+from services.router.bodies import check_model, json_object
 from services.router.errors import ApiError, bad_request, no_workers
 from services.router.prompts import PromptTooLong, encode, render_chat
 from services.router.state import STATE, RouterState
@@ -104,21 +104,9 @@ def page_keys(state: RouterState, token_ids: list[int]) -> list[str]:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    state = request.app[STATE]
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as e:
-        raise bad_request(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    unknown = sorted(set(body) - set(FIELDS))
-    if unknown:
-        raise bad_request(f"'{unknown[0]}' is not a field of /v1/pins", unknown[0])
-    model = body.get("model")
-    if model is not None and model not in (state.config.model_name, state.model_id):
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves "
-                       f"'{state.config.model_name}'.", param="model",
-                       code="model_not_found")  # fmt: skip
+    body = await json_object(request, FIELDS, "/v1/pins")
+    if body.get("model") is not None:
+        check_model(request.app[STATE], body["model"])
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give the prefix as exactly one of 'prompt' or 'messages'", "prompt")
     if "add_generation_prompt" in body and "messages" not in body:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 
-import orjson
 from aiohttp import web
 
-from services.router.errors import ApiError, bad_request
+from services.router.bodies import check_model, json_object
+from services.router.errors import bad_request
 from services.router.prompts import encode, render_chat
 from services.router.state import STATE
 from services.router.tools import check_tool_messages
@@ -28,20 +28,9 @@ FIELDS = ("model", "messages", "add_generation_prompt")
 
 async def chat_render(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as e:
-        raise bad_request(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    unknown = sorted(set(body) - set(FIELDS))
-    if unknown:
-        raise bad_request(f"'{unknown[0]}' is not a field of /v1/chat/render", unknown[0])
-    model = body.get("model")
-    if model is not None and model not in (state.config.model_name, state.model_id):
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves "
-                       f"'{state.config.model_name}'.", param="model",
-                       code="model_not_found")  # fmt: skip
+    body = await json_object(request, FIELDS, "/v1/chat/render")
+    if body.get("model") is not None:
+        check_model(state, body["model"])
     messages = parse_messages(body.get("messages"))
     check_tool_messages(body["messages"])
     generation = body.get("add_generation_prompt", True)
