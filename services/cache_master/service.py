@@ -20,10 +20,10 @@ from typing import Any
 
 from libs.common import __version__
 from libs.common.bus.connection import Endpoint, HandlerError
-from libs.common.bus.kv_events import events_subject, keep_kv_stream
+from libs.common.bus.kv_events import keep_kv_stream
 from libs.common.bus.permissions import election_bucket
 from libs.common.log import get_logger
-from libs.common.messages.control import InfoRequest, KvEvent, Message
+from libs.common.messages.control import InfoRequest
 from libs.common.messages.pins import PoolPin, PoolPinList, PoolPinRef
 from libs.common.messages.pool import (
     PoolCount,
@@ -46,11 +46,10 @@ from libs.common.messages.pool import (
     PoolSsdReport,
     PoolStats,
     PoolStoreRef,
-    PoolStoreUpdate,
-    chunk_records,
 )
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor
+from services.cache_master.announce import Announcer
 from services.cache_master.config import CacheMasterConfig
 from services.cache_master.election import Claim, LeaderElection
 from services.cache_master.epoch import MasterEpoch
@@ -68,7 +67,6 @@ from services.cache_master.ssd_index import exists, held_on_ssd, with_held
 log = get_logger(__name__)
 
 QUEUE_GROUP = "tandem-pool-master"
-EVENT_KEYS = 4096  # keys per KvEvent / removed keys per index update (payload bound)
 
 
 class CacheMasterService(BaseService):
@@ -98,14 +96,14 @@ class CacheMasterService(BaseService):
         self.fence = MasterEpoch(self.bus, self.subject("pool", "master", "epoch"),
                                  config.service_id, self._on_fenced)  # fmt: skip
         self.fence.value = config.epoch  # 0: picked at start; an election may set it
-        self._event_seq: dict[str, int] = {}
+        self.announce = Announcer(self.bus, config.subject_prefix, self.meta, lambda: self.epoch)
         self._sweeper: asyncio.Task | None = None
         self._fence_task: asyncio.Task | None = None
         self.grants = StoreGrants(self.bus, lambda sid: self.subject("pool", "store", sid, "grant"))
         self.repairer = Repairer(self.bus, self.meta, config.subject_prefix, self._publish_changes)
         self.ssd = SsdTiers(self.bus, self.meta, config.subject_prefix,
                             config.ssd_spill_watermark, self._publish_changes,
-                            self._publish_ssd_events)  # fmt: skip
+                            self.announce.publish_ssd)  # fmt: skip
         self.election = LeaderElection(self.bus, election_bucket(config.subject_prefix),
                                        config.service_id, config.election_lease)  # fmt: skip
         self.election.on_elected, self.election.on_deposed = self._lead, self._deposed
@@ -448,57 +446,7 @@ class CacheMasterService(BaseService):
         await self._publish(self.meta.take_changes())
 
     async def _publish(self, changes: Changes, update_stores: bool = True) -> None:
-        """Index updates to each live store, then KV events. Built first, then sent, so
-        the per-store sequence numbers go out in order."""
-        out: list[tuple[str, Message]] = []
-        for store_id in changes.stores:
-            added = changes.added.get(store_id, [])
-            removed = changes.removed.get(store_id, [])
-            segment = self.meta.segments.get(store_id)
-            if update_stores and segment is not None:
-                subject = self.subject("pool", "store", store_id, "update")
-                for records, gone in _update_chunks([PoolRecord(*a) for a in added], removed):
-                    segment.update_seq += 1
-                    update = PoolStoreUpdate(segment.update_seq, records, gone, epoch=self.epoch)
-                    out.append((subject, update))
-            subject = events_subject(self.config.subject_prefix, store_id)
-            for kind, keys in (("removed", removed), ("stored", [a[0] for a in added])):
-                for start in range(0, len(keys), EVENT_KEYS):
-                    event = self._event(store_id, kind, keys[start : start + EVENT_KEYS])
-                    out.append((subject, event))
-        for subject, message in out:
-            try:
-                await self.bus.publish(subject, message)
-            except Exception as e:  # a lost update is repaired by the store's re-mount
-                log.warning("pool publish failed", subject=subject, error=str(e))
-
-    def _event(self, store_id: str, kind: str, keys: list[str], tier: str = "pool") -> KvEvent:
-        # Seeded from the clock so a restarted master continues above its predecessor's.
-        seq = self._event_seq.get(store_id, time.time_ns() // 1000) + 1
-        self._event_seq[store_id] = seq
-        return KvEvent(store_id, seq, kind, tier, keys, timestamp=time.time())
-
-    async def _publish_ssd_events(self, events: dict[str, dict[str, list[str]]]) -> None:
-        """KV events of the stores' SSD tiers (ssd.py): tier `ssd`, the store's seq."""
-        subject = events_subject(self.config.subject_prefix, "")
-        for store_id, kinds in events.items():
-            for kind in ("removed", "stored"):
-                keys = kinds.get(kind, [])
-                for start in range(0, len(keys), EVENT_KEYS):
-                    event = self._event(store_id, kind, keys[start : start + EVENT_KEYS], "ssd")
-                    try:
-                        await self.bus.publish(subject + store_id, event)
-                    except Exception as e:  # events are hints; the index is the truth
-                        log.warning("pool publish failed", subject=subject, error=str(e))
-
-
-def _update_chunks(records: list[PoolRecord], removed: list[str]) -> list[tuple[list, list]]:
-    """Index changes cut into updates within NATS's payload limit (one, usually)."""
-    out: list[tuple[list, list]] = [([], removed[i : i + EVENT_KEYS])
-                                    for i in range(0, len(removed), EVENT_KEYS)]  # fmt: skip
-    if records:
-        out += [(chunk, []) for chunk in chunk_records(records)]
-    return out
+        await self.announce.publish(changes, update_stores)
 
 
 def _replicas(replicas: list[Replica]) -> list[PoolReplica]:
