@@ -16,6 +16,7 @@ asyncio.gather); `join(branches)` brings what they stored back as lists.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -27,9 +28,9 @@ from llm_programs.calls import (
     choice_logprob,
     completion_text,
     gen,
+    prefix_body,
 )
 from llm_programs.errors import ProgramInputError
-from llm_programs.fork import SharedPrefix
 from llm_programs.gather import gather_all
 from llm_programs.records import CallRecord, ChoiceScore, Piece
 from llm_programs.router import Router
@@ -300,3 +301,28 @@ class State:
         b._messages = None if self._messages is None else self.messages
         b._parent, b._names_at_fork = self, frozenset(self.vars)
         return b
+
+
+class SharedPrefix:
+    """What a fork's branches share, sent to the router once, before the first branch's
+    first call: branches started side by side would otherwise each compute it (none finds
+    it cached yet). One completion of one token, discarded, recorded on the parent as a
+    `prefix` call. In a chat, the shared part is the conversation so far, rendered."""
+
+    def __init__(self, parent: State, n: int):
+        self.parent, self.label = parent, f"{parent.program}: fork({n}) prefix"
+        self.text, self.messages = parent._text, parent._messages and parent.messages
+        self._task: asyncio.Future | None = None
+
+    async def ready(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._send())
+        await asyncio.shield(self._task)  # one branch cancelled leaves it to the others
+
+    async def _send(self) -> None:
+        router, prompt = self.parent.router, self.text
+        if self.messages:
+            prompt = await router.render(self.label, self.messages, False)
+        if prompt:
+            body = prefix_body(router.model, prompt)
+            await self.parent._timed(self.label, "prefix", body, router.complete(self.label, body))
