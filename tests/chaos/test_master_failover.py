@@ -14,31 +14,21 @@ import time
 
 import pytest
 
-from libs.common.bus.connection import BusError
-from libs.common.messages.control import InfoRequest, ServiceInfo
 from tests.chaos.cases import CASES
 from tests.chaos.harness import TOPOLOGY
 from tests.chaos.load import Load
 from tests.chaos.reports import PoolWatch
 from tests.chaos.test_pool_faults import _read_all, _wait_master
+from tests.pool.conftest import master_role
 
 pytestmark = pytest.mark.slow
 
 TAKEOVER_LIMIT = 5.0
 
 
-async def _role(bus, sid: str) -> str:
-    try:
-        reply = await bus.request(f"tandem.cache_master.{sid}.info", InfoRequest(), ServiceInfo,
-                                  timeout=1, responder_wait=0.2)  # fmt: skip
-    except BusError:
-        return "down"
-    return reply.details["role"]
-
-
 async def _wait_role(bus, sid: str, role: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while (now := await _role(bus, sid)) != role:
+    while (now := await master_role(bus, sid)) != role:
         assert time.monotonic() < deadline, f"{sid} is {now}, not {role}, after {timeout}s"
         await asyncio.sleep(0.1)
 
@@ -73,7 +63,7 @@ async def test_a_standby_master_takes_over_a_killed_leader_under_load_within_5s(
         assert held, "the pool held nothing before the kill"
         await _wait_master(bus, stores=2, objects=len(held), timeout=30)
         takeover = time.monotonic() - killed_at
-        assert await _role(bus, "m2") == "leader"
+        assert await master_role(bus, "m2") == "leader"
         assert await _read_all(bus, held) == []
         await load.wait_completed(load.completed + 4, timeout=60)  # and on after it
         await load.stop()

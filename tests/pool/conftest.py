@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from libs.common.bus.connection import Bus
+from libs.common.bus.connection import Bus, BusError
+from libs.common.messages.control import InfoRequest, ServiceInfo
 from libs.common.pool.client import LocalMemory, PoolClient
 from libs.common.transfer import create_engine
 from scripts.cluster import REPO
@@ -156,3 +157,13 @@ def corrupt_segment_file(path, offset: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(data)
+
+
+async def master_role(bus, sid: str) -> str:
+    """Master `sid`'s role from its `info` (leader, standby, fenced), or "down"."""
+    try:
+        reply = await bus.request(f"tandem.cache_master.{sid}.info", InfoRequest(), ServiceInfo,
+                                  timeout=1, responder_wait=0.2)  # fmt: skip
+    except BusError:
+        return "down"
+    return reply.details["role"]

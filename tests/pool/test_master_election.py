@@ -15,32 +15,23 @@ import time
 import pytest
 
 from libs.common.bus.connection import BusError, HandlerError
-from libs.common.messages.control import InfoRequest, ServiceInfo
+from libs.common.messages.control import InfoRequest
 from libs.common.messages.pool import PoolNewObject, PoolPutStart, PoolPutStartReply, PoolStats
 from libs.common.transfer import RegionDescriptor, TransferError
 from services.cache_master.config import CacheMasterConfig
 from services.cache_master.election import Claim
 from services.cache_master.service import CacheMasterService
-from tests.pool.conftest import master_and_client
+from tests.pool.conftest import master_and_client, master_role
 
 LEASE = "2.5"  # the default, spelt out: the takeover bound below depends on it
 TAKEOVER_LIMIT = 5.0  # issue 26: a standby serves within 5 s of the leader's death
-
-
-async def _role(bus, sid: str) -> str:
-    try:
-        reply = await bus.request(f"tandem.cache_master.{sid}.info", InfoRequest(), ServiceInfo,
-                                  timeout=1, responder_wait=0.2)  # fmt: skip
-    except BusError:
-        return "down"
-    return reply.details["role"]
 
 
 async def _roles(bus, sids: tuple[str, ...], settle: float = 15.0) -> dict[str, str]:
     """Each master's role, once every one is leader or standby (bounded in time)."""
     deadline = time.monotonic() + settle
     while True:
-        roles = {sid: await _role(bus, sid) for sid in sids}
+        roles = {sid: await master_role(bus, sid) for sid in sids}
         if set(roles.values()) <= {"leader", "standby"} or time.monotonic() > deadline:
             return roles
         await asyncio.sleep(0.1)
@@ -48,7 +39,7 @@ async def _roles(bus, sids: tuple[str, ...], settle: float = 15.0) -> dict[str, 
 
 async def _leader_first(bus) -> tuple[str, str]:
     """(leader, standby) of the two masters `master` and `master-b`."""
-    first = await _role(bus, "master") == "leader"
+    first = await master_role(bus, "master") == "leader"
     return ("master", "master-b") if first else ("master-b", "master")
 
 
@@ -115,7 +106,7 @@ async def test_a_standby_takes_over_a_killed_leader_within_5s_and_every_object_r
     print(f"\nmaster failover: takeover {takeover:.2f}s after kill -9 (lease {LEASE}s, store "
           f"heartbeat 0.3s), {len(keys)} objects on 2 stores")  # fmt: skip
     assert stats.epoch > old_epoch
-    assert await _role(pool.bus, standby) == "leader"
+    assert await master_role(pool.bus, standby) == "leader"
     got = await pool.client.batch_get(keys, pool.mem, [pool.half + i * 4096 for i in range(32)],
                                       4096)  # fmt: skip
     assert [r.error for r in got if not r.ok] == []

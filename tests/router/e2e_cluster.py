@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.cluster import LocalCluster
@@ -99,3 +100,19 @@ async def openai_client(url: str) -> AsyncIterator[openai.AsyncOpenAI]:
         base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=240
     ) as client:
         yield client
+
+
+def cluster_fixture(logs: str, router_args: list[str]):
+    """A module-scoped `cluster` fixture: an E2ECluster whose router gets `router_args`,
+    its processes' logs under a temporary folder named `logs`."""
+
+    @pytest.fixture(scope="module")
+    def cluster(module_nats, tmp_path_factory):
+        c = E2ECluster(module_nats.url, tmp_path_factory.mktemp(logs), router_args)
+        try:
+            c.start()
+            yield c
+        finally:
+            c.stop()
+
+    return cluster

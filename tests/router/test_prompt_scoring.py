@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from libs.common.engine.load.source import load_tokenizer
-from tests.router.e2e_cluster import E2ECluster, openai_client
+from tests.router.e2e_cluster import cluster_fixture, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -21,15 +21,7 @@ SHORT = "The capital of France is"
 LONG = " ".join(f"Fact {i}: the river number {i} flows to the sea." for i in range(12))
 
 
-@pytest.fixture(scope="module")
-def cluster(module_nats, tmp_path_factory):
-    c = E2ECluster(module_nats.url, tmp_path_factory.mktemp("scoring-logs"),
-                   ["--disagg-threshold", "32"])  # fmt: skip
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
+cluster = cluster_fixture("scoring-logs", ["--disagg-threshold", "32"])
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from libs.common.engine.load.source import load_tokenizer
 from libs.common.messages.control import CancelRequest, LoadReport
 from services.router import openapi
 from tests.router.conftest import Routers
-from tests.router.e2e_cluster import E2ECluster, metric, openai_client, wait_healthy
+from tests.router.e2e_cluster import cluster_fixture, metric, openai_client, wait_healthy
 from tests.router.schema_check import check, response_schema
 
 pytestmark = pytest.mark.slow
@@ -30,15 +30,7 @@ DOC = openapi.document("default")
 LONG = " ".join(f"Fact {i}: the river number {i} flows to the sea." for i in range(30))
 
 
-@pytest.fixture(scope="module")
-def cluster(module_nats, tmp_path_factory):
-    c = E2ECluster(module_nats.url, tmp_path_factory.mktemp("e2e-logs"),
-                   ["--disagg-threshold", "32"])  # fmt: skip
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
+cluster = cluster_fixture("e2e-logs", ["--disagg-threshold", "32"])
 
 
 @pytest.fixture(scope="module")
