@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from libs.common.engine.config import EngineConfig
     from libs.common.engine.core.sampling_params import SamplingParams
-    from libs.common.engine.engine_core import EngineCore
     from libs.common.engine.load.source import resolve_model_path
+    from libs.common.engine.step_loop import EngineCore
 
     torch.set_num_threads(args.threads)
     report: dict = {"machine": {"cpu": platform.processor() or platform.machine(),

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from libs.common.engine.config import EngineConfig
     from libs.common.engine.core.sampling_params import SamplingParams
-    from libs.common.engine.engine_core import EngineCore
+    from libs.common.engine.step_loop import EngineCore
     from libs.common.grammar import build
 
     torch.set_num_threads(args.threads)

@@ -11,7 +11,7 @@ shared host hits both alike:
                HMAC, then the decode worker's xxh3-128 of the pages that landed and the
                MAC check. The decode side's hash runs here over a buffer of the decode
                pool's layout (the peer's memory is not this process's): the same bytes,
-               the same code (worker/handoff.py).
+               the same code (worker/handoff/protocol.py).
   mac only     that verification alone (no transfer): its cost without the transfer's
                noise on a loaded host.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 from libs.common.pool.integrity import KvMac
 from libs.common.transfer import RegionDescriptor
-from libs.common.worker.handoff import (
+from libs.common.worker.handoff.protocol import (
     HandoffClaim,
     KvLayout,
     handoff_mac,

@@ -1,7 +1,7 @@
 from libs.common.service import main
+from libs.common.worker.decode import DecodeService
 from services.decode.both import BothService
 from services.decode.config import DecodeConfig
-from services.decode.service import DecodeService
 
 
 def worker(config: DecodeConfig) -> DecodeService:

@@ -15,8 +15,8 @@ with the library's prefill worker (libs/common/worker/prefill.py), not services/
 from __future__ import annotations
 
 from libs.common.bus.connection import Endpoint
+from libs.common.worker.decode import DecodeService
 from libs.common.worker.prefill import PrefillService
-from services.decode.service import DecodeService
 
 
 class BothService(DecodeService, PrefillService):

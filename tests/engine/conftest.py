@@ -9,9 +9,9 @@ import torch
 
 from libs.common.engine.config import EngineConfig
 from libs.common.engine.engine import Engine
-from libs.common.engine.engine_core import EngineCore
 from libs.common.engine.load.source import default_model_path, load_model
 from libs.common.engine.model.model import LlamaModel
+from libs.common.engine.step_loop import EngineCore
 
 
 @pytest.fixture(scope="session")

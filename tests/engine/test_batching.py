@@ -41,7 +41,7 @@ def _run(core, prompts) -> list[list[int]]:
 def alone(prompts, model_and_tokenizer):
     """Each prompt alone, unchunked, no prefix cache."""
     from libs.common.engine.config import EngineConfig
-    from libs.common.engine.engine_core import EngineCore
+    from libs.common.engine.step_loop import EngineCore
 
     model, tok = model_and_tokenizer
     core = EngineCore(EngineConfig(kv_cache_mb=64, enable_prefix_cache=False), model, tok)

@@ -45,7 +45,7 @@ def generated(prompts, model_and_tokenizer, make_core_module):
 @pytest.fixture(scope="module")
 def make_core_module(model_and_tokenizer):
     from libs.common.engine.config import EngineConfig
-    from libs.common.engine.engine_core import EngineCore
+    from libs.common.engine.step_loop import EngineCore
 
     model, tok = model_and_tokenizer
     return lambda **kw: EngineCore(EngineConfig(kv_cache_mb=96, **kw), model, tok)

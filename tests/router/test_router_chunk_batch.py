@@ -15,7 +15,7 @@ from libs.common.messages.control import (
     Usage,
     encode_chunk_batch,
 )
-from services.decode.stream import ChunkBatcher, TokenStream, _groups
+from libs.common.worker.token_publisher import ChunkBatcher, TokenStream, _groups
 from services.router.streams import StreamTable
 
 

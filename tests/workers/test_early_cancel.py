@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from libs.common.worker import service as worker
-from libs.common.worker.routers import request_key
+from libs.common.worker import core as worker
+from libs.common.worker.decode import DecodeService
+from libs.common.worker.router_watch import request_key
 from services.decode.config import DecodeConfig
-from services.decode.service import DecodeService
 
 
 async def test_cancel_before_the_request_registers_is_remembered_once_and_bounded():

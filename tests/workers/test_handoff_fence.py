@@ -10,8 +10,8 @@ from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
 from libs.common.transfer.shm import segment as shm_segment
 from libs.common.transfer.shm.engine import ShmTransferEngine
+from libs.common.worker.decode import DecodeService
 from services.decode.config import DecodeConfig
-from services.decode.service import DecodeService
 from tests.workers.conftest import prompt_ids
 
 

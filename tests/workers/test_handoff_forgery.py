@@ -22,7 +22,7 @@ from libs.common.engine.engine import Engine
 from libs.common.messages.control import PrefillRequest
 from libs.common.transfer import RegionDescriptor, TransferError
 from libs.common.transfer.tcp.engine import TcpTransferEngine
-from libs.common.worker.handoff import KvLayout
+from libs.common.worker.handoff.protocol import KvLayout
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
 from tests.workers.conftest import WORKER_ARGS, _wait_workers, generate, prompt_ids

@@ -1,4 +1,4 @@
-"""The handoff MAC (worker/handoff.py): a decode worker's check of the KV bytes a prefill
+"""The handoff MAC (worker/handoff/protocol.py): a decode worker's check of the KV bytes a prefill
 worker wrote into its pages, over real TCP transfer engines on loopback."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from libs.common.pool.integrity import KvMac
 from libs.common.transfer.tcp.engine import TcpTransferEngine
-from libs.common.worker.handoff import (
+from libs.common.worker.handoff.protocol import (
     HandoffClaim,
     KvLayout,
     handoff_mac,
@@ -110,7 +110,7 @@ async def test_with_a_secret_a_handoff_without_a_mac_fails_and_without_one_nothi
     from types import SimpleNamespace
 
     from libs.common.messages.control import GenerateRequest, PrefillResult, SamplingSpec
-    from libs.common.worker.handoff_verify import HandoffForged, verify_kv
+    from libs.common.worker.handoff.receiver import HandoffForged, verify_kv
 
     req = GenerateRequest(request_id="7", token_ids=[1, 2], sampling=SamplingSpec(),
                           stream_subject="s", prefill_worker="p1")  # fmt: skip

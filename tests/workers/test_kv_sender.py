@@ -3,8 +3,8 @@
 import pytest
 
 from libs.common.transfer import create_engine
-from libs.common.worker.handoff import KvLayout
-from libs.common.worker.kv_sender import KvSender
+from libs.common.worker.handoff.protocol import KvLayout
+from libs.common.worker.handoff.sender import KvSender
 
 LAYERS, SLICE = 2, 8  # tiny pages: 2 layers x (K, V) x 8 bytes
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from services.decode.backlog import PromptBacklog
+from libs.common.worker.backlog import PromptBacklog
 
 
 class Clock:

@@ -1,9 +1,9 @@
-"""Workers' view of routers' liveness (libs/common/worker/routers.py): pure, no processes."""
+"""Workers' view of routers' liveness (libs/common/worker/router_watch.py): pure, no processes."""
 
 import time
 
 from libs.common.messages.control import RouterHeartbeat
-from libs.common.worker.routers import (
+from libs.common.worker.router_watch import (
     MAX_ROUTER_ID,
     MAX_ROUTERS,
     UNHEARD_TIMEOUT,

@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace) -> dict:
     from libs.common.engine.config import EngineConfig
     from libs.common.engine.core.sampling_params import SamplingParams
-    from libs.common.engine.engine_core import EngineCore
+    from libs.common.engine.step_loop import EngineCore
 
     start = time.perf_counter()
     config = EngineConfig(model=args.model, num_threads=args.threads, kv_cache_mb=256,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from libs.common.engine.engine_core import EngineCore
+from libs.common.engine.step_loop import EngineCore
 
 
 def cached_prefix(core: EngineCore, keys: Sequence[str]) -> int:

@@ -27,9 +27,9 @@ from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.outputs import RequestOutput
 from libs.common.engine.core.radix_cache import CacheEvent
 from libs.common.engine.core.sampling_params import SamplingParams
-from libs.common.engine.engine_core import EngineCore
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.engine.model.model import LlamaModel
+from libs.common.engine.step_loop import EngineCore
 
 log = structlog.get_logger(__name__)
 

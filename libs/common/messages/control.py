@@ -183,7 +183,7 @@ class PrefillResult(Message, tag="prefill_result"):
     `kv_mac` vouches for the KV bytes written (HMAC-SHA256 under the cluster's KV secret
     of the request, prompt, pages and the xxh3-128 of the written bytes; "" when the
     prefill worker has no secret or wrote nothing): a decode worker with a secret decodes
-    only when it matches the bytes that landed (worker/handoff.py, docs/security.md).
+    only when it matches the bytes that landed (worker/handoff/protocol.py, docs/security.md).
     """
 
     request_id: str

@@ -46,7 +46,7 @@ class KvMac:
         # Derived keys: the file's bytes are never used twice for different purposes.
         self._key = hmac.digest(secret, _MAC_CONTEXT, "sha256")
         self.key_id = hmac.digest(secret, _ID_CONTEXT, "sha256")[:4].hex()
-        # The prefill -> decode handoff's MAC key (libs/common/worker/handoff.py).
+        # The prefill -> decode handoff's MAC key (libs/common/worker/handoff/protocol.py).
         self.handoff_key = hmac.digest(secret, _HANDOFF_CONTEXT, "sha256")
 
     @classmethod

@@ -32,7 +32,8 @@ from libs.common.messages.control import (
     Usage,
 )
 from libs.common.transfer import RegionDescriptor, TransferError
-from libs.common.worker.handoff import (
+from libs.common.worker.core import WorkerService, logprobs_wire, sampling_params
+from libs.common.worker.handoff.protocol import (
     HandoffClaim,
     KvLayout,
     handoff_check,
@@ -40,9 +41,8 @@ from libs.common.worker.handoff import (
     handoff_seed,
     pool_digest,
 )
-from libs.common.worker.kv_sender import KvSender
-from libs.common.worker.routers import request_key
-from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
+from libs.common.worker.handoff.sender import KvSender
+from libs.common.worker.router_watch import request_key
 
 log = get_logger(__name__)
 

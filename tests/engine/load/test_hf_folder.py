@@ -7,9 +7,9 @@ import pytest
 from bench.peer_model import write as write_hf_folder
 from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sampling_params import SamplingParams
-from libs.common.engine.engine_core import EngineCore
 from libs.common.engine.load.source import load_model
 from libs.common.engine.model.model import LlamaModel
+from libs.common.engine.step_loop import EngineCore
 from tests.engine.conftest import run_to_end
 
 pytestmark = pytest.mark.slow

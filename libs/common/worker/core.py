@@ -4,7 +4,7 @@
       on_start: load the engine (its KV pool allocated through the transfer engine, so
                 peers can write it), register the pool, make sure the KV events stream
                 exists, start the load-report loop, subscribe to cancels and to routers'
-                heartbeats (a request whose router went silent is cancelled, routers.py)
+                heartbeats (a request whose router went silent is cancelled, router_watch.py)
       details:  model id, page size, KV dtype, transport, endpoint: what `info` shows and
                 what a peer checks before pairing
       on_stop:  stop the loops, the engine and the transfer engine (idempotent)
@@ -44,7 +44,7 @@ from libs.common.pool.tier import PoolTier
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
-from libs.common.worker.routers import RouterWatch, request_key
+from libs.common.worker.router_watch import RouterWatch, request_key
 
 log = get_logger(__name__)
 
@@ -279,7 +279,7 @@ class WorkerService(BaseService):
         """True if a cancel for request `key` came before the request registered here."""
         return self._cancelled.pop(key, False) is None
 
-    # --- routers' liveness (libs/common/worker/routers.py) ---------------------------------
+    # --- routers' liveness (libs/common/worker/router_watch.py) ---------------------------------
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:

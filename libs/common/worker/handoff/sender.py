@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from libs.common.transfer import RegionDescriptor, TransferEngine
-from libs.common.worker.handoff import KvLayout, page_copy_ops
+from libs.common.worker.handoff.protocol import KvLayout, page_copy_ops
 
 
 class KvSender:

@@ -1,4 +1,4 @@
-"""The decode worker's check of a prefill worker's KV handoff (worker/handoff.py).
+"""The decode worker's check of a prefill worker's KV handoff (worker/handoff/protocol.py).
 
 Called once the handoff's region is unregistered (the fence: no byte lands any more), with
 the PrefillResult. With a KV secret, the request decodes only when the result's `kv_mac`
@@ -14,7 +14,12 @@ from typing import Any
 
 from libs.common.log import get_logger
 from libs.common.messages.control import GenerateRequest, PrefillResult
-from libs.common.worker.handoff import HandoffClaim, handoff_seed, pool_digest, verify_handoff
+from libs.common.worker.handoff.protocol import (
+    HandoffClaim,
+    handoff_seed,
+    pool_digest,
+    verify_handoff,
+)
 
 log = get_logger(__name__)
 

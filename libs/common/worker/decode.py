@@ -19,6 +19,7 @@ import asyncio
 import time
 
 from libs.common.bus.connection import BusError, Endpoint, HandlerError
+from libs.common.config import WorkerConfig
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import (
     GenerateAccepted,
@@ -30,13 +31,12 @@ from libs.common.messages.control import (
     Usage,
 )
 from libs.common.transfer import RegionBusy, RegionDescriptor
-from libs.common.worker.handoff import KvLayout, handoff_check, page_ranges
-from libs.common.worker.handoff_verify import verify_kv
-from libs.common.worker.routers import request_key
-from libs.common.worker.service import WorkerService, logprobs_wire, sampling_params
-from services.decode.backlog import PromptBacklog
-from services.decode.config import DecodeConfig
-from services.decode.stream import ChunkBatcher, TokenStream
+from libs.common.worker.backlog import PromptBacklog
+from libs.common.worker.core import WorkerService, logprobs_wire, sampling_params
+from libs.common.worker.handoff.protocol import KvLayout, handoff_check, page_ranges
+from libs.common.worker.handoff.receiver import verify_kv
+from libs.common.worker.router_watch import request_key
+from libs.common.worker.token_publisher import ChunkBatcher, TokenStream
 
 log = get_logger(__name__)
 
@@ -47,9 +47,9 @@ class DecodeService(WorkerService):
     description = "Tandem decode worker"
     role = "decode"
 
-    def __init__(self, config: DecodeConfig):
+    def __init__(self, config: WorkerConfig):
         super().__init__(config)
-        self.config: DecodeConfig = config
+        self.config: WorkerConfig = config
         self._prefill_seen: dict[str, float] = {}  # worker -> its last load report
         self.backlog = PromptBacklog()  # admission by expected prefill wait
         self._region_freed = asyncio.Condition()  # a handoff region was unregistered
