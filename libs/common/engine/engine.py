@@ -1,6 +1,6 @@
 """The asyncio face of the engine: requests in, streams of outputs back.
 
-One background task drives `EngineCore.step()` in a single worker thread (the
+One background task drives `EngineCore.step()` (step_loop.py) in one worker thread (the
 model's math releases the GIL, so the event loop keeps serving the bus while a
 step runs). Every other call that touches the core (add, abort, reserve,
 import/export, release) takes the same lock, so none runs between a step's
@@ -215,12 +215,12 @@ class Engine:
     async def export_pages(self, page_ids: list[int]) -> torch.Tensor:
         """A copy of pages' KV, [n, layers, 2, page_size, kv_heads, head_dim]."""
         async with self._lock:
-            return self._require().export_pages(page_ids)
+            return self._require().kv_cache.export_pages(page_ids)
 
     async def import_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
         """Write KV (shaped as export_pages returns) into reserved pages."""
         async with self._lock:
-            self._require().import_pages(page_ids, data)
+            self._require().kv_cache.import_pages(page_ids, data)
 
     # -- internals ----------------------------------------------------------------------
 

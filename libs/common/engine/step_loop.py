@@ -1,4 +1,5 @@
-"""The synchronous engine: scheduler + model runner + stop handling, one step at a time.
+"""The engine's step loop (`EngineCore`), synchronous: scheduler + model runner + stop
+handling, one step at a time; engine.py runs it in a thread for the event loop.
 
     outputs = core.step()   # schedule -> run -> postprocess
 
@@ -242,14 +243,6 @@ class EngineCore:
     def take_events(self) -> list[CacheEvent]:
         events, self._events[:] = list(self._events), []
         return events
-
-    # -- KV pages ---------------------------------------------------------------------
-
-    def export_pages(self, page_ids: list[int]) -> torch.Tensor:
-        return self.kv_cache.export_pages(page_ids)
-
-    def import_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
-        self.kv_cache.import_pages(page_ids, data)
 
     # -- the loop ---------------------------------------------------------------------
 
