@@ -7,7 +7,7 @@ a reference to the caller's buffer so the memory stays alive while registered.
 Unregistering is a fence: an op a peer started before it (the TCP server admitted
 its header and is still receiving the payload) is cut off, and `remove` returns only
 once no such op touches the region any more. A decode worker relies on this to stop a
-late prefill writer before it frees the pages (libs/common/worker/decode.py).
+late prefill writer before it frees the pages (libs/common/worker/handoff/receiver.py).
 
     server thread: enter (users.add, then live?) ... payload ... leave (users.discard)
     unregister:    live = False, then cut every user, wait until users is empty

@@ -1,7 +1,19 @@
-"""What prefill and decode workers share: the worker service base (engine, load reports, KV
-events, pool tier), the handoff of KV pages from a prefill worker to a decode worker, and
-the prefill worker itself (`prefill.py`, writing pages through `handoff/sender.py`), which
-services/prefill runs alone and the decode service's `both` role runs beside decode.
+"""The worker: one core, one module per role, composed by one service.
+
+    service.py          WorkerService: the core and its roles, by role name ("prefill",
+                        "decode", or "both": the two roles on one core)
+    core.py             WorkerCore: engine, transfer engine, KV pool tier, load reports, KV
+                        events, cancels, routers' liveness
+    decode.py           the decode role: admission, local or handed-over prefill, generation
+    backlog.py          the decode role's admission by expected prefill wait
+    token_publisher.py  a request's tokens to its router (TokenChunk, or one batch per step)
+    prefill.py          the prefill role: compute a prompt, hand its KV to a decode worker
+    handoff/            both halves of the KV handoff (sender.py, receiver.py) and what they
+                        share (protocol.py)
+    router_watch.py     which routers are alive; requests keyed by router
+
+services/prefill and services/decode are the entry points that build a WorkerService.
+Calls go down only: service -> roles -> handoff -> core; the core calls no role.
 
 May import: every other package of libs.common. Never a service.
 """

@@ -1,15 +1,17 @@
-"""What the prefill and decode workers share: an engine, a transfer engine, the cluster feed.
+"""The worker core: one model replica on the bus, whatever roles it serves.
 
-    WorkerService(BaseService)
-      on_start: load the engine (its KV pool allocated through the transfer engine, so
+    WorkerCore
+      start:    load the engine (its KV pool allocated through the transfer engine, so
                 peers can write it), register the pool, make sure the KV events stream
                 exists, start the load-report loop, subscribe to cancels and to routers'
                 heartbeats (a request whose router went silent is cancelled, router_watch.py)
-      details:  model id, page size, KV dtype, transport, endpoint: what `info` shows and
-                what a peer checks before pairing
-      on_stop:  stop the loops, the engine and the transfer engine (idempotent)
+      details:  role, model id, page size, KV dtype, transport, endpoint: what `info` shows
+                and what a peer checks before pairing
+      stop:     stop the loops, the engine and the transfer engine (idempotent)
 
-Subclasses add their endpoints and say how a cancel applies to them (`cancel`).
+The roles (decode.py, prefill.py) call into it: they `hold` the requests they serve (so a
+cancel, or a router gone silent, reaches them), count their output tokens and prompt
+backlog, and read and write the pool through it. It calls no role.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from libs.common.bus.connection import Bus
 from libs.common.bus.kv_events import KvEventPublisher, keep_kv_stream
 from libs.common.config import WorkerConfig
 from libs.common.engine.config import EngineConfig
@@ -41,7 +44,6 @@ from libs.common.messages.control import (
 from libs.common.pool.client import PoolClient
 from libs.common.pool.integrity import KvMac, load_kv_mac
 from libs.common.pool.tier import PoolTier
-from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
 from libs.common.worker.router_watch import RouterWatch, request_key
@@ -76,27 +78,23 @@ class Held:
     since: float = field(default_factory=time.monotonic)
 
 
-class WorkerService(BaseService):
-    """A model replica on the bus. `role` is "prefill" or "decode"."""
+class WorkerCore:
+    """The engine, transfer engine, pool tier and cluster feed one worker process shares
+    among its roles. `role` ("prefill", "decode" or "both") names it in load reports."""
 
-    role = "worker"
-
-    def __init__(self, config: WorkerConfig):
-        super().__init__(config)
-        self.config: WorkerConfig = config
+    def __init__(self, bus: Bus, config: WorkerConfig, role: str) -> None:
+        self.bus, self.config, self.role = bus, config, role
         self.engine: Engine | None = None
         self.transfer: TransferEngine | None = None
         self.kv_region: RegionDescriptor | None = None
         self.pool: PoolTier | None = None
         self.kv_mac: KvMac | None = None  # the cluster's KV secret: pool tags, handoff MACs
-        self.events = KvEventPublisher(
-            self.bus, config.subject_prefix, config.service_id, tier="device"
-        )
+        self.events = KvEventPublisher(bus, config.subject_prefix, config.service_id, tier="device")
         self._pending_events: list[CacheEvent] = []
         self._events_wake = asyncio.Event()
         self._loops: list[asyncio.Task] = []
         self._cancel_sub: Any = None
-        # request key (routers.request_key: router and request id) -> what serves it
+        # request key (router_watch.request_key: router and request id) -> what serves it
         self._active: dict[str, Held] = {}
         self.routers = RouterWatch()
         # Cancels that came before their request was registered (a router that gave up
@@ -106,6 +104,10 @@ class WorkerService(BaseService):
         self._tokens_out = 0  # output tokens since the last load report
         self.instance = secrets.token_hex(8)  # this process, in its load reports
         self.queued_prompt_tokens = 0  # accepted, not yet prefilled (for routing)
+
+    def subject(self, *parts: str) -> str:
+        """A subject under the configured prefix (as BaseService.subject)."""
+        return ".".join((self.config.subject_prefix, *parts))
 
     # --- what the pairing check and `info` need --------------------------------------
 
@@ -157,7 +159,7 @@ class WorkerService(BaseService):
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    async def on_start(self) -> None:
+    async def start(self) -> None:
         options = self.config.transfer_options(self.transport)
         prefix, sid = self.config.subject_prefix, self.config.service_id
         options.update(engine_options(self.transport, self.bus, prefix, sid))
@@ -204,7 +206,7 @@ class WorkerService(BaseService):
         ]
         log.info("transfer engine ready", transport=self.transport, endpoint=self.transfer.endpoint)
 
-    async def on_stop(self) -> None:
+    async def stop(self) -> None:
         loops, self._loops = self._loops, []
         for task in loops:
             task.cancel()
@@ -254,6 +256,10 @@ class WorkerService(BaseService):
     def release(self, key: str) -> None:
         self._active.pop(key, None)
 
+    def serves(self, key: str) -> bool:
+        """Whether request `key` is held here (accepted, not yet ended)."""
+        return key in self._active
+
     async def _on_cancel_msg(self, msg: Msg) -> None:
         try:
             cancel = CancelRequest.decode(msg.data)
@@ -279,7 +285,7 @@ class WorkerService(BaseService):
         """True if a cancel for request `key` came before the request registered here."""
         return self._cancelled.pop(key, False) is None
 
-    # --- routers' liveness (libs/common/worker/router_watch.py) ---------------------------------
+    # --- routers' liveness (router_watch.py) ----------------------------------------------
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:

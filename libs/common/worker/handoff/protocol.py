@@ -1,4 +1,4 @@
-"""The prefill -> decode KV handoff: which bytes move, and the check value that guards it.
+"""What both halves of the KV handoff compute alike: which bytes move, and what guards them.
 
 KV pools share one layout on every worker (engine/model/kv_cache.py):
 

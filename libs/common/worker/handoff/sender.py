@@ -1,18 +1,45 @@
-"""Writing a prompt's KV into the decode worker's reserved pages, overlapped with compute.
+"""The prefill side of a KV handoff: pair, write the pages while computing, vouch.
 
-The engine reports, after each prefill chunk, the pages whose KV is final; `send` starts
-writing those at once, while the next chunk computes. `finish` (with the final page table)
-sends what is left and anything whose local page changed since it was sent (a page swapped
-for its cached twin, or a preempted and recomputed sequence), then waits for every write.
-A batch of writes lands completely or fails as a whole (transfer engine contract).
+`check_pairing` refuses a decode worker with another model id, page size or KV dtype (its
+pages would not hold this worker's KV). `KvSender` writes a prompt's KV into the decode
+worker's reserved pages, overlapped with compute: the engine reports, after each prefill
+chunk, the pages whose KV is final; `send` starts writing those at once, while the next
+chunk computes. `finish` (with the final page table) sends what is left and anything whose
+local page changed since it was sent (a page swapped for its cached twin, or a preempted
+and recomputed sequence), then waits for every write. A batch of writes lands completely
+or fails as a whole (transfer engine contract). `vouch` MACs what was written, for the
+decode worker's check (receiver.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
+from libs.common.bus.connection import HandlerError
+from libs.common.messages.control import PrefillRequest
 from libs.common.transfer import RegionDescriptor, TransferEngine
-from libs.common.worker.handoff.protocol import KvLayout, page_copy_ops
+from libs.common.worker.core import WorkerCore
+from libs.common.worker.handoff.protocol import (
+    HandoffClaim,
+    KvLayout,
+    handoff_mac,
+    handoff_seed,
+    page_copy_ops,
+    pool_digest,
+)
+
+
+def check_pairing(core: WorkerCore, req: PrefillRequest) -> None:
+    """HandlerError 409 unless the decode worker's pool holds KV as this worker's does."""
+    mine = (core.model_id, core.config.page_size, core.kv_dtype)
+    theirs = (req.model_id, req.page_size, req.kv_dtype)
+    if mine != theirs:
+        raise HandlerError(
+            409,
+            f"cannot pair: decode worker {req.decode_worker} has model/page size/KV dtype "
+            f"{theirs}, this prefill worker {core.config.service_id} has {mine}",
+        )
 
 
 class KvSender:
@@ -78,3 +105,33 @@ class KvSender:
     def cancel(self) -> None:
         for write in self._writes:
             write.cancel()
+
+    @classmethod
+    def for_request(
+        cls, core: WorkerCore, req: PrefillRequest, remote: RegionDescriptor
+    ) -> KvSender:
+        """The sender of `req`'s prompt pages from `core`'s pool into `remote`;
+        ValueError when the request's pages do not add up."""
+        kv = core.engine.core.kv_cache
+        return cls(
+            core.transfer, core.kv_region,
+            KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes),
+            remote, KvLayout(kv.num_layers, req.kv_num_pages, kv.slice_nbytes),
+            num_prompt_pages=-(-len(req.token_ids) // core.config.page_size),
+            skip=req.skip_pages, remote_pages=req.page_indices,
+        )  # fmt: skip
+
+
+async def vouch(
+    core: WorkerCore, req: PrefillRequest, first: int, local_pages: Sequence[int]
+) -> str:
+    """The MAC of what this worker wrote into the decode worker's pages (its own copy of
+    the same bytes, `local_pages`, still held by the request): "" without a KV secret."""
+    if core.kv_mac is None:
+        return ""
+    kv, key = core.engine.core.kv_cache, core.kv_mac.handoff_key
+    seed = handoff_seed(key, req.router, req.request_id, req.decode_worker)
+    digest = await asyncio.to_thread(pool_digest, kv, local_pages, seed)
+    claim = HandoffClaim(req.router, req.request_id, req.decode_worker, req.token_ids,
+                         req.page_indices, first, digest)  # fmt: skip
+    return handoff_mac(key, claim)
