@@ -1,7 +1,7 @@
 """The cache master service: the pool's metadata behind NATS micro endpoints.
 
 Every endpoint is `tandem.pool.master.<name>` in queue group `tandem-pool-master`. With
-the election (election.py, the default) only the leader has them: a standby answers
+the election (ha/election.py, the default) only the leader has them: a standby answers
 `info` alone until it wins, and a deposed leader stops serving and (run as a process)
 exits, so that its supervisor starts it again as a fresh standby. The master holds no
 bytes: it answers where to write and where to read; stores and clients
@@ -49,20 +49,20 @@ from libs.common.messages.pool import (
 )
 from libs.common.service import BaseService
 from libs.common.transfer import RegionDescriptor
-from services.cache_master.announce import Announcer
 from services.cache_master.config import CacheMasterConfig
-from services.cache_master.election import Claim, LeaderElection
-from services.cache_master.epoch import MasterEpoch
-from services.cache_master.grants import StoreGrants, by_store
-from services.cache_master.metadata import PoolLimits, PoolMetadata
-from services.cache_master.mounts import Mounts
-from services.cache_master.objects import Changes, PoolRequestError, PutSpec, Replica
-from services.cache_master.pin_store import PinStore
-from services.cache_master.pinning import Pinning
-from services.cache_master.pins import PinLimits
-from services.cache_master.repair import Repairer
-from services.cache_master.ssd import SsdTiers
-from services.cache_master.ssd_index import exists, held_on_ssd, with_held
+from services.cache_master.ha.election import Claim, LeaderElection
+from services.cache_master.ha.epoch import MasterEpoch
+from services.cache_master.ha.repair import Repairer
+from services.cache_master.metadata.announce import Announcer
+from services.cache_master.metadata.grants import StoreGrants, by_store
+from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
+from services.cache_master.metadata.mounts import Mounts
+from services.cache_master.metadata.objects import Changes, PoolRequestError, PutSpec, Replica
+from services.cache_master.pins.book import PinLimits
+from services.cache_master.pins.endpoints import Pinning
+from services.cache_master.pins.store import PinStore
+from services.cache_master.tiers.ssd import SsdTiers
+from services.cache_master.tiers.ssd_index import exists, held_on_ssd, with_held
 
 log = get_logger(__name__)
 
@@ -109,7 +109,7 @@ class CacheMasterService(BaseService):
         self.election.on_elected, self.election.on_deposed = self._lead, self._deposed
         pin_limits = PinLimits(config.max_pinned_fraction, config.max_pins, config.max_pin_ttl)
         saved = PinStore(self.bus, self.election.bucket) if config.elected else None
-        self.pinning = Pinning(self.meta, pin_limits, saved)  # soft pins (pinning.py)
+        self.pinning = Pinning(self.meta, pin_limits, saved)  # soft pins (pins/endpoints.py)
         self.serving = False  # the pool endpoints are up (leader, or no election)
         self._starting = False
         self._registered = asyncio.Event()  # start() has registered the micro service
@@ -193,7 +193,7 @@ class CacheMasterService(BaseService):
         # Before the endpoints: a running master with a higher epoch fences this one
         # before any store could mount here.
         await self.fence.start()
-        await self.pinning.load()  # a new leader keeps the saved pins (pin_store.py)
+        await self.pinning.load()  # a new leader keeps the saved pins (pins/store.py)
         self.repairer.epoch = self.ssd.epoch = self.epoch
         log.info("master epoch", epoch=self.epoch)
         self._sweeper = asyncio.create_task(self._sweep_loop())
@@ -232,7 +232,7 @@ class CacheMasterService(BaseService):
         await self.election.stop()
         await self.fence.stop()
 
-    # --- the epoch (epoch.py) ------------------------------------------------------------
+    # --- the epoch (ha/epoch.py) ---------------------------------------------------------
 
     @property
     def epoch(self) -> int:
@@ -261,7 +261,7 @@ class CacheMasterService(BaseService):
     # --- stores --------------------------------------------------------------------------
 
     async def _mount(self, req: PoolMount) -> PoolMountReply:
-        """Begin a mount (mounts.py): nothing changes until its end."""
+        """Begin a mount (metadata/mounts.py): nothing changes until its end."""
         self.fence.seen(req.epoch, req.store_id)
         if not req.store_id:
             raise HandlerError(400, "store_id: required")
@@ -405,7 +405,7 @@ class CacheMasterService(BaseService):
                          ssd=self.ssd.index.stats(self.meta))  # fmt: skip
 
     async def _ssd_report(self, req: PoolSsdReport) -> PoolCount:
-        """A store's SSD tier after its mount (ssd.py)."""
+        """A store's SSD tier after its mount (tiers/ssd.py)."""
         self.fence.seen(req.epoch, req.store_id)
         return PoolCount(await self.ssd.report(req))
 

@@ -6,10 +6,10 @@
     loop:   heartbeat every --heartbeat-interval; `known: false` (the master restarted
             or timed us out) or a gap in update numbers -> mount again, reporting what
             this store holds in chunks; the master answers with the authoritative list,
-            in pages (services/cache_master/mounts.py)
+            in pages (services/cache_master/metadata/mounts.py)
     stop:   unmount (clients stop being sent here), save the index, stop the engine
 
-Epochs (services/cache_master/epoch.py): the store keeps the highest master epoch it has
+Epochs (services/cache_master/ha/epoch.py): the store keeps the highest master epoch it has
 seen, sends it with every request, and takes mount replies, index updates and copy
 orders only from that epoch; a reply from a higher one makes it mount there.
 `replicate` (PoolReplicate): the master asks this store to copy objects from another

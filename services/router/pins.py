@@ -11,7 +11,7 @@ default: a system prompt pinned alone is the start of every chat that begins wit
 Its page keys are computed here (libs/common/engine/core/kv_hash.py) with the (model id,
 KV dtype, page size) of each live worker of this model, so they are the keys under which
 those workers put the prefix's pages into the pool; only full pages have keys. The cache
-master keeps the pin (services/cache_master/pinning.py): its refusals come back with their
+master keeps the pin (services/cache_master/pins/endpoints.py): its refusals come back with their
 status (400 bad TTL, 409 over --max-pins or --max-pinned-fraction, 404 unknown id), and a
 master that cannot be reached is a 503.
 """

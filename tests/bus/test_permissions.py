@@ -315,7 +315,7 @@ async def test_the_master_elects_itself_in_its_bucket_and_no_other_role_writes_t
 async def test_the_router_pins_and_the_master_saves_the_pin_where_no_worker_may_pin(
     secured, master
 ):
-    """Soft pins (services/cache_master/pinning.py): the router identity calls pin and
+    """Soft pins (services/cache_master/pins/endpoints.py): the router identity calls pin and
     pins; the master identity may write the pin into its bucket (a refused write would
     answer 503); a worker or the cli may not pin."""
     router = await secured.connect("router")

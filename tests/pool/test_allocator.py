@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from services.cache_master.allocator import AllocationError, OffsetAllocator
+from services.cache_master.metadata.allocator import AllocationError, OffsetAllocator
 
 
 def test_allocations_are_aligned_and_never_overlap():

@@ -1,8 +1,8 @@
 """The LRU policy alone, on hand-built records: who is chosen, and where the walk stops."""
 
-from services.cache_master.allocator import OffsetAllocator
-from services.cache_master.eviction import Lru
-from services.cache_master.objects import PoolObject, Replica, Segment
+from services.cache_master.metadata.allocator import OffsetAllocator
+from services.cache_master.metadata.eviction import Lru
+from services.cache_master.metadata.objects import PoolObject, Replica, Segment
 
 CK = "0123456789abcdef"
 UNIT = 4096

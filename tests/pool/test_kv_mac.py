@@ -7,8 +7,8 @@ import pytest
 
 from libs.common.messages.pool import PoolBadCopy
 from libs.common.pool.integrity import TAG_RE, KvMac, load_kv_mac
-from services.cache_master.metadata import PoolLimits, PoolMetadata
-from services.cache_master.objects import PoolRequestError, PutSpec
+from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
+from services.cache_master.metadata.objects import PoolRequestError, PutSpec
 from tests.pool.test_metadata import CK, UNIT, meta_with
 
 SECRET = b"0123456789abcdef0123456789abcdef"

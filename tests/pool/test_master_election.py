@@ -1,5 +1,5 @@
 """Master failover (issue 26): masters elect one leader through JetStream KV
-(services/cache_master/election.py); a standby takes over a dead leader's stores, and an
+(services/cache_master/ha/election.py); a standby takes over a dead leader's stores, and an
 old leader that lost its claim cannot allocate in them.
 
 Real nats-server (JetStream), real master and store processes; the fencing test runs one
@@ -19,7 +19,7 @@ from libs.common.messages.control import InfoRequest
 from libs.common.messages.pool import PoolNewObject, PoolPutStart, PoolPutStartReply, PoolStats
 from libs.common.transfer import RegionDescriptor, TransferError
 from services.cache_master.config import CacheMasterConfig
-from services.cache_master.election import Claim
+from services.cache_master.ha.election import Claim
 from services.cache_master.service import CacheMasterService
 from tests.pool.conftest import master_and_client, master_role
 

@@ -3,9 +3,9 @@
 import pytest
 
 from libs.common.messages.pool import PoolRecord
-from services.cache_master.metadata import PoolLimits, PoolMetadata
-from services.cache_master.objects import PoolRequestError, PutSpec
-from services.cache_master.replication import finish_repair, plan_repairs
+from services.cache_master.ha.repair_plan import finish_repair, plan_repairs
+from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
+from services.cache_master.metadata.objects import PoolRequestError, PutSpec
 
 CK = "0123456789abcdef"
 UNIT = 4096

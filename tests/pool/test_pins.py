@@ -1,12 +1,12 @@
-"""Soft pins' policy (services/cache_master/pins.py), pure Python on real metadata: eviction
+"""Soft pins' policy (services/cache_master/pins/book.py), pure Python on real metadata: eviction
 skips held replicas, the bound holds and refuses, TTLs end pins."""
 
 import pytest
 
 from services.cache_master.config import CacheMasterConfig
-from services.cache_master.metadata import PoolLimits, PoolMetadata
-from services.cache_master.objects import PoolRequestError, PutSpec
-from services.cache_master.pins import Pin, PinBook, PinLimits
+from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
+from services.cache_master.metadata.objects import PoolRequestError, PutSpec
+from services.cache_master.pins.book import Pin, PinBook, PinLimits
 
 CK = "0123456789abcdef"
 UNIT = 4096

@@ -11,7 +11,7 @@ import time
 from libs.common.bus.connection import BusError
 from libs.common.messages.control import InfoRequest
 from libs.common.messages.pool import PoolNewObject, PoolPutStart, PoolPutStartReply, PoolStats
-from services.cache_master.epoch import outranks, pick_epoch
+from services.cache_master.ha.epoch import outranks, pick_epoch
 
 
 def test_a_later_epoch_from_the_clock_is_higher_and_a_configured_one_is_kept():

@@ -1,14 +1,14 @@
 """The SSD tier's parts alone: the store's files (services/cache_store/ssd.py) and the
-master's choices (services/cache_master/ssd_index.py, the eviction's preference)."""
+master's choices (services/cache_master/tiers/ssd_index.py, the eviction's preference)."""
 
 from __future__ import annotations
 
 import os
 
 from libs.common.messages.pool import PoolRecord
-from services.cache_master.metadata import PoolLimits, PoolMetadata
-from services.cache_master.objects import PutSpec
-from services.cache_master.ssd_index import (
+from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
+from services.cache_master.metadata.objects import PutSpec
+from services.cache_master.tiers.ssd_index import (
     SsdCopy,
     SsdIndex,
     exists,

@@ -20,7 +20,7 @@ gets no reply at all.
 - JetStream: writers of KV events may create the events stream (idempotent at start and
   after a reconnect); readers (the router, an operator) may look at it and make
   consumers on it; nobody here may delete or change a stream. Masters elect their leader
-  in their own key-value bucket (`election_bucket`, services/cache_master/election.py):
+  in their own key-value bucket (`election_bucket`, services/cache_master/ha/election.py):
   they may create it, read it and write its keys, nothing else of JetStream's.
 """
 
@@ -42,7 +42,7 @@ TRANSFER_ROLES = ("prefill", "decode", "both", "cache_store")
 STORE_CALLS = ("mount", "mount_chunk", "mount_end", "mount_page", "unmount", "heartbeat",
                "ssd_report")  # fmt: skip
 CLIENT_CALLS = ("put_start", "put_end", "put_revoke", "get", "exists", "remove", "drop", "stats")
-# Soft pins (services/cache_master/pinning.py): the router's pin API asks the master.
+# Soft pins (services/cache_master/pins/endpoints.py): the router's pin API asks the master.
 PIN_CALLS = ("pin", "unpin", "pins")
 # What the master sends one store (`<prefix>.pool.store.<id>.<name>`): index updates, copy
 # orders, the transfer grants of a get or put, and SSD tier orders (spill, promote, remove).

@@ -6,7 +6,7 @@
       |-- PoolPinRef (pin_id: unpin) ------------->| -> PoolPinInfo (404 unknown)
 
 A pinned object is skipped by the master's eviction while its pin lives, within the
-master's bound (services/cache_master/pins.py; docs/pool.md, "Soft pinning"). Keys are
+master's bound (services/cache_master/pins/book.py; docs/pool.md, "Soft pinning"). Keys are
 page keys (libs/common/engine/core/kv_hash.py), computed by the router from the prefix's
 tokens with each live worker's (model id, KV dtype, page size), so they name the objects
 workers put into the pool.
@@ -68,7 +68,7 @@ class PoolPinList(Message, tag="pool_pin_list"):
 
 class PoolPinRecord(Message, tag="pool_pin_record"):
     """A pin as saved in the masters' JetStream KV bucket (key `pin.<pin_id>`,
-    services/cache_master/pin_store.py), so that a new leader keeps it."""
+    services/cache_master/pins/store.py), so that a new leader keeps it."""
 
     pin_id: str
     keys: list[str]

@@ -19,7 +19,7 @@ object, each checked like any field (`pool_get_reply.objects[3].size: Expected `
       |======== bytes, transfer engine read (store segment -> client) ===========>|
       |                           |<-- PoolDrop (a replica failed checksum/MAC) ----|
 
-Store <-> master messages carry the master epoch (services/cache_master/epoch.py); masters
+Store <-> master messages carry the master epoch (services/cache_master/ha/epoch.py); masters
 announce theirs with `PoolMasterEpoch`.
 
 Keys are page keys (kv_hash: 32 hex chars), checksums xxh3-64 as 16 hex chars, MAC tags
@@ -325,7 +325,7 @@ class PoolStats(Message, tag="pool_stats"):
     epoch: int = 0
     under_replicated: int = 0
     repaired: int = 0
-    # SSD tiers (services/cache_master/ssd.py): objects on SSD only / with an SSD copy,
+    # SSD tiers (services/cache_master/tiers/ssd.py): objects on SSD only / with an SSD copy,
     # spilled, promoted back to DRAM, dropped by a tier's size bound or checksum.
     ssd: dict[str, int] = field(default_factory=dict)
 

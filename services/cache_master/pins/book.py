@@ -1,7 +1,7 @@
 """Soft pins: prefixes (a system prompt's pages) that eviction skips while their TTL lasts.
 
 Pure Python, no I/O; times are unix seconds passed in (`now`), because a pin outlives its
-master: it is saved in the masters' JetStream bucket (pin_store.py) and a new leader, on
+master: it is saved in the masters' JetStream bucket (pins/store.py) and a new leader, on
 another host, must expire it at the same moment.
 
 A pin names page keys, present in the pool or not: an object put later under a pinned
@@ -31,7 +31,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from services.cache_master.objects import PoolObject, PoolRequestError, Segment, check_key
+from services.cache_master.metadata.objects import PoolObject, PoolRequestError, Segment, check_key
 
 MAX_PIN_KEYS = 8192  # libs/common/messages/pins.py: one message, one bucket value
 MAX_LABEL = 200

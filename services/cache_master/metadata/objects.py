@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from services.cache_master.allocator import OffsetAllocator
+from services.cache_master.metadata.allocator import OffsetAllocator
 
 KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")
 CHECKSUM_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -55,9 +55,9 @@ class PoolObject:
     want: int = 1  # replicas asked for: a lost store's objects are copied back up to it
     client: str = ""  # who reserved it (pending only)
     counted: bool = False  # counted in its client's pending objects
-    repair_failures: int = 0  # failed copies back up to `want` (replication.py)
+    repair_failures: int = 0  # failed copies back up to `want` (ha/repair_plan.py)
     mac: str = ""  # the writer's MAC tag over key and bytes ("" written without one)
-    spilling_until: float = 0.0  # an SSD spill is copying its bytes: not evicted (ssd.py)
+    spilling_until: float = 0.0  # an SSD spill is copying its bytes: not evicted (tiers/ssd.py)
 
     def leased(self, now: float) -> bool:
         return self.lease_until > now

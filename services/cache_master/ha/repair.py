@@ -2,7 +2,7 @@
 
     sweep declares store X dead -> objects it held with fewer replicas than asked for are
     marked (metadata.under_replicated) -> a round: reserve a range on another store for
-    each (replication.plan_repairs) -> ask each target store to copy them from a surviving replica
+    each (repair_plan.plan_repairs) -> ask each target store to copy them from a surviving replica
     (request `tandem.pool.store.<target>.replicate`, PoolReplicate; the store reads with
     its transfer engine and checks each checksum) -> add the replicas it copied, free the
     ranges of the others (finish_repair) -> publish the stores' index updates.
@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from libs.common.bus.connection import Bus, BusError
 from libs.common.log import get_logger
 from libs.common.messages.pool import PoolCopy, PoolKeys, PoolReplicate
-from services.cache_master.metadata import PoolMetadata
-from services.cache_master.replication import Repair, finish_repair, plan_repairs
+from services.cache_master.ha.repair_plan import Repair, finish_repair, plan_repairs
+from services.cache_master.metadata.metadata import PoolMetadata
 
 log = get_logger(__name__)
 

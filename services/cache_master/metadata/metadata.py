@@ -7,7 +7,7 @@ from one event loop (no locking) and publishes `take_changes()` after each call.
 Invariants (tests/pool/test_metadata.py):
   - a key is visible (exists/get) only after put_end, and never while pending;
   - eviction and remove never free bytes of an object under a lease;
-  - eviction never takes a replica a soft pin holds (`keep`, pins.py);
+  - eviction never takes a replica a soft pin holds (`keep`, pins/book.py);
   - every replica's byte range is allocated in its segment's allocator exactly once;
   - the replicas of one object are on distinct stores.
 """
@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.cache_master.allocator import AllocationError, OffsetAllocator
-from services.cache_master.eviction import Lru
-from services.cache_master.objects import (
+from services.cache_master.metadata.allocator import AllocationError, OffsetAllocator
+from services.cache_master.metadata.eviction import Lru
+from services.cache_master.metadata.objects import (
     Changes,
     PoolObject,
     PoolRequestError,
@@ -63,9 +63,9 @@ class PoolMetadata:
         self.pending_by_client: dict[str, int] = {}
         self.under_replicated: set[str] = set()  # keys to copy back up to `want` replicas
         self.unplaced: set[str] = set()  # under-replicated, no store to copy to: wait a mount
-        # (object, segment) -> evict it before others there (ssd.py: it has an SSD copy)
+        # (object, segment) -> evict it before others there (tiers/ssd.py: it has an SSD copy)
         self.evict_first: Callable[[PoolObject, Segment], bool] | None = None
-        self.keep: Callable[[PoolObject, Segment], bool] | None = None  # pinned (pins.py)
+        self.keep: Callable[[PoolObject, Segment], bool] | None = None  # pinned (pins/book.py)
 
     def take_changes(self) -> Changes:
         changes, self.changes = self.changes, Changes()

@@ -35,9 +35,9 @@ from collections.abc import Awaitable, Callable
 from libs.common.bus.connection import Bus, BusError, HandlerError
 from libs.common.log import get_logger
 from libs.common.messages.pool import PoolRecord, PoolSsdOrder, PoolSsdReply, PoolSsdReport
-from services.cache_master.metadata import PoolMetadata
-from services.cache_master.objects import PoolObject, Segment
-from services.cache_master.ssd_index import SsdCopy, SsdIndex, plan_spills, reserve_promotions
+from services.cache_master.metadata.metadata import PoolMetadata
+from services.cache_master.metadata.objects import PoolObject, Segment
+from services.cache_master.tiers.ssd_index import SsdCopy, SsdIndex, plan_spills, reserve_promotions
 
 log = get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """The master's pin endpoints (`pin`, `unpin`, `pins`) over the pin book and its store.
 
     pin     PoolPin -> PoolPinInfo: the book checks the bounds (400, 409), the pin is saved
-            (elected masters: pin_store.py; 503 if it cannot be), then answered
+            (elected masters: store.py; 503 if it cannot be), then answered
     unpin   PoolPinRef -> PoolPinInfo of the pin removed (404 unknown)
     pins    PoolPinList -> PoolPinList: every live pin, held bytes and the bound
 
@@ -22,10 +22,10 @@ from collections.abc import Iterable
 from libs.common.bus.connection import HandlerError
 from libs.common.log import get_logger
 from libs.common.messages.pins import PoolPin, PoolPinInfo, PoolPinList, PoolPinRef
-from services.cache_master.metadata import PoolMetadata
-from services.cache_master.objects import PoolRequestError
-from services.cache_master.pin_store import PinStore
-from services.cache_master.pins import Pin, PinBook, PinLimits
+from services.cache_master.metadata.metadata import PoolMetadata
+from services.cache_master.metadata.objects import PoolRequestError
+from services.cache_master.pins.book import Pin, PinBook, PinLimits
+from services.cache_master.pins.store import PinStore
 
 log = get_logger(__name__)
 

@@ -15,8 +15,8 @@ from libs.common.bus.kv_events import events_subject
 from libs.common.log import get_logger
 from libs.common.messages.control import KvEvent, Message
 from libs.common.messages.pool import PoolRecord, PoolStoreUpdate, chunk_records
-from services.cache_master.metadata import PoolMetadata
-from services.cache_master.objects import Changes
+from services.cache_master.metadata.metadata import PoolMetadata
+from services.cache_master.metadata.objects import Changes
 
 log = get_logger(__name__)
 
@@ -53,7 +53,7 @@ class Announcer:
             await self._send(subject, message)
 
     async def publish_ssd(self, events: dict[str, dict[str, list[str]]]) -> None:
-        """KV events of the stores' SSD tiers (ssd.py): tier `ssd`, the store's seq."""
+        """KV events of the stores' SSD tiers (tiers/ssd.py): tier `ssd`, the store's seq."""
         for store_id, kinds in events.items():
             subject = events_subject(self.prefix, store_id)
             for kind in ("removed", "stored"):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libs.common.messages.pool import MOUNT_CHUNK_RECORDS, PoolRecord, chunk_records
-from services.cache_master.objects import PoolRequestError
+from services.cache_master.metadata.objects import PoolRequestError
 
 
 @dataclass(eq=False)

@@ -43,7 +43,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 
 from libs.common.bus.connection import Bus
 from libs.common.log import get_logger
-from services.cache_master.epoch import pick_epoch
+from services.cache_master.ha.epoch import pick_epoch
 
 log = get_logger(__name__)
 
@@ -79,7 +79,7 @@ class Seen:
 
 
 async def open_bucket(bus: Bus, bucket: str, timeout: float) -> Any:
-    """The masters' bucket (the leader key; the saved pins, pin_store.py), created when
+    """The masters' bucket (the leader key; the saved pins, pins/store.py), created when
     missing: two masters creating it with one config both succeed."""
     js = bus.nc.jetstream(timeout=timeout)
     try:

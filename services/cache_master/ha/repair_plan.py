@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.cache_master.metadata import PoolMetadata
-from services.cache_master.objects import PoolObject, Replica, Segment
+from services.cache_master.metadata.metadata import PoolMetadata
+from services.cache_master.metadata.objects import PoolObject, Replica, Segment
 
 MAX_TRIES = 3  # failed copies of one object before it waits for a store to mount
 

@@ -1,5 +1,5 @@
 """What the stores' SSD tiers hold, and the choices made with it: what to spill, what a
-get must promote, what counts as present. Pure Python, no I/O, like metadata.py (which it
+get must promote, what counts as present. Pure Python, no I/O, like metadata/metadata.py (which it
 reads and, for a promotion, reserves in); ssd.py sends the orders.
 
     an object's places:   DRAM only  --spill-->  DRAM + SSD  --evicted from DRAM-->  SSD only
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libs.common.messages.pool import PoolRecord
-from services.cache_master.metadata import PoolMetadata
-from services.cache_master.objects import (
+from services.cache_master.metadata.metadata import PoolMetadata
+from services.cache_master.metadata.objects import (
     PoolObject,
     PoolRequestError,
     Replica,

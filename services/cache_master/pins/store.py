@@ -1,6 +1,6 @@
 """Soft pins saved where the election lives, so that a new leader keeps them.
 
-The masters' JetStream KV bucket (election.py, `election_bucket(prefix)`) holds, next to
+The masters' JetStream KV bucket (ha/election.py, `election_bucket(prefix)`) holds, next to
 the `leader` key:
 
     pins           PoolPinIndex: the ids of the saved pins
@@ -21,8 +21,8 @@ from nats.js.errors import KeyNotFoundError
 from libs.common.bus.connection import Bus
 from libs.common.log import get_logger
 from libs.common.messages.pins import PoolPinIndex, PoolPinRecord
-from services.cache_master.election import open_bucket
-from services.cache_master.pins import Pin
+from services.cache_master.ha.election import open_bucket
+from services.cache_master.pins.book import Pin
 
 log = get_logger(__name__)
 
