@@ -24,6 +24,13 @@ from libs.common.bus.kv_events import keep_kv_stream
 from libs.common.bus.permissions import election_bucket
 from libs.common.log import get_logger
 from libs.common.messages.control import InfoRequest
+from libs.common.messages.mounts import (
+    PoolMount,
+    PoolMountChunk,
+    PoolMountEnd,
+    PoolMountPage,
+    PoolMountReply,
+)
 from libs.common.messages.pins import PoolPin, PoolPinList, PoolPinRef
 from libs.common.messages.pool import (
     PoolCount,
@@ -32,11 +39,6 @@ from libs.common.messages.pool import (
     PoolGetReply,
     PoolHeartbeatReply,
     PoolKeys,
-    PoolMount,
-    PoolMountChunk,
-    PoolMountEnd,
-    PoolMountPage,
-    PoolMountReply,
     PoolPutFinish,
     PoolPutStart,
     PoolPutStartReply,

@@ -35,17 +35,19 @@ from nats.aio.msg import Msg
 from libs.common.bus.connection import BusError, Endpoint, HandlerError
 from libs.common.log import get_logger
 from libs.common.messages.control import MessageError
+from libs.common.messages.mounts import (
+    PoolMount,
+    PoolMountChunk,
+    PoolMountEnd,
+    PoolMountPage,
+    PoolMountReply,
+)
 from libs.common.messages.pool import (
     PoolCount,
     PoolGrant,
     PoolGrantReply,
     PoolHeartbeatReply,
     PoolKeys,
-    PoolMount,
-    PoolMountChunk,
-    PoolMountEnd,
-    PoolMountPage,
-    PoolMountReply,
     PoolReplicate,
     PoolSsdOrder,
     PoolSsdReply,

@@ -38,14 +38,11 @@ from libs.common.messages.control import (
     TokenChunk,
     TokenChunkBatch,
 )
+from libs.common.messages.mounts import PoolMount, PoolMountChunk, PoolMountEnd, PoolMountPage
 from libs.common.messages.pool import (
     PoolBadCopy,
     PoolDrop,
     PoolKeys,
-    PoolMount,
-    PoolMountChunk,
-    PoolMountEnd,
-    PoolMountPage,
     PoolNewObject,
     PoolPutFinish,
     PoolPutStart,

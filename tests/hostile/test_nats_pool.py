@@ -21,15 +21,17 @@ import aiohttp
 import pytest
 
 from libs.common.messages.control import InfoRequest, RouterHeartbeat, ServiceInfo
-from libs.common.messages.pool import (
-    PoolCopy,
-    PoolKeys,
-    PoolMasterEpoch,
+from libs.common.messages.mounts import (
     PoolMount,
     PoolMountChunk,
     PoolMountEnd,
     PoolMountPage,
     PoolMountReply,
+)
+from libs.common.messages.pool import (
+    PoolCopy,
+    PoolKeys,
+    PoolMasterEpoch,
     PoolReplicate,
     PoolStats,
     epoch_ceiling,

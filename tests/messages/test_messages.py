@@ -4,7 +4,7 @@ words whatever the message, wherever it is nested, whichever subject it came on.
 import orjson
 import pytest
 
-from libs.common.messages import control, pins, pool
+from libs.common.messages import control, mounts, pins, pool
 from libs.common.messages.control import (
     SCHEMA_VERSION,
     ErrorReply,
@@ -16,11 +16,11 @@ from libs.common.messages.control import (
     TokenChunkBatch,
     encode_chunk_batch,
 )
+from libs.common.messages.mounts import PoolMount
 from libs.common.messages.pool import (
     PoolCount,
     PoolFound,
     PoolGetReply,
-    PoolMount,
     PoolPutStartReply,
     PoolReplica,
 )
@@ -56,7 +56,7 @@ def test_encoded_form_is_plain_json_with_version_and_type():
 
 
 def test_every_message_class_has_its_own_type_tag():
-    kinds = [k for m in (control, pool, pins) for k in vars(m).values()
+    kinds = [k for m in (control, pool, mounts, pins) for k in vars(m).values()
              if isinstance(k, type) and issubclass(k, Message) and k is not Message]  # fmt: skip
     tags = [k.TYPE for k in kinds]
     assert len(kinds) > 20 and "message" not in tags

@@ -4,16 +4,14 @@ order, the counts must match, and a chunk is bounded."""
 import pytest
 
 from libs.common.bus.connection import RemoteError
-from libs.common.messages.pool import (
-    MOUNT_CHUNK_RECORDS,
-    PoolCount,
+from libs.common.messages.mounts import (
     PoolMount,
     PoolMountChunk,
     PoolMountEnd,
     PoolMountPage,
     PoolMountReply,
-    PoolRecord,
 )
+from libs.common.messages.pool import MOUNT_CHUNK_RECORDS, PoolCount, PoolRecord
 
 CK = "0123456789abcdef"
 

@@ -36,7 +36,7 @@ def test_a_100k_object_report_is_cut_into_chunks_within_the_payload_limit():
     records = [PoolRecord(f"{i:032x}", i * SIZE, SIZE, "0" * 16) for i in range(OBJECTS)]
     chunks = chunk_records(records)
     assert sum(map(len, chunks)) == OBJECTS and len(chunks) > 1
-    from libs.common.messages.pool import PoolMountChunk
+    from libs.common.messages.mounts import PoolMountChunk
 
     biggest = max(len(PoolMountChunk("s", "m", 1, c).encode()) for c in chunks)
     assert biggest < 1 << 20

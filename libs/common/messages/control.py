@@ -12,7 +12,7 @@ fields without a version bump); missing required fields and wrong types are refu
 message nested in another, goes through the one decoder in schema.py.
 
 Subjects and which message travels on each are listed in docs/protocol.md; the KV pool's
-messages are in libs/common/messages/pool.py.
+messages are in libs/common/messages/pool.py and mounts.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ object, each checked like any field (`pool_get_reply.objects[3].size: Expected `
 
     store                        master (tandem.pool.master.*, queue group)      client
       |-- PoolMount, PoolMountChunk.., PoolMountEnd -->| segment + what it holds,|
-      |<-- PoolMountReply pages (PoolMountPage) -------| in bounded chunks        |
+      |<-- PoolMountReply pages (PoolMountPage) -------| in chunks (mounts.py)    |
       |-- PoolStoreRef (heartbeat, 1 s) -->|                                        |
       |<-- PoolReplicate (copy from another store) ---| after a store is lost    |
       |<-- PoolGrant (a put's or get's ranges) -------| -> PoolGrantReply        |
@@ -90,67 +90,6 @@ def _check_segments(replicas: list[list[PoolReplica]], segments: dict[str, Any])
         for r in rs:
             if r.store not in segments:
                 raise ValueError(f"store {r.store!r} has no segment")
-
-
-class PoolMount(Message, tag="pool_mount"):
-    """Store -> master: begin a mount (or re-mount) of my segment; `records` is the first
-    chunk of what it holds, the rest follow as `PoolMountChunk`s, then `PoolMountEnd`.
-
-    Nothing changes on the master until the end: then a re-mount of the same region (same
-    `segment.region_id`) keeps what the master knows of it, and a new region (the store
-    restarted) replaces it with what was reported. `epoch` is the highest master epoch the
-    store has seen: a master below it is stale and stops serving (docs/pool.md).
-    """
-
-    store_id: str
-    segment: dict[str, Any]
-    records: list[PoolRecord] = field(default_factory=list)
-    epoch: int = 0
-
-
-class PoolMountChunk(Message, tag="pool_mount_chunk"):
-    """Store -> master: chunk `index` (1, 2, ... in order) of mount `mount_id`'s records."""
-
-    store_id: str
-    mount_id: str
-    index: int
-    records: list[PoolRecord] = field(default_factory=list)
-    epoch: int = 0
-
-
-class PoolMountEnd(Message, tag="pool_mount_end"):
-    """Store -> master: the mount's last message; `chunks` counts the begin and every
-    chunk, `records` every record sent. The master applies the mount only if both match."""
-
-    store_id: str
-    mount_id: str
-    chunks: int
-    records: int
-    epoch: int = 0
-
-
-class PoolMountPage(Message, tag="pool_mount_page"):
-    """Store -> master: page `page` of a finished mount's authoritative record list."""
-
-    store_id: str
-    mount_id: str
-    page: int
-    epoch: int = 0
-
-
-class PoolMountReply(Message, tag="pool_mount_reply"):
-    """Master -> store. To the begin: `mount_id` (no records). To the end and to each
-    `PoolMountPage`: page `page` of `pages` of the objects the master now records on this
-    store (authoritative), as of index update `update_seq`; `rejected` counts reports the
-    master refused."""
-
-    records: list[PoolRecord] = field(default_factory=list)
-    rejected: int = 0
-    update_seq: int = 0
-    epoch: int = 0
-    mount_id: str = ""
-    page: int = 0
-    pages: int = 0
 
 
 # A mount chunk or page holds at most this many records and about this many bytes (a key

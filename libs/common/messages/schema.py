@@ -1,5 +1,5 @@
-"""The envelope and the one decoder shared by every bus message (libs/common/messages/control.py
-and libs/common/messages/pool.py hold the messages themselves).
+"""The envelope and the one decoder shared by every bus message (control.py, pool.py,
+mounts.py and pins.py beside it hold the messages themselves).
 
 A message is a msgspec Struct declared with its type tag,
 
