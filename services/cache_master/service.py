@@ -55,14 +55,14 @@ from services.cache_master.config import CacheMasterConfig
 from services.cache_master.ha.election import Claim, LeaderElection
 from services.cache_master.ha.epoch import MasterEpoch
 from services.cache_master.ha.repair import Repairer
-from services.cache_master.metadata.announce import Announcer
-from services.cache_master.metadata.grants import StoreGrants, by_store
 from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
-from services.cache_master.metadata.mounts import Mounts
 from services.cache_master.metadata.objects import Changes, PoolRequestError, PutSpec, Replica
 from services.cache_master.pins.book import PinLimits
 from services.cache_master.pins.endpoints import Pinning
-from services.cache_master.pins.store import PinStore
+from services.cache_master.pins.saved import PinStore
+from services.cache_master.stores.announce import Announcer
+from services.cache_master.stores.grants import StoreGrants, by_store
+from services.cache_master.stores.mounts import Mounts
 from services.cache_master.tiers.ssd import SsdTiers
 from services.cache_master.tiers.ssd_index import exists, held_on_ssd, with_held
 
@@ -195,7 +195,7 @@ class CacheMasterService(BaseService):
         # Before the endpoints: a running master with a higher epoch fences this one
         # before any store could mount here.
         await self.fence.start()
-        await self.pinning.load()  # a new leader keeps the saved pins (pins/store.py)
+        await self.pinning.load()  # a new leader keeps the saved pins (pins/saved.py)
         self.repairer.epoch = self.ssd.epoch = self.epoch
         log.info("master epoch", epoch=self.epoch)
         self._sweeper = asyncio.create_task(self._sweep_loop())
@@ -263,7 +263,7 @@ class CacheMasterService(BaseService):
     # --- stores --------------------------------------------------------------------------
 
     async def _mount(self, req: PoolMount) -> PoolMountReply:
-        """Begin a mount (metadata/mounts.py): nothing changes until its end."""
+        """Begin a mount (stores/mounts.py): nothing changes until its end."""
         self.fence.seen(req.epoch, req.store_id)
         if not req.store_id:
             raise HandlerError(400, "store_id: required")

@@ -6,7 +6,7 @@
     loop:   heartbeat every --heartbeat-interval; `known: false` (the master restarted
             or timed us out) or a gap in update numbers -> mount again, reporting what
             this store holds in chunks; the master answers with the authoritative list,
-            in pages (services/cache_master/metadata/mounts.py)
+            in pages (services/cache_master/stores/mounts.py)
     stop:   unmount (clients stop being sent here), save the index, stop the engine
 
 Epochs (services/cache_master/ha/epoch.py): the store keeps the highest master epoch it has

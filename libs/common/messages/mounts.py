@@ -1,6 +1,6 @@
 """A store's mount on the master, in chunks: what its segment holds, staged on the master
 until the last chunk, then the master's authoritative list of it, in pages (the master's
-side: services/cache_master/metadata/mounts.py; docs/pool.md, "Mounts in chunks").
+side: services/cache_master/stores/mounts.py; docs/pool.md, "Mounts in chunks").
 
     store                                        master
       |-- PoolMount (segment, first chunk) -------->|  -> PoolMountReply (mount_id)

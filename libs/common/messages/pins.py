@@ -68,7 +68,7 @@ class PoolPinList(Message, tag="pool_pin_list"):
 
 class PoolPinRecord(Message, tag="pool_pin_record"):
     """A pin as saved in the masters' JetStream KV bucket (key `pin.<pin_id>`,
-    services/cache_master/pins/store.py), so that a new leader keeps it."""
+    services/cache_master/pins/saved.py), so that a new leader keeps it."""
 
     pin_id: str
     keys: list[str]

@@ -79,7 +79,7 @@ class Seen:
 
 
 async def open_bucket(bus: Bus, bucket: str, timeout: float) -> Any:
-    """The masters' bucket (the leader key; the saved pins, pins/store.py), created when
+    """The masters' bucket (the leader key; the saved pins, pins/saved.py), created when
     missing: two masters creating it with one config both succeed."""
     js = bus.nc.jetstream(timeout=timeout)
     try:

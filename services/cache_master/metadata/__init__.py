@@ -1,6 +1,6 @@
-"""The pool's metadata and allocation: segments, objects, the allocator, LRU eviction,
-mounts in chunks, the stores' grants for clients, and the announcements of changes.
+"""The pool's metadata and allocation, pure Python: segments, objects, the offset
+allocator, LRU eviction, and `PoolMetadata`, which owns them and applies the rules.
 
-May import: libs/common, and within the master only `metadata` itself (the other
-packages build on it, never the reverse).
+May import: the standard library only (no bus, no messages): every other package of the
+master builds on this one, never the reverse.
 """

@@ -1,7 +1,7 @@
 """Soft pins: prefixes (a system prompt's pages) that eviction skips while their TTL lasts.
 
 Pure Python, no I/O; times are unix seconds passed in (`now`), because a pin outlives its
-master: it is saved in the masters' JetStream bucket (pins/store.py) and a new leader, on
+master: it is saved in the masters' JetStream bucket (pins/saved.py) and a new leader, on
 another host, must expire it at the same moment.
 
 A pin names page keys, present in the pool or not: an object put later under a pinned

@@ -1,7 +1,7 @@
 """The master's pin endpoints (`pin`, `unpin`, `pins`) over the pin book and its store.
 
     pin     PoolPin -> PoolPinInfo: the book checks the bounds (400, 409), the pin is saved
-            (elected masters: store.py; 503 if it cannot be), then answered
+            (elected masters: saved.py; 503 if it cannot be), then answered
     unpin   PoolPinRef -> PoolPinInfo of the pin removed (404 unknown)
     pins    PoolPinList -> PoolPinList: every live pin, held bytes and the bound
 
@@ -25,7 +25,7 @@ from libs.common.messages.pins import PoolPin, PoolPinInfo, PoolPinList, PoolPin
 from services.cache_master.metadata.metadata import PoolMetadata
 from services.cache_master.metadata.objects import PoolRequestError
 from services.cache_master.pins.book import Pin, PinBook, PinLimits
-from services.cache_master.pins.store import PinStore
+from services.cache_master.pins.saved import PinStore
 
 log = get_logger(__name__)
 
