@@ -29,7 +29,6 @@ from libs.common.messages.mounts import (
     PoolMountChunk,
     PoolMountEnd,
     PoolMountPage,
-    PoolMountReply,
 )
 from libs.common.messages.pins import PoolPin, PoolPinList, PoolPinRef
 from libs.common.messages.pool import (
@@ -37,12 +36,10 @@ from libs.common.messages.pool import (
     PoolDrop,
     PoolFound,
     PoolGetReply,
-    PoolHeartbeatReply,
     PoolKeys,
     PoolPutFinish,
     PoolPutStart,
     PoolPutStartReply,
-    PoolRecord,
     PoolReplica,
     PoolSlot,
     PoolSsdReport,
@@ -50,17 +47,18 @@ from libs.common.messages.pool import (
     PoolStoreRef,
 )
 from libs.common.service import BaseService
-from libs.common.transfer import RegionDescriptor
 from services.cache_master.config import CacheMasterConfig
 from services.cache_master.ha.election import Claim, LeaderElection
 from services.cache_master.ha.epoch import MasterEpoch
 from services.cache_master.ha.repair import Repairer
 from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
 from services.cache_master.metadata.objects import Changes, PoolRequestError, PutSpec, Replica
+from services.cache_master.metadata.reports import drop_bad
 from services.cache_master.pins.book import PinLimits
 from services.cache_master.pins.endpoints import Pinning
-from services.cache_master.pins.saved import PinStore
+from services.cache_master.pins.saved import SavedPins
 from services.cache_master.stores.announce import Announcer
+from services.cache_master.stores.endpoints import StoreEndpoints
 from services.cache_master.stores.grants import StoreGrants, by_store
 from services.cache_master.stores.mounts import Mounts
 from services.cache_master.tiers.ssd import SsdTiers
@@ -110,8 +108,10 @@ class CacheMasterService(BaseService):
                                        config.service_id, config.election_lease)  # fmt: skip
         self.election.on_elected, self.election.on_deposed = self._lead, self._deposed
         pin_limits = PinLimits(config.max_pinned_fraction, config.max_pins, config.max_pin_ttl)
-        saved = PinStore(self.bus, self.election.bucket) if config.elected else None
+        saved = SavedPins(self.bus, self.election.bucket) if config.elected else None
         self.pinning = Pinning(self.meta, pin_limits, saved)  # soft pins (pins/endpoints.py)
+        self.stores = StoreEndpoints(self.meta, self.mounts, self.fence, self.announce,
+                                     self.pinning.refresh)  # fmt: skip
         self.serving = False  # the pool endpoints are up (leader, or no election)
         self._starting = False
         self._registered = asyncio.Event()  # start() has registered the micro service
@@ -144,12 +144,12 @@ class CacheMasterService(BaseService):
 
     def pool_endpoints(self) -> list[Endpoint]:
         handlers = {
-            "mount": (PoolMount, self._mount),
-            "mount_chunk": (PoolMountChunk, self._mount_chunk),
-            "mount_end": (PoolMountEnd, self._mount_end),
-            "mount_page": (PoolMountPage, self._mount_page),
-            "unmount": (PoolStoreRef, self._unmount),
-            "heartbeat": (PoolStoreRef, self._heartbeat),
+            "mount": (PoolMount, self.stores.mount),
+            "mount_chunk": (PoolMountChunk, self.stores.mount_chunk),
+            "mount_end": (PoolMountEnd, self.stores.mount_end),
+            "mount_page": (PoolMountPage, self.stores.mount_page),
+            "unmount": (PoolStoreRef, self.stores.unmount),
+            "heartbeat": (PoolStoreRef, self.stores.heartbeat),
             "put_start": (PoolPutStart, self._put_start),
             "put_end": (PoolPutFinish, self._put_end),
             "put_revoke": (PoolPutFinish, self._put_revoke),
@@ -167,7 +167,7 @@ class CacheMasterService(BaseService):
         # handler changes the index before its first await (the publishes of its changes).
         prefix = self.subject("pool", "master")
         return [
-            Endpoint(name, f"{prefix}.{name}", kind, self._unfenced(handler), QUEUE_GROUP)
+            Endpoint(name, f"{prefix}.{name}", kind, self._guarded(handler), QUEUE_GROUP)
             for name, (kind, handler) in handlers.items()
         ]
 
@@ -253,96 +253,26 @@ class CacheMasterService(BaseService):
             if self.exit_on_step_down:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    def _unfenced(self, handler: Any) -> Any:
+    def _guarded(self, handler: Any) -> Any:
+        """`handler` behind the fence; the metadata's refusals become its error replies."""
+
         async def guarded(req: Any) -> Any:
             self.fence.check()  # requests queued before the endpoints went away
-            return await handler(req)
+            try:
+                return await handler(req)
+            except PoolRequestError as e:
+                raise HandlerError(e.code, e.message) from None
 
         return guarded
-
-    # --- stores --------------------------------------------------------------------------
-
-    async def _mount(self, req: PoolMount) -> PoolMountReply:
-        """Begin a mount (stores/mounts.py): nothing changes until its end."""
-        self.fence.seen(req.epoch, req.store_id)
-        if not req.store_id:
-            raise HandlerError(400, "store_id: required")
-        try:
-            RegionDescriptor.from_dict(req.segment)
-        except ValueError as e:
-            raise HandlerError(400, f"segment: {e}") from None
-        session = self._call(self.mounts.begin, req.store_id, req.segment, req.records,
-                             time.monotonic())  # fmt: skip
-        return PoolMountReply(epoch=self.epoch, mount_id=session.mount_id)
-
-    async def _mount_chunk(self, req: PoolMountChunk) -> PoolCount:
-        self.fence.seen(req.epoch, req.store_id)
-        now = time.monotonic()
-        session = self._call(self.mounts.chunk, req.store_id, req.mount_id, req.index,
-                             req.records, now)  # fmt: skip
-        # A long mount of a store already mounted (a re-mount after a gap) keeps it alive.
-        self.meta.heartbeat(req.store_id, int(session.descriptor.get("region_id", 0)), now)
-        return PoolCount(len(session.records))
-
-    async def _mount_end(self, req: PoolMountEnd) -> PoolMountReply:
-        """All chunks in: mount with every record at once, answer page 0 of the list."""
-        self.fence.seen(req.epoch, req.store_id)
-        now = time.monotonic()
-        session = self._call(self.mounts.end, req.store_id, req.mount_id, req.chunks,
-                             req.records, now)  # fmt: skip
-        segment, rejected = self._call(self.meta.mount, req.store_id, session.descriptor,
-                                       session.records, now)  # fmt: skip
-        records = []
-        for key in sorted(segment.keys):
-            obj = self.meta.objects.get(key)
-            replica = obj.on(req.store_id) if obj is not None else None
-            if obj is not None and obj.complete and replica is not None:
-                records.append(PoolRecord(key, replica.offset, obj.size, obj.checksum, obj.mac))
-        session.rejected = rejected
-        self.pinning.refresh()  # adopted objects under pinned keys are held again
-        self.mounts.finish(session, records, segment.update_seq)
-        log.info("store mounted", store=req.store_id, objects=len(records), rejected=rejected,
-                 capacity=segment.capacity, chunks=req.chunks)  # fmt: skip
-        # The store takes the records from the pages; events only, no index update.
-        await self._publish(self.meta.take_changes(), update_stores=False)
-        reply = self._page(session, 0)
-        if reply.pages == 1:
-            self.mounts.done(session)
-        return reply
-
-    async def _mount_page(self, req: PoolMountPage) -> PoolMountReply:
-        self.fence.seen(req.epoch, req.store_id)
-        session = self._call(self.mounts.page, req.store_id, req.mount_id, req.page,
-                             time.monotonic())  # fmt: skip
-        return self._page(session, req.page)
-
-    def _page(self, session: Any, page: int) -> PoolMountReply:
-        return PoolMountReply(session.pages[page], session.rejected, session.update_seq,
-                              epoch=self.epoch, mount_id=session.mount_id, page=page,
-                              pages=len(session.pages))  # fmt: skip
-
-    async def _unmount(self, req: PoolStoreRef) -> PoolCount:
-        self.fence.seen(req.epoch, req.store_id)
-        if not self.meta.unmount(req.store_id):
-            raise HandlerError(404, f"unknown store segment {req.store_id!r}")
-        log.info("store unmounted", store=req.store_id)
-        await self._publish(self.meta.take_changes())
-        return PoolCount(1)
-
-    async def _heartbeat(self, req: PoolStoreRef) -> PoolHeartbeatReply:
-        self.fence.seen(req.epoch, req.store_id)
-        segment = self.meta.heartbeat(req.store_id, req.region_id, time.monotonic())
-        if segment is None:
-            return PoolHeartbeatReply(known=False, epoch=self.epoch)
-        return PoolHeartbeatReply(known=True, update_seq=segment.update_seq, epoch=self.epoch)
 
     # --- objects -------------------------------------------------------------------------
 
     async def _put_start(self, req: PoolPutStart) -> PoolPutStartReply:
         specs = [PutSpec(o.key, o.size, o.checksum, o.mac) for o in req.objects]
         held = held_on_ssd(self.meta, self.ssd.index, [spec.key for spec in specs])
-        put_id, results = self._call(self.meta.put_start, [s for s in specs if s.key not in held],
-                                     req.replicas, time.monotonic(), req.client)  # fmt: skip
+        put_id, results = self.meta.put_start(
+            [s for s in specs if s.key not in held], req.replicas, time.monotonic(), req.client
+        )
         results = with_held([spec.key for spec in specs], results, held)
         await self._publish(self.meta.take_changes())  # evictions made room
         slots = [PoolSlot(status, _replicas(replicas)) for _, status, replicas in results]
@@ -393,8 +323,8 @@ class CacheMasterService(BaseService):
         return PoolCount(count)
 
     async def _drop(self, req: PoolDrop) -> PoolCount:
-        """Replicas a reader found bad (metadata.drop_bad: only exact matches count)."""
-        count = self.meta.drop_bad(req.copies, time.monotonic())
+        """Replicas a reader found bad (metadata/reports.py: only exact matches count)."""
+        count = drop_bad(self.meta, req.copies, time.monotonic())
         if count:
             log.warning("bad replicas dropped on a reader's report", count=count,
                         keys=[c.key for c in req.copies[:8]])  # fmt: skip
@@ -412,12 +342,6 @@ class CacheMasterService(BaseService):
         return PoolCount(await self.ssd.report(req))
 
     # --- helpers -------------------------------------------------------------------------
-
-    def _call(self, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except PoolRequestError as e:
-            raise HandlerError(e.code, e.message) from None
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -1,5 +1,5 @@
 """Pool object MAC tags (libs/common/pool/integrity.py) and the master's rule for dropping
-bad replicas (metadata.drop_bad), pure Python."""
+bad replicas (services/cache_master/metadata/reports.py), pure Python."""
 
 import os
 
@@ -9,6 +9,7 @@ from libs.common.messages.pool import PoolBadCopy
 from libs.common.pool.integrity import TAG_RE, KvMac, load_kv_mac
 from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
 from services.cache_master.metadata.objects import PoolRequestError, PutSpec
+from services.cache_master.metadata.reports import drop_bad
 from tests.pool.test_metadata import CK, UNIT, meta_with
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -76,7 +77,7 @@ def test_a_report_that_does_not_match_the_record_drops_nothing():
     stale = [report("k", r.store_id, r.offset + 64), report("k", r.store_id, r.offset, "f" * 16),
              report("k", r.store_id, r.offset, mac="0" * 8 + "." + "0" * 32),
              report("other", r.store_id, r.offset), report("k", "nowhere", r.offset)]  # fmt: skip
-    assert meta.drop_bad(stale, 0.0) == 0
+    assert drop_bad(meta, stale, 0.0) == 0
     assert len(meta.objects["k"].replicas) == 2
 
 
@@ -85,7 +86,7 @@ def test_a_matching_report_drops_one_replica_and_its_range_waits_for_the_lease()
     meta.get(["k"], 0.0)  # the reader's lease, until lease_ttl (10 s)
     bad = replicas[0]
     used = meta.segments[bad.store_id].used
-    assert meta.drop_bad([report("k", bad.store_id, bad.offset)], 1.0) == 1
+    assert drop_bad(meta, [report("k", bad.store_id, bad.offset)], 1.0) == 1
     assert [r.store_id for r in meta.objects["k"].replicas] == [replicas[1].store_id]
     assert "k" in meta.under_replicated  # copied back from the good replica
     assert meta.segments[bad.store_id].used == used  # leased: not freed yet
@@ -93,7 +94,7 @@ def test_a_matching_report_drops_one_replica_and_its_range_waits_for_the_lease()
     assert meta.segments[bad.store_id].used == 0
     # The last replica: the object is gone.
     good = replicas[1]
-    assert meta.drop_bad([report("k", good.store_id, good.offset)], 12.0) == 1
+    assert drop_bad(meta, [report("k", good.store_id, good.offset)], 12.0) == 1
     assert meta.exists(["k"]) == 0 and meta.segments[good.store_id].used == 0
 
 

@@ -27,7 +27,7 @@ def put(meta: PoolMetadata, book: PinBook, keys, now=0.0):
     for key in keys:
         put_id, results = meta.put_start([PutSpec(key, UNIT, CK)], 0, now)
         for visible in meta.put_end(put_id, [k for k, status, _ in results if status == "ok"]):
-            if book.pinned(visible):  # what the service does after a put_end (pinning.py)
+            if book.pinned(visible):  # what the service does after a put_end (pins/endpoints.py)
                 book.hold(meta.objects[visible], meta.segments)
 
 

@@ -3,6 +3,8 @@
 Pure Python, no I/O and no clock of its own: every method that depends on time takes
 `now` (monotonic seconds), so tests drive time by hand. The service calls these methods
 from one event loop (no locking) and publishes `take_changes()` after each call.
+What stores and readers report (a mount's records, bad replicas) is checked against it
+in reports.py.
 
 Invariants (tests/pool/test_metadata.py):
   - a key is visible (exists/get) only after put_end, and never while pending;
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.cache_master.metadata.allocator import AllocationError, OffsetAllocator
+from services.cache_master.metadata.allocator import OffsetAllocator
 from services.cache_master.metadata.eviction import Lru
 from services.cache_master.metadata.objects import (
     Changes,
@@ -31,6 +33,7 @@ from services.cache_master.metadata.objects import (
     check_key,
     check_mac,
 )
+from services.cache_master.metadata.reports import adopt
 
 
 @dataclass(frozen=True)
@@ -97,40 +100,11 @@ class PoolMetadata:
             self.segments[store_id] = segment
         rejected = 0
         for record in reported:
-            if not self._adopt(segment, record):
+            if not adopt(self, segment, record):
                 rejected += 1
         self.under_replicated |= self.unplaced  # a store more: maybe room for their copies
         self.unplaced.clear()
         return segment, rejected
-
-    def _adopt(self, segment: Segment, record: Any) -> bool:
-        """Take a store's report of one object it holds, if it fits what is known."""
-        try:
-            key, checksum = check_key(record.key), check_checksum(record.checksum)
-            mac = check_mac(record.mac)
-        except PoolRequestError:
-            return False
-        obj = self.objects.get(key)
-        if obj is not None and obj.on(segment.store_id) is not None:
-            return obj.on(segment.store_id).offset == record.offset  # already known here
-        if obj is not None and (not obj.complete or (obj.size, obj.checksum, obj.mac) != (
-            record.size, checksum, mac)):  # fmt: skip
-            return False  # a put in progress, or other bytes under the same key
-        if not self.limits.min_object_size <= record.size <= self.limits.max_object_size:
-            return False
-        try:
-            segment.allocator.allocate_at(record.offset, record.size)
-        except AllocationError:
-            return False
-        if obj is None:
-            obj = PoolObject(key, record.size, checksum, [], complete=True,
-                             want=self.limits.replicas, mac=mac)  # fmt: skip
-            self.objects[key] = obj
-            self.lru.add(key)
-        obj.replicas.append(Replica(segment.store_id, record.offset))
-        segment.keys.add(key)
-        self.changes.add(segment.store_id, obj, record.offset)
-        return True
 
     def heartbeat(self, store_id: str, region_id: int, now: float) -> Segment | None:
         segment = self.segments.get(store_id)
@@ -313,35 +287,6 @@ class PoolMetadata:
                 self.doomed.append(obj)
             else:
                 self._delete(obj)
-            done += 1
-        return done
-
-    def drop_bad(self, reports: Iterable[Any], now: float) -> int:
-        """Forget replicas a reader found bad (bytes failing their checksum or MAC tag).
-
-        Only a report that matches the record drops anything: same checksum and tag, the
-        replica on the same store at the same offset. A late report (the object was
-        removed and put again, or placed elsewhere) or one about another object's bytes
-        does nothing. A leased replica's range is freed when the lease ends; an object
-        left with no replica is gone, one left with fewer than asked is re-replicated
-        from a good one.
-        """
-        done = 0
-        for report in reports:
-            obj = self.objects.get(report.key)
-            if obj is None or not obj.complete or (obj.checksum, obj.mac) != (
-                report.checksum, report.mac):  # fmt: skip
-                continue
-            replica, segment = obj.on(report.store), self.segments.get(report.store)
-            if replica is None or segment is None or replica.offset != report.offset:
-                continue
-            if obj.leased(now):  # held (invisible) until the lease ends: reap frees it
-                held = PoolObject(obj.key, obj.size, obj.checksum, [replica], complete=True,
-                                  lease_until=obj.lease_until)  # fmt: skip
-                self.doomed.append(held)
-            self.drop_replica(obj, segment, free=not obj.leased(now))
-            if obj.replicas and len(obj.replicas) < obj.want:
-                self.under_replicated.add(obj.key)
             done += 1
         return done
 

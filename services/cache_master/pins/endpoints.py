@@ -1,4 +1,4 @@
-"""The master's pin endpoints (`pin`, `unpin`, `pins`) over the pin book and its store.
+"""The master's pin endpoints (`pin`, `unpin`, `pins`) over the pin book and the saved pins.
 
     pin     PoolPin -> PoolPinInfo: the book checks the bounds (400, 409), the pin is saved
             (elected masters: saved.py; 503 if it cannot be), then answered
@@ -25,15 +25,15 @@ from libs.common.messages.pins import PoolPin, PoolPinInfo, PoolPinList, PoolPin
 from services.cache_master.metadata.metadata import PoolMetadata
 from services.cache_master.metadata.objects import PoolRequestError
 from services.cache_master.pins.book import Pin, PinBook, PinLimits
-from services.cache_master.pins.saved import PinStore
+from services.cache_master.pins.saved import SavedPins
 
 log = get_logger(__name__)
 
 
 class Pinning:
-    """Soft pins of one master; `store` None: kept in memory only (no election)."""
+    """Soft pins of one master; `store` (the saved pins) None: kept in memory only (no election)."""
 
-    def __init__(self, meta: PoolMetadata, limits: PinLimits, store: PinStore | None):
+    def __init__(self, meta: PoolMetadata, limits: PinLimits, store: SavedPins | None) -> None:
         self.meta, self.store = meta, store
         self.book = PinBook(limits)
         meta.keep = self.book.holds

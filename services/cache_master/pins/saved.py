@@ -33,7 +33,7 @@ def pin_key(pin_id: str) -> str:
     return f"pin.{pin_id}"
 
 
-class PinStore:
+class SavedPins:
     """Reads and writes the saved pins; every call raises on a JetStream failure."""
 
     def __init__(self, bus: Bus, bucket: str, timeout: float = 2.0):
