@@ -22,18 +22,18 @@ from libs.common.engine.load.source import load_tokenizer
 from libs.common.log import get_logger
 from libs.common.messages.control import LoadReport, MessageError, RouterHeartbeat
 from libs.common.service import BaseService
-from services.router.app import build_app
+from services.router.api.app import build_app
 from services.router.config import RouterConfig
-from services.router.defaults import load_defaults
-from services.router.dispatch import Dispatcher
-from services.router.heartbeat import Heartbeat, new_instance_id
-from services.router.kv_feed import KvFeed
-from services.router.kv_index import KvIndex
 from services.router.metrics import RouterMetrics
-from services.router.policy import PolicyConfig
-from services.router.routing import RouteSelector
+from services.router.requests.defaults import load_defaults
+from services.router.requests.dispatch import Dispatcher
+from services.router.requests.heartbeat import Heartbeat, new_instance_id
+from services.router.routing.kv_feed import KvFeed
+from services.router.routing.kv_index import KvIndex
+from services.router.routing.policy import PolicyConfig
+from services.router.routing.selector import RouteSelector
+from services.router.routing.workers import WorkerTable
 from services.router.state import RouterState
-from services.router.workers import WorkerTable
 
 log = get_logger(__name__)
 

@@ -19,7 +19,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from services.router import openapi
+from services.router.api import openapi
 from tests.hostile.conftest import Hostile
 from tests.router.schema_check import check, response_schema
 

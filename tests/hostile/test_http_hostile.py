@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from services.router import app as router_app
+from services.router.api import app as router_app
 from services.router.errors import ApiError
 from tests.hostile.conftest import Hostile
 

@@ -25,10 +25,10 @@ from libs.common.messages.control import (
     SamplingSpec,
     TokenChunk,
 )
-from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError
-from services.router.policy import Route
-from services.router.workers import WorkerTable
+from services.router.requests.dispatch import Dispatcher
+from services.router.routing.policy import Route
+from services.router.routing.workers import WorkerTable
 
 
 def chunk(rid, index, ids, finish=None):

@@ -19,7 +19,7 @@ import pytest
 
 from libs.common.engine.load.source import load_tokenizer
 from libs.common.messages.control import CancelRequest, LoadReport
-from services.router import openapi
+from services.router.api import openapi
 from tests.router.conftest import Routers
 from tests.router.e2e_cluster import cluster_fixture, metric, openai_client, wait_healthy
 from tests.router.schema_check import check, response_schema

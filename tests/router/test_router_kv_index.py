@@ -3,7 +3,7 @@
 import pytest
 
 from libs.common.messages.control import KvEvent
-from services.router.kv_index import KvIndex
+from services.router.routing.kv_index import KvIndex
 
 
 def ev(source, seq, kind, tier="device", keys=(), parent=""):

@@ -57,7 +57,7 @@ async def _chat_without_workers(nats_url: str, service_id: str) -> None:
 def test_the_router_modules_and_its_tokenizer_load_without_torch():
     code = (
         "import sys\n"
-        "import services.router.service, services.router.app\n"
+        "import services.router.service, services.router.api.app\n"
         "from libs.common.engine.load.source import load_tokenizer\n"
         "tok, model_id, n = load_tokenizer('default')\n"
         "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from services.router import app, openapi
-from services.router.validation import CHAT_SPECS, COMPLETION_SPECS, parse_request
+from services.router.api import app, openapi
+from services.router.api.openai.validation import CHAT_SPECS, COMPLETION_SPECS, parse_request
 from tests.router.conftest import Routers
 from tests.router.schema_check import check, response_schema
 

@@ -3,9 +3,9 @@
 import random
 
 from libs.common.messages.control import LoadReport
-from services.router.kv_index import PrefixMatch
-from services.router.policy import PolicyConfig, choose, prefill_cost
-from services.router.workers import Worker, WorkerTable
+from services.router.routing.kv_index import PrefixMatch
+from services.router.routing.policy import PolicyConfig, choose, prefill_cost
+from services.router.routing.workers import Worker, WorkerTable
 
 PS = 16
 

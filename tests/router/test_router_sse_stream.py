@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from services.router.streaming import DONE, ClientGone, SseStream, parse_sse, sse
+from services.router.api.sse import DONE, ClientGone, SseStream, parse_sse, sse
 from tests.http_server import serve_http
 
 EVENTS = [{"i": i, "text": "a\nb" * i} for i in range(20)]

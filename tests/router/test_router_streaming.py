@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from services.router.lifecycle import run_all
-from services.router.streaming import DONE, parse_sse, sse
+from services.router.api.sse import DONE, parse_sse, sse
+from services.router.requests.lifecycle import run_all
 
 
 def test_sse_event_is_one_data_line_even_with_newlines_in_text():

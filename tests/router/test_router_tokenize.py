@@ -1,5 +1,5 @@
-"""Prompt tokenization off the event loop (services/router/prompts.py `encode`): the same ids
-as the engine's tokenizer, and the GIL free while the tokenizer works."""
+"""Prompt tokenization off the event loop (services/router/requests/prompts.py `encode`): the
+same ids as the engine's tokenizer, and the GIL free while the tokenizer works."""
 
 import itertools
 import threading
@@ -9,7 +9,7 @@ import pytest
 
 from libs.common.engine.load.source import load_tokenizer
 from services.router.config import RouterConfig
-from services.router.prompts import PromptTooLong, encode
+from services.router.requests.prompts import PromptTooLong, encode
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 import pytest
 
 from libs.common.engine.load.source import load_tokenizer
+from services.router.api.openai.validation import parse_request
 from services.router.errors import ApiError
-from services.router.prompts import prepare
-from services.router.validation import parse_request
+from services.router.requests.prompts import prepare
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMP = {"model": "m", "prompt": "hi"}

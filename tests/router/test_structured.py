@@ -9,8 +9,8 @@ import pytest
 
 from libs.common.engine.load.source import default_model_path, load_tokenizer
 from libs.common.grammar.compiler import GrammarCompiler
-from services.router import structured
 from services.router.errors import ApiError
+from services.router.structured import output as structured
 
 
 @pytest.fixture(scope="module")

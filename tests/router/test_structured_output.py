@@ -5,7 +5,8 @@ Answers are sampled at temperature 1 with a seed (the cached-prefix test excepte
 greedy), so only an enforced grammar makes them valid. Every prompt is long (a ~300-token
 system prompt behind a per-request tag), so the router disaggregates it: the prefill
 worker samples the first token under the grammar and the decode worker goes on from it.
-Tests named `test_tools_*` need tool calls (services/router/tools.py); the others need
+Tests named `test_tools_*` need tool calls (services/router/structured/tools/request.py); the
+others need
 only response_format, regex and ebnf.
 
 Slow (the workers load the model): marked `slow`. Requests within a test run concurrently.
@@ -423,7 +424,7 @@ async def test_openai_parse_with_a_pydantic_model_returns_the_parsed_object(clus
     assert r.choices[0].finish_reason == "stop"
 
 
-# -- tool calls (services/router/tools.py) -------------------------------------------------
+# -- tool calls (services/router/structured/tools/request.py) ---------------------------------
 
 
 def tool_call_errors(calls: list[Any]) -> list[str]:

@@ -1,4 +1,5 @@
-"""Tool calling (services/router/tools.py): the request's 400s, the forcing grammar against
+"""Tool calling (services/router/structured/tools/request.py): the request's 400s, the forcing
+grammar against
 the real default model's tokenizer, the fallback rendering through its ChatML template,
 and tool-call parsing, whole and streamed."""
 
@@ -12,10 +13,10 @@ import pytest
 
 from libs.common.engine.load.source import default_model_path, load_tokenizer
 from libs.common.grammar.compiler import GrammarCompiler
-from services.router import tools
 from services.router.errors import ApiError
-from services.router.tool_calls import ToolCallStream, parse_tool_calls
-from services.router.tools import Tool, ToolRequest
+from services.router.structured.tools import request as tools
+from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
+from services.router.structured.tools.request import Tool, ToolRequest
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

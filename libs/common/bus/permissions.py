@@ -91,7 +91,7 @@ def permissions(role: str, user: str, prefix: str = "tandem", scope: str = "*") 
 def _router(p: str, scope: str) -> tuple[list[str], list[str]]:
     publish = [f"{p}.decode.*.generate", f"{p}.cancel", f"{p}.routers.*.heartbeat"]
     publish += [*_js_writer(p), *_js_reader(p)]  # its index replays the KV events stream
-    publish += _pool(p, PIN_CALLS)  # POST/GET/DELETE /v1/pins (services/router/pins.py)
+    publish += _pool(p, PIN_CALLS)  # POST/GET/DELETE /v1/pins (services/router/api/pins.py)
     subscribe = [f"{p}.workers.*.*.load", f"{p}.kv.events.>"]
     subscribe += [f"{p}.stream.{scope}.>", f"{p}.chunks.{scope}"]
     return publish, subscribe

@@ -21,10 +21,11 @@ from libs.common.engine.core.sampling_params import (
     check_stop,
     check_token_ids,
 )
-from services.router import structured, tools
 from services.router.errors import bad_request
-from services.router.structured import Grammar
-from services.router.tools import ToolRequest
+from services.router.structured import output as structured
+from services.router.structured.output import Grammar
+from services.router.structured.tools import request as tools
+from services.router.structured.tools.request import ToolRequest
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,8 @@ class ApiRequest:
     prompt_logprobs_from: int | None = None  # a character offset (completions, echo)
     sampling: dict[str, Any] = field(default_factory=dict)
     user: str = ""
-    grammar: Grammar | None = None  # what the output must follow (structured.py)
-    tools: ToolRequest | None = None  # chat's tools and tool_choice (tools.py)
+    grammar: Grammar | None = None  # what the output must follow (structured/output.py)
+    tools: ToolRequest | None = None  # chat's tools and tool_choice (structured/tools/request.py)
 
 
 def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
@@ -316,7 +317,7 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise bad_request(f"'{where}.content' must be a string or text parts", "messages")
         message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
-        for key in _TOOL_KEYS.get(m["role"], ()):  # checked with the tools (tools.py)
+        for key in _TOOL_KEYS.get(m["role"], ()):  # checked with the tools (tools/request.py)
             if m.get(key) is not None:
                 message[key] = m[key]
         out.append(message)

@@ -12,10 +12,10 @@ import random
 
 from libs.common.engine.core.kv_hash import PageHasher
 from libs.common.log import get_logger
-from services.router.kv_index import KvIndex, PrefixMatch
 from services.router.metrics import RouterMetrics
-from services.router.policy import PolicyConfig, Route, choose
-from services.router.workers import Worker, WorkerTable
+from services.router.routing.kv_index import KvIndex, PrefixMatch
+from services.router.routing.policy import PolicyConfig, Route, choose
+from services.router.routing.workers import Worker, WorkerTable
 
 log = get_logger(__name__)
 

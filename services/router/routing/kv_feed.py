@@ -23,7 +23,7 @@ from libs.common.bus.connection import Bus
 from libs.common.bus.kv_events import STREAM_NAME, ensure_kv_stream, events_subject, retry
 from libs.common.log import get_logger
 from libs.common.messages.control import KvEvent, MessageError
-from services.router.kv_index import KvIndex
+from services.router.routing.kv_index import KvIndex
 
 log = get_logger(__name__)
 

@@ -2,7 +2,8 @@
 
 OpenAI's `response_format` (text, json_object, json_schema) and SGLang's `regex` and `ebnf`
 each ask for a grammar; a request may ask for one at most (tools with tool_choice required
-or a named function are a grammar too: services/router/tools.py). The grammar text is
+or a named function are a grammar too: services/router/structured/tools/request.py). The
+grammar text is
 built here without a tokenizer (libs/common/grammar/build.py); `check` then compiles it
 against the model's tokenizer off the event loop, through the router's grammar cache, so
 a schema, regex or grammar that cannot be enforced is a 400 naming its field before any

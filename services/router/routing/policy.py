@@ -35,8 +35,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.router.kv_index import PrefixMatch
-from services.router.workers import Worker
+from services.router.routing.kv_index import PrefixMatch
+from services.router.routing.workers import Worker
 
 _EPS = 1e-9
 

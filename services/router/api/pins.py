@@ -34,11 +34,11 @@ from libs.common.messages.pins import (
     PoolPinList,
     PoolPinRef,
 )
-from services.router.bodies import check_model, json_object
+from services.router.api.bodies import check_model, json_object
+from services.router.api.openai.validation import parse_messages
 from services.router.errors import ApiError, bad_request, no_workers
-from services.router.prompts import PromptTooLong, encode, render_chat
+from services.router.requests.prompts import PromptTooLong, encode, render_chat
 from services.router.state import STATE, RouterState
-from services.router.validation import parse_messages
 
 FIELDS = ("model", "prompt", "messages", "add_generation_prompt", "ttl_s", "label")
 PIN_ID = re.compile(r"^[0-9a-f]{16}$")
@@ -160,7 +160,7 @@ async def _ask(state: RouterState, call: str, message: Any, reply_type: type) ->
                        headers={"Retry-After": "1"}) from None  # fmt: skip
 
 
-# --- /openapi.json (services/router/openapi.py adds these) ----------------------------------
+# --- /openapi.json (services/router/api/openapi.py adds these) ----------------------------------
 
 _INT, _NUM, _STR = {"type": "integer"}, {"type": "number"}, {"type": "string"}
 

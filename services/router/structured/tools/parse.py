@@ -1,4 +1,4 @@
-"""Tool calls out of a model's output: the Hermes-format blocks tools.py asks for.
+"""Tool calls out of a model's output: the Hermes-format blocks request.py asks for.
 
     content, calls = parse_tool_calls(text, req)     # a finished output
     stream = ToolCallStream(req)                     # a streamed one
@@ -19,7 +19,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from services.router.tools import CLOSE, OPEN, ToolRequest, parse_json
+from services.router.structured.tools.request import CLOSE, OPEN, ToolRequest, parse_json
 
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 _ID_CHARS = string.ascii_letters + string.digits

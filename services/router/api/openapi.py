@@ -16,8 +16,8 @@ from libs.common.engine.core.sampling_params import (
     MAX_STOP_IDS,
     MAX_TOKEN_ID,
 )
-from services.router import pins
-from services.router.validation import CHAT_SPECS, COMPLETION_SPECS, ROLES, Spec
+from services.router.api import pins
+from services.router.api.openai.validation import CHAT_SPECS, COMPLETION_SPECS, ROLES, Spec
 
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Step 2 of a request (services/router/lifecycle.py): a validated ApiRequest -> its prompts.
+"""Step 2 of a request (services/router/requests/lifecycle.py): a validated ApiRequest ->
+its prompts.
 
 Each prompt is tokenized (through the chat template for chat), checked against the
 context length and the vocabulary, and given its wire sampling (`SamplingSpec`), whose
@@ -6,7 +7,7 @@ fields and bounds are libs/common/engine/core/sampling_params.py's. Every refusa
 naming the parameter.
 
 `prepare` is CPU work proportional to the body (up to 16 MiB of text: seconds), so the
-router runs it in a thread, after admission (services/router/lifecycle.py), and text is
+router runs it in a thread, after admission (services/router/requests/lifecycle.py), and text is
 encoded by `encode`, which lets go of the GIL while the tokenizer works: a thread that
 held it would stall the event loop, every other stream and the heartbeat just the same.
 """
@@ -20,10 +21,10 @@ import msgspec
 from libs.common.engine.core.sampling_params import SamplingError, SamplingParams
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
-from services.router import tools
-from services.router.defaults import NO_DEFAULTS, SamplingDefaults
+from services.router.api.openai.validation import ApiRequest
 from services.router.errors import bad_request
-from services.router.validation import ApiRequest
+from services.router.requests.defaults import NO_DEFAULTS, SamplingDefaults
+from services.router.structured.tools import request as tools
 
 # Prompt logprobs travel in one message (NATS: 1 MiB): scored tokens x (1 + logprobs)
 # values at most, each ~40 bytes on the wire.

@@ -3,7 +3,7 @@
 Read top to bottom, in the order a request lives it:
 
   1. parse     the JSON body -> a validated `ApiRequest` (validation.py); the model name;
-               a grammar (response_format, regex, ebnf, forced tools) compiled (structured.py)
+               a grammar (response_format, regex, ebnf, forced tools) compiled (output.py)
   2. admit     the bound on requests in flight (429) and a live decode worker (503),
                before any costly work
   3. prompts   tokenized (in a thread: never on the event loop), checked against the
@@ -11,7 +11,7 @@ Read top to bottom, in the order a request lives it:
   4. choices   prompt x n: one `Choice` each, with id `<rid>` (or `<rid>-<i>` when several);
                `<rid>` is router-local (`RouterState.new_request_id`): the client's
                X-Request-Id is a label (echoed, logged, sent along for workers' logs)
-  5. dispatch  every choice routed (routing.py) and run on the workers (dispatch.py); its
+  5. dispatch  every choice routed (routing/selector.py) and run on the workers (dispatch.py); its
                TokenChunks become `Delta`s, observed by the latency metrics
   6. stream or collect  each Delta formatted and written as SSE events at once, inside the
                bus's callback for its chunk (it never awaits); or merged into one body
@@ -35,15 +35,16 @@ from aiohttp import web
 
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import SamplingSpec, TokenChunk
-from services.router import openai_format as fmt
-from services.router import structured, tools
-from services.router.bodies import check_model, json_body
+from services.router.api.bodies import check_model, json_body
+from services.router.api.openai import shapes as fmt
+from services.router.api.openai.validation import ApiRequest, parse_request
+from services.router.api.sse import DONE, SseStream, sse
 from services.router.errors import ApiError, no_workers
-from services.router.prompts import Prompt, prepare
+from services.router.requests.prompts import Prompt, prepare
 from services.router.state import STATE, RouterState
-from services.router.streaming import DONE, SseStream, sse
-from services.router.tool_calls import ToolCallStream, parse_tool_calls
-from services.router.validation import ApiRequest, parse_request
+from services.router.structured import output as structured
+from services.router.structured.tools import request as tools
+from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
 
 log = get_logger(__name__)
 
@@ -113,7 +114,7 @@ def admit(state: RouterState) -> None:
         raise no_workers("no decode worker is live; retry shortly")
 
 
-# --- 3. prompts: prepare() in services/router/prompts.py ---------------------------------
+# --- 3. prompts: prepare() in services/router/requests/prompts.py ---------------------------------
 # --- 4. choices --------------------------------------------------------------------------
 
 
@@ -253,7 +254,7 @@ class Tally:
         self.prompt_lps: dict[int, dict[str, Any]] = {}
         # max_tokens 0 with echo: the one token the engine had to sample is dropped.
         self.echo_only = api.echo and api.max_tokens == 0
-        # Tool calls are read out of each choice's text as it streams (tool_calls.py).
+        # Tool calls are read out of each choice's text as it streams (tools/parse.py).
         calls = api.tools is not None and api.tools.choice != "none"
         self.tool_streams = [ToolCallStream(api.tools) for _ in range(n)] if calls else []
 

@@ -7,7 +7,7 @@ router is a new instance: the requests of the old one are its own, and the worke
 them --heartbeat-timeout after the old one's last heartbeat (a kill -9 sends no cancel).
 The beat runs on the router's event loop: a loop blocked for longer than the timeout is
 taken for a dead router too, one more reason nothing heavy runs on it (tokenization
-runs in a thread, services/router/prompts.py).
+runs in a thread, services/router/requests/prompts.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     messages, kwargs = render_messages(messages, req, template_has_tools(template))
     grammar = tool_grammar(req)                   # "required" / a named function only
     check_tool_grammar(req, compiler)             # a schema that cannot be enforced: 400
-    # the output: tool_calls.py (parse_tool_calls, ToolCallStream)
+    # the output: parse.py (parse_tool_calls, ToolCallStream)
 
 The model calls a tool in the Hermes format that Qwen's and Hermes's chat templates
 teach, one block per call, blocks separated by "\\n":
@@ -37,7 +37,7 @@ is a string.
 A tool's `strict` is recorded but changes nothing: a forcing grammar always enforces the
 parameters schema, and "auto" output is parsed, never constrained.
 
-How the output is read back into calls: services/router/tool_calls.py.
+How the output is read back into calls: services/router/structured/tools/parse.py.
 """
 
 from __future__ import annotations
