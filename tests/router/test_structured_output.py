@@ -1,13 +1,10 @@
-"""Constrained decoding end to end: response_format, regex, ebnf and tool calls through a
-real cluster (two prefill workers, one decode worker, the default model, nats-server).
+"""Constrained decoding end to end: response_format, regex and ebnf through a real cluster
+(tests/router/structured_cluster.py; tool calls: test_tool_calling.py).
 
 Answers are sampled at temperature 1 with a seed (the cached-prefix test excepted: it is
-greedy), so only an enforced grammar makes them valid. Every prompt is long (a ~300-token
-system prompt behind a per-request tag), so the router disaggregates it: the prefill
-worker samples the first token under the grammar and the decode worker goes on from it.
-Tests named `test_tools_*` need tool calls (services/router/structured/tools/request.py); the
-others need
-only response_format, regex and ebnf.
+greedy), so only an enforced grammar makes them valid. Every prompt is long, so the router
+disaggregates it: the prefill worker samples the first token under the grammar and the
+decode worker goes on from it.
 
 Slow (the workers load the model): marked `slow`. Requests within a test run concurrently.
 """
@@ -15,44 +12,29 @@ Slow (the workers load the model): marked `slow`. Requests within a test run con
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import random
 import re
 from typing import Any, Literal
 
-import aiohttp
-import jsonschema
 import openai
 import pydantic
 import pytest
 
-from tests.router.e2e_cluster import E2ECluster, metric, openai_client
+from tests.router.structured_cluster import (
+    PERSON,
+    long_messages,
+    long_prompt,
+    post,
+    prefill_routes,
+    schema_errors,
+    schema_format,
+    structured_fixtures,
+)
 
 pytestmark = pytest.mark.slow
 
-RULES = " ".join(
-    f"Rule {i}: answer with exactly the requested format and keep every value short."
-    for i in range(20)
-)
-_tags = itertools.count()
-
-
-def long_messages(ask: str) -> list[dict[str, str]]:
-    """A chat whose prompt is past the router's disaggregation threshold (128 tokens) and
-    shares no page with any other request's (the tag is in the first page)."""
-    return [
-        {"role": "system", "content": f"Session {next(_tags)}. {RULES}"},
-        {"role": "user", "content": ask},
-    ]
-
-
-def long_prompt(ask: str) -> str:
-    return f"Session {next(_tags)}. {RULES}\n{ask}\n"
-
-
-def schema_format(schema: dict[str, Any], name: str = "answer") -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+cluster, c = structured_fixtures("structured-logs")
 
 
 # -- a deterministic generator of JSON schemas whose every valid value is short ------------
@@ -100,106 +82,6 @@ def object_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
 def generated_schemas(count: int, seed: int = 2024) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [object_schema(rng) for _ in range(count)]
-
-
-def schema_errors(text: str | None, schema: dict[str, Any]) -> str:
-    """Why `text` is not a JSON value valid against `schema` ("" when it is)."""
-    try:
-        value = json.loads(text or "")
-    except ValueError as e:
-        return f"not JSON ({e}): {text!r}"
-    errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(value)]
-    return f"{errors} in {text!r}" if errors else ""
-
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "email": {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.(com|org)$"},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "minLength": 1, "maxLength": 16},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1,
-                 "maxItems": 3},
-    },
-    "required": ["name", "age", "address", "tags"],
-    "additionalProperties": False,
-}  # fmt: skip
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "minLength": 1, "maxLength": 20},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The local time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}
-            },
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
-
-
-# -- the cluster ---------------------------------------------------------------------------
-
-
-class StructuredCluster(E2ECluster):
-    """E2ECluster with a decode KV pool that holds every concurrent answer of a test at once
-    (the default 128 MB is ~2,800 tokens of the default model; a test sends ~16 x 400)."""
-
-    decode_args = ("--kv-cache-mb", "512")
-
-
-@pytest.fixture(scope="module")
-def cluster(module_nats, tmp_path_factory):
-    c = StructuredCluster(module_nats.url, tmp_path_factory.mktemp("structured-logs"), [])
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture
-async def c(cluster):
-    async with openai_client(cluster.url) as client:
-        yield client
-
-
-async def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as http, http.post(f"{url}{path}", json=body) as r:
-        return r.status, await r.json()
-
-
-async def prefill_routes(url: str) -> float:
-    return await metric(url, "tandem:router_decisions_total", role="prefill")
 
 
 # -- response_format, regex, ebnf ----------------------------------------------------------
@@ -422,132 +304,3 @@ async def test_openai_parse_with_a_pydantic_model_returns_the_parsed_object(clus
     parsed = r.choices[0].message.parsed
     assert isinstance(parsed, Person) and 0 <= parsed.age <= 120
     assert r.choices[0].finish_reason == "stop"
-
-
-# -- tool calls (services/router/structured/tools/request.py) ---------------------------------
-
-
-def tool_call_errors(calls: list[Any]) -> list[str]:
-    """Why each of `calls` (name, arguments) is not a call of one of TOOLS."""
-    errors = []
-    for name, arguments in calls:
-        if name not in TOOLS:
-            errors.append(f"unknown function {name!r}")
-        elif why := schema_errors(arguments, TOOLS[name]):
-            errors.append(f"{name}: {why}")
-    return errors
-
-
-async def test_tools_required_gives_valid_tool_calls(cluster, c):
-    async def one(seed: int) -> list[str]:
-        r = await c.chat.completions.create(
-            model="default", messages=long_messages("What is the weather in Paris?"),
-            max_tokens=600, temperature=1.0, seed=seed, tools=[WEATHER, CLOCK],
-            tool_choice="required",
-        )  # fmt: skip
-        choice = r.choices[0]
-        calls = choice.message.tool_calls or []
-        errors = tool_call_errors([(t.function.name, t.function.arguments) for t in calls])
-        if (
-            not calls
-            or choice.finish_reason != "tool_calls"
-            or len({t.id for t in calls}) != len(calls)
-        ):
-            errors.append(f"finish={choice.finish_reason} calls={calls}")
-        return errors
-
-    errors = await asyncio.gather(*(one(seed) for seed in range(3)))
-    assert not any(errors), errors
-
-
-async def test_tools_required_without_parallel_calls_gives_exactly_one(cluster, c):
-    r = await c.chat.completions.create(
-        model="default", messages=long_messages("Weather in Rome and the time in Tokyo?"),
-        max_tokens=300, temperature=1.0, seed=8, tools=[WEATHER, CLOCK],
-        tool_choice="required", parallel_tool_calls=False,
-    )  # fmt: skip
-    calls = r.choices[0].message.tool_calls or []
-    assert len(calls) == 1, calls
-    assert not tool_call_errors([(calls[0].function.name, calls[0].function.arguments)])
-
-
-async def test_tools_named_choice_calls_that_function_with_valid_arguments(cluster, c):
-    r = await c.chat.completions.create(
-        model="default", messages=long_messages("What time is it in Japan?"), max_tokens=200,
-        temperature=1.0, seed=9, tools=[WEATHER, CLOCK],
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
-    )  # fmt: skip
-    calls = r.choices[0].message.tool_calls or []
-    assert [t.function.name for t in calls] == ["get_time"], r.choices[0].message
-    assert not tool_call_errors([("get_time", calls[0].function.arguments)])
-    assert r.choices[0].finish_reason == "tool_calls"
-
-
-async def test_tools_choice_none_answers_in_text_without_tool_calls(cluster, c):
-    r = await c.chat.completions.create(
-        model="default", messages=long_messages("What is the weather in Paris?"),
-        max_tokens=16, temperature=1.0, seed=2, tools=[WEATHER], tool_choice="none",
-    )  # fmt: skip
-    assert not r.choices[0].message.tool_calls
-    assert r.choices[0].finish_reason in ("stop", "length")
-
-
-async def test_tools_streamed_tool_call_deltas_assemble_to_valid_calls(cluster, c):
-    stream = await c.chat.completions.create(
-        model="default", messages=long_messages("What is the weather in Oslo?"),
-        max_tokens=300, temperature=1.0, seed=12, tools=[WEATHER, CLOCK],
-        tool_choice="required", stream=True,
-    )  # fmt: skip
-    calls: dict[int, dict[str, str]] = {}
-    finish = None
-    async for chunk in stream:
-        if not chunk.choices:
-            continue
-        finish = chunk.choices[0].finish_reason or finish
-        for d in chunk.choices[0].delta.tool_calls or []:
-            call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
-            call["id"] += d.id or ""
-            if d.function:
-                call["name"] += d.function.name or ""
-                call["arguments"] += d.function.arguments or ""
-    assert finish == "tool_calls"
-    assert calls and all(call["id"] for call in calls.values()), calls
-    assert not tool_call_errors([(x["name"], x["arguments"]) for x in calls.values()])
-
-
-async def test_tools_a_conversation_with_a_tool_result_is_accepted(cluster, c):
-    messages = [
-        *long_messages("What is the weather in Paris?"),
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
-    ]  # fmt: skip
-    r = await c.chat.completions.create(model="default", messages=messages, max_tokens=24,
-                                        temperature=1.0, seed=6, tools=[WEATHER],
-                                        tool_choice="auto")  # fmt: skip
-    choice = r.choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    calls = choice.message.tool_calls or []
-    assert not tool_call_errors([(t.function.name, t.function.arguments) for t in calls])
-
-
-@pytest.mark.parametrize(
-    "extra, params",
-    [
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         {"tool_choice"}),
-        ({"tools": [WEATHER], "tool_choice": "sometimes"}, {"tool_choice"}),
-        ({"tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "foo"}}}], "tool_choice": "required"}, {"tools"}),
-        ({"tools": [WEATHER], "tool_choice": "required",
-          "response_format": schema_format(PERSON)}, {"response_format", "tools", "tool_choice"}),
-    ],
-    ids=["unknown-function", "unknown-choice", "bad-parameters", "tools-and-schema"],
-)  # fmt: skip
-async def test_tools_bad_input_is_a_400_naming_the_field(cluster, extra, params):
-    body = {"model": "default", "max_tokens": 4, **extra,
-            "messages": [{"role": "user", "content": "Hello"}]}  # fmt: skip
-    status, reply = await post(cluster.url, "/v1/chat/completions", body)
-    assert status == 400, reply
-    assert reply["error"]["param"] in params, reply

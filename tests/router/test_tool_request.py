@@ -1,12 +1,10 @@
-"""Tool calling (services/router/structured/tools/request.py): the request's 400s, the forcing
-grammar against
-the real default model's tokenizer, the fallback rendering through its ChatML template,
-and tool-call parsing, whole and streamed."""
+"""Tool calling, the request side (services/router/structured/tools/request.py): the
+request's 400s, the forcing grammar against the real default model's tokenizer, and the
+fallback rendering through its ChatML template (the output side: test_tool_parse.py)."""
 
 from __future__ import annotations
 
 import json
-import re
 
 import jinja2
 import pytest
@@ -15,8 +13,7 @@ from libs.common.engine.load.source import default_model_path, load_tokenizer
 from libs.common.grammar.compiler import GrammarCompiler
 from services.router.errors import ApiError
 from services.router.structured.tools import request as tools
-from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
-from services.router.structured.tools.request import Tool, ToolRequest
+from tests.router.tool_cases import TIME, WEATHER, call_block, tool_request
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -25,12 +22,6 @@ SMOL_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-    "required": ["city"],
-}
-TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
 
 
 def _tool(name: str, parameters: dict | None = None, **extra) -> dict:
@@ -45,16 +36,6 @@ TOOLS = [_tool("get_weather", WEATHER), _tool("get_time", TIME)]
 
 def _named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
-
-
-def _req(choice: str = "auto", function: str | None = None, parallel: bool = True) -> ToolRequest:
-    return ToolRequest(
-        (Tool("get_weather", "w", WEATHER), Tool("get_time", "t", TIME)), choice, function, parallel
-    )
-
-
-def _block(name: str, arguments) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")
@@ -188,67 +169,69 @@ def _accepts(compiler, tokenizer, grammar: str, text: str) -> bool:
 
 
 def test_auto_and_none_have_no_grammar():
-    assert tools.tool_grammar(_req("auto")) is None
-    assert tools.tool_grammar(_req("none")) is None
+    assert tools.tool_grammar(tool_request("auto")) is None
+    assert tools.tool_grammar(tool_request("none")) is None
 
 
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize(("choice", "function"), [("required", None), ("function", "get_time")])
 def test_forcing_grammars_compile(choice, function, parallel, compiler):
-    compiler.check(tools.tool_grammar(_req(choice, function, parallel)), "tools")
+    compiler.check(tools.tool_grammar(tool_request(choice, function, parallel)), "tools")
 
 
 @pytest.mark.parametrize(
     "text",
     [
-        _block("get_weather", {"city": "Paris"}),
-        _block("get_weather", {"city": "Paris", "days": 3}),
-        _block("get_time", {"zone": "UTC"}),
-        _block("get_time", {"zone": "UTC"}) + "\n" + _block("get_weather", {"city": "Oslo"}),
+        call_block("get_weather", {"city": "Paris"}),
+        call_block("get_weather", {"city": "Paris", "days": 3}),
+        call_block("get_time", {"zone": "UTC"}),
+        call_block("get_time", {"zone": "UTC"})
+        + "\n"
+        + call_block("get_weather", {"city": "Oslo"}),
     ],
 )
 def test_required_grammar_accepts_calls_to_any_tool(text, compiler, tokenizer):
-    assert _accepts(compiler, tokenizer, tools.tool_grammar(_req("required")), text)
+    assert _accepts(compiler, tokenizer, tools.tool_grammar(tool_request("required")), text)
 
 
 @pytest.mark.parametrize(
     "text",
     [
-        _block("get_weather", {"city": 7}),  # a type mismatch
-        _block("get_weather", {"days": 3}),  # a required argument missing
-        _block("get_news", {"city": "Paris"}),  # no such function
-        "Sure! " + _block("get_time", {"zone": "UTC"}),  # content first
+        call_block("get_weather", {"city": 7}),  # a type mismatch
+        call_block("get_weather", {"days": 3}),  # a required argument missing
+        call_block("get_news", {"city": "Paris"}),  # no such function
+        "Sure! " + call_block("get_time", {"zone": "UTC"}),  # content first
         '<tool_call>\n{"name": "get_time"}\n</tool_call>',  # no arguments
     ],
 )
 def test_required_grammar_refuses_anything_but_valid_calls(text, compiler, tokenizer):
-    assert not _accepts(compiler, tokenizer, tools.tool_grammar(_req("required")), text)
+    assert not _accepts(compiler, tokenizer, tools.tool_grammar(tool_request("required")), text)
 
 
 def test_a_named_function_grammar_refuses_the_other_tools(compiler, tokenizer):
-    grammar = tools.tool_grammar(_req("function", "get_time"))
-    assert _accepts(compiler, tokenizer, grammar, _block("get_time", {"zone": "CET"}))
-    assert not _accepts(compiler, tokenizer, grammar, _block("get_weather", {"city": "Rome"}))
+    grammar = tools.tool_grammar(tool_request("function", "get_time"))
+    assert _accepts(compiler, tokenizer, grammar, call_block("get_time", {"zone": "CET"}))
+    assert not _accepts(compiler, tokenizer, grammar, call_block("get_weather", {"city": "Rome"}))
 
 
 def test_without_parallel_calls_the_grammar_takes_exactly_one(compiler, tokenizer):
-    one = _block("get_time", {"zone": "UTC"})
-    serial = tools.tool_grammar(_req("required", parallel=False))
+    one = call_block("get_time", {"zone": "UTC"})
+    serial = tools.tool_grammar(tool_request("required", parallel=False))
     assert _accepts(compiler, tokenizer, serial, one)
     assert not _accepts(compiler, tokenizer, serial, one + "\n" + one)
 
 
 def test_forced_parallel_calls_are_bounded(compiler, tokenizer):
-    one = _block("get_time", {"zone": "UTC"})
-    grammar = tools.tool_grammar(_req("required"))
+    one = call_block("get_time", {"zone": "UTC"})
+    grammar = tools.tool_grammar(tool_request("required"))
     most = "\n".join([one] * tools.MAX_PARALLEL_CALLS)
     assert _accepts(compiler, tokenizer, grammar, most)
     assert not _accepts(compiler, tokenizer, grammar, most + "\n" + one)
 
 
 def test_a_named_function_is_called_once(compiler, tokenizer):
-    one = _block("get_time", {"zone": "UTC"})
-    grammar = tools.tool_grammar(_req("function", "get_time"))
+    one = call_block("get_time", {"zone": "UTC"})
+    grammar = tools.tool_grammar(tool_request("function", "get_time"))
     assert not _accepts(compiler, tokenizer, grammar, one + "\n" + one)
 
 
@@ -262,8 +245,8 @@ def test_an_unenforceable_parameters_schema_is_400_naming_tools(compiler):
 
 
 def test_enforceable_tools_pass_the_grammar_check(compiler):
-    tools.check_tool_grammar(_req("required"), compiler)
-    tools.check_tool_grammar(_req("auto"), compiler)
+    tools.check_tool_grammar(tool_request("required"), compiler)
+    tools.check_tool_grammar(tool_request("auto"), compiler)
 
 
 # --- prompt and rendering ---------------------------------------------------------------
@@ -281,9 +264,9 @@ def test_template_has_tools_looks_inside_jinja_tags_only():
 
 
 def test_the_tools_prompt_lists_every_tool_and_the_call_format():
-    prompt = tools.tools_prompt(_req("required"))
+    prompt = tools.tools_prompt(tool_request("required"))
     assert "<tool_call>" in prompt and "</tool_call>" in prompt
-    for line in (json.dumps(t.openai()) for t in _req().tools):
+    for line in (json.dumps(t.openai()) for t in tool_request().tools):
         assert line in prompt
     assert "must call" in prompt
 
@@ -294,8 +277,8 @@ def test_a_template_with_tools_gets_them_as_a_keyword_and_parsed_arguments():
         {"role": "assistant", "content": "", "tool_calls": [_call()]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    out, kwargs = tools.render_messages(messages, _req(), True)
-    assert kwargs == {"tools": [t.openai() for t in _req().tools]}
+    out, kwargs = tools.render_messages(messages, tool_request(), True)
+    assert kwargs == {"tools": [t.openai() for t in tool_request().tools]}
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert out[1]["tool_calls"][0]["id"] == "call_1" and out[2] == messages[2]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
@@ -303,14 +286,14 @@ def test_a_template_with_tools_gets_them_as_a_keyword_and_parsed_arguments():
 
 def test_the_fallback_prepends_the_tools_prompt_to_the_system_message():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    out, kwargs = tools.render_messages(messages, _req(), False)
+    out, kwargs = tools.render_messages(messages, tool_request(), False)
     assert kwargs == {} and len(out) == 2
-    assert out[0]["content"] == tools.tools_prompt(_req()) + "\n\nBe brief."
+    assert out[0]["content"] == tools.tools_prompt(tool_request()) + "\n\nBe brief."
 
 
 def test_the_fallback_adds_a_system_message_when_there_is_none():
-    out, _ = tools.render_messages([{"role": "user", "content": "hi"}], _req(), False)
-    assert out[0] == {"role": "system", "content": tools.tools_prompt(_req())}
+    out, _ = tools.render_messages([{"role": "user", "content": "hi"}], tool_request(), False)
+    assert out[0] == {"role": "system", "content": tools.tools_prompt(tool_request())}
     assert "SmolLM" not in _render(out)
 
 
@@ -343,138 +326,15 @@ def test_the_fallback_renders_a_tool_history_as_chatml_text():
 
 def test_tool_choice_none_adds_no_tools_prompt_either_way():
     messages = [{"role": "user", "content": "hi"}]
-    assert tools.render_messages(messages, _req("none"), False) == (messages, {})
-    assert tools.render_messages(messages, _req("none"), True) == (messages, {})
+    assert tools.render_messages(messages, tool_request("none"), False) == (messages, {})
+    assert tools.render_messages(messages, tool_request("none"), True) == (messages, {})
 
 
 def test_a_past_call_renders_in_the_format_the_grammar_forces(compiler, tokenizer):
     messages = [{"role": "assistant", "content": None, "tool_calls": [_call()]}]
     out, _ = tools.render_messages(messages, None, False)
-    grammar = tools.tool_grammar(_req("required"))
+    grammar = tools.tool_grammar(tool_request("required"))
     assert _accepts(compiler, tokenizer, grammar, out[0]["content"])
-
-
-# --- parse_tool_calls -------------------------------------------------------------------
-
-
-def test_calls_are_parsed_out_and_the_content_kept():
-    text = "Let me look.\n" + _block("get_weather", {"city": "Paris"}) + "\n"
-    text += _block("get_time", {"zone": "CET"})
-    content, calls = parse_tool_calls(text, _req())
-    assert content == "Let me look."
-    assert [(c.name, c.arguments) for c in calls] == [
-        ("get_weather", '{"city": "Paris"}'),
-        ("get_time", '{"zone": "CET"}'),
-    ]
-    assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", c.id) for c in calls)
-    assert calls[0].id != calls[1].id
-
-
-def test_arguments_are_reserialized_compactly_without_ascii_escapes():
-    text = '<tool_call>{"name":"get_weather","arguments":{ "city" :  "Zürich" }}</tool_call>'
-    _, calls = parse_tool_calls(text, _req())
-    assert calls[0].arguments == '{"city": "Zürich"}'
-
-
-@pytest.mark.parametrize(
-    "block",
-    [
-        "<tool_call>\n{not json}\n</tool_call>",
-        _block("get_news", {"q": "x"}),
-        _block("get_time", "UTC"),
-        '<tool_call>\n{"name": "get_time"}\n</tool_call>',
-        "<tool_call>\n" + json.dumps({"name": "get_time", "arguments": {}}),  # unterminated
-    ],
-)
-def test_a_block_that_is_not_a_call_stays_in_the_content(block):
-    content, calls = parse_tool_calls("Hi. " + block, _req())
-    assert calls == [] and content == "Hi. " + block
-
-
-def test_without_parallel_calls_only_the_first_block_is_a_call():
-    one, two = _block("get_time", {"zone": "A"}), _block("get_time", {"zone": "B"})
-    content, calls = parse_tool_calls(one + "\n" + two, _req(parallel=False))
-    assert len(calls) == 1 and calls[0].arguments == '{"zone": "A"}' and content == two
-
-
-def test_tool_choice_none_parses_nothing():
-    text = _block("get_time", {"zone": "A"})
-    assert parse_tool_calls(text, _req("none")) == (text, [])
-
-
-# --- ToolCallStream ---------------------------------------------------------------------
-
-
-def _stream(pieces: list[str], req: ToolRequest | None = None) -> tuple[list[str], list[dict]]:
-    stream = ToolCallStream(req or _req())
-    sent, deltas = [], []
-    for piece in pieces:
-        content, new = stream.feed(piece)
-        sent.append(content)
-        deltas += new
-    content, new = stream.finish()
-    return [*sent, content], deltas
-
-
-STREAMED = [
-    "Let me look.\n"
-    + _block("get_weather", {"city": "Paris"})
-    + "\n"
-    + _block("get_time", {"zone": "CET"}),
-    "  <tool_call> x </tool_call> then " + _block("get_time", {"zone": "Z"}) + " done <tool_c",
-    "a < b <tool <tool_call" + "\n" + '{"name": "get_time", "arguments": {}}',
-    "no calls at all, just an answer with a <tag>.",
-]
-
-
-@pytest.mark.parametrize("text", STREAMED)
-@pytest.mark.parametrize("size", [1, 3, 7, 1000])
-def test_streamed_output_adds_up_to_the_parsed_output(text, size):
-    sent, deltas = _stream([text[i : i + size] for i in range(0, len(text), size)])
-    content, calls = parse_tool_calls(text, _req())
-    assert "".join(sent) == content
-    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
-        (c.name, c.arguments) for c in calls
-    ]
-
-
-def test_a_partial_tag_is_never_sent_as_content():
-    stream = ToolCallStream(_req())
-    assert stream.feed("Hi <tool") == ("Hi", [])
-    assert stream.feed("_ca") == ("", [])
-    content, deltas = stream.feed(
-        'll>\n{"name": "get_time", "arguments": {"zone": "A"}}\n</tool_call>'
-    )
-    assert content == "" and len(deltas) == 1 and stream.called
-
-
-def test_a_held_back_non_tag_goes_out_once_it_cannot_be_a_tag():
-    stream = ToolCallStream(_req())
-    assert stream.feed("x <to") == ("x", [])
-    assert stream.feed("p") == (" <top", [])
-
-
-def test_tool_call_deltas_have_openais_streaming_shape_and_count_up():
-    text = _block("get_time", {"zone": "A"}) + "\n" + _block("get_weather", {"city": "B"})
-    _, deltas = _stream([text])
-    assert [d["index"] for d in deltas] == [0, 1]
-    assert set(deltas[0]) == {"index", "id", "type", "function"}
-    assert deltas[0]["type"] == "function" and deltas[0]["id"].startswith("call_")
-    assert deltas[1]["function"] == {"name": "get_weather", "arguments": '{"city": "B"}'}
-
-
-def test_an_unterminated_block_is_flushed_as_content_at_the_finish():
-    stream = ToolCallStream(_req())
-    assert stream.feed('<tool_call>\n{"name": "get_time"') == ("", [])
-    assert stream.finish() == ('<tool_call>\n{"name": "get_time"', [])
-    assert not stream.called
-
-
-def test_a_stream_for_tool_choice_none_passes_text_through():
-    stream = ToolCallStream(_req("none"))
-    text = " " + _block("get_time", {"zone": "A"})
-    assert stream.feed(text) == (text, []) and stream.finish() == ("", [])
-    assert not stream.called
 
 
 @pytest.mark.parametrize("has_tools", [True, False])
@@ -485,6 +345,6 @@ def test_rendering_leaves_the_callers_messages_unchanged(has_tools):
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     before = json.dumps(messages)
-    out, _ = tools.render_messages(messages, _req(), has_tools)
+    out, _ = tools.render_messages(messages, tool_request(), has_tools)
     assert json.dumps(messages) == before
     assert all(isinstance(m["content"], str) for m in out)
