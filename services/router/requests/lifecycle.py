@@ -5,7 +5,7 @@ Read top to bottom, in the order a request lives it:
   1. parse     the JSON body -> a validated `ApiRequest` (validation.py); the model name;
                a grammar (response_format, regex, ebnf, forced tools) compiled (output.py)
   2. admit     the bound on requests in flight (429) and a live decode worker (503),
-               before any costly work
+               before any costly work (admission/gate.py)
   3. prompts   tokenized (in a thread: never on the event loop), checked against the
                context, given their sampling (prompts.py)
   4. choices   prompt x n: one `Choice` each, with id `<rid>` (or `<rid>-<i>` when several);
@@ -35,11 +35,12 @@ from aiohttp import web
 
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import SamplingSpec, TokenChunk
+from services.router.admission.gate import admit
 from services.router.api.bodies import check_model, json_body
 from services.router.api.openai import shapes as fmt
 from services.router.api.openai.validation import ApiRequest, parse_request
 from services.router.api.sse import DONE, SseStream, sse
-from services.router.errors import ApiError, no_workers
+from services.router.errors import ApiError
 from services.router.requests.prompts import Prompt, prepare
 from services.router.state import STATE, RouterState
 from services.router.structured import output as structured
@@ -98,23 +99,8 @@ async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiR
     return api
 
 
-# --- 2. admit ----------------------------------------------------------------------------
-
-
-def admit(state: RouterState) -> None:
-    """Refuse when the router is at its bound (429) or no decode worker is live (503)."""
-    if state.pending >= state.config.max_pending:
-        raise ApiError(
-            429,
-            f"the router is at its bound of {state.config.max_pending} requests in flight",
-            code="too_many_requests",
-            headers={"Retry-After": "1"},
-        )
-    if not state.selector.eligible("decode"):
-        raise no_workers("no decode worker is live; retry shortly")
-
-
-# --- 3. prompts: prepare() in services/router/requests/prompts.py ---------------------------------
+# --- 2. admit: admit() in services/router/admission/gate.py ------------------------------
+# --- 3. prompts: prepare() in services/router/requests/prompts.py ------------------------
 # --- 4. choices --------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Step 2 of a request (services/router/requests/lifecycle.py): a validated ApiRequest ->
+"""Step 3 of a request (services/router/requests/lifecycle.py): a validated ApiRequest ->
 its prompts.
 
 Each prompt is tokenized (through the chat template for chat), checked against the
