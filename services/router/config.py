@@ -1,11 +1,11 @@
 """Router flags (see docs/routing.md for the routing ones)."""
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
 from libs.common.config import CommonConfig, flag_name, require_positive, require_range
 from libs.common.engine.core.sampling_params import BOUNDS, SamplingError
-from libs.common.engine.load.generation_config import FIELDS as DEFAULT_FIELDS
 
 
 @dataclass
@@ -144,5 +144,11 @@ class RouterConfig(CommonConfig):
 
     @property
     def sampling_flags(self) -> dict[str, int | float | None]:
-        """The --default-* flags by sampling field name (None: not given)."""
-        return {name: getattr(self, f"default_{name}") for name in DEFAULT_FIELDS}
+        """The --default-* flags by sampling field name (None: not given), read from this
+        class's fields: a flag is defined once, above (a test checks that they cover the
+        fields a model may set, libs/common/engine/load/generation_config.py FIELDS)."""
+        return {
+            f.name.removeprefix("default_"): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name.startswith("default_")
+        }

@@ -13,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import random
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 from nats.aio.msg import Msg
 
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.load.generation_config import FIELDS, model_sampling_defaults
 from libs.common.engine.load.source import load_tokenizer
 from libs.common.log import get_logger
 from libs.common.messages.control import LoadReport, MessageError, RouterHeartbeat
@@ -25,7 +28,7 @@ from libs.common.service import BaseService
 from services.router.api.app import build_app
 from services.router.config import RouterConfig
 from services.router.metrics import RouterMetrics
-from services.router.requests.defaults import load_defaults
+from services.router.requests.defaults import SamplingDefaults, merge_defaults
 from services.router.requests.dispatch import Dispatcher
 from services.router.requests.heartbeat import Heartbeat, new_instance_id
 from services.router.routing.kv_feed import KvFeed
@@ -188,3 +191,21 @@ def _api_keys(cfg: RouterConfig) -> frozenset[str]:
         text = pathlib.Path(cfg.api_keys_file).read_text()
         keys |= {ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")}
     return frozenset(keys)
+
+
+def load_defaults(model: str, flags: Mapping[str, int | float | None]) -> SamplingDefaults:
+    """The defaults for `model` (a --model value) under `flags`, logged once with the source
+    of each field (reads the model's metadata: run it off the event loop)."""
+    stored, source = model_sampling_defaults(model)
+    defaults = merge_defaults(stored, source, flags)
+    engine = SamplingParams()
+    log.info(
+        "sampling defaults",
+        **{
+            name: f"{defaults.values[name]} ({defaults.sources[name]})"
+            if name in defaults.values
+            else f"{getattr(engine, name)} (engine default)"
+            for name in FIELDS
+        },
+    )
+    return defaults

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.load.generation_config import FIELDS
 from libs.common.engine.load.source import load_tokenizer
 from services.router.api.openai.validation import parse_request
 from services.router.config import RouterConfig
@@ -55,6 +56,10 @@ def test_prepare_puts_defaults_on_the_wire_only_for_fields_the_request_left_out(
     )
     (p,) = prepare(parse_request("chat", {**body, "temperature": 1.0}, max_n=1), tokenizer, 1000, d)
     assert p.sampling.temperature == 1.0
+
+
+def test_there_is_a_default_flag_for_every_field_a_model_may_set():
+    assert list(RouterConfig().sampling_flags) == list(FIELDS)
 
 
 def test_the_default_flags_are_unset_unless_given():

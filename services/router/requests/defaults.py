@@ -11,7 +11,9 @@ For each field, the first that sets it wins:
      libs/common/engine/load/generation_config.py)
   4. SamplingParams's own defaults (temperature 1, top_p 1, top_k 0, min_p 0, penalty 1)
 
-docs/api.md ("Defaults") says the same to clients.
+The model's own are read once, at start (services/router/service.py `load_defaults`); a
+request only fills its fields from the result. docs/api.md ("Defaults") says the same to
+clients.
 """
 
 from __future__ import annotations
@@ -21,11 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libs.common.config import flag_name
-from libs.common.engine.core.sampling_params import SamplingParams
-from libs.common.engine.load.generation_config import FIELDS, model_sampling_defaults
-from libs.common.log import get_logger
-
-log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,27 +53,9 @@ def merge_defaults(
     """The flags (None: not given) over the model's defaults, which came from `model_source`."""
     values: dict[str, int | float] = {}
     sources: dict[str, str] = {}
-    for name in FIELDS:
+    for name in dict.fromkeys([*flags, *model]):  # every field either one names
         if flags.get(name) is not None:
             values[name], sources[name] = flags[name], flag_name(f"default_{name}")
         elif model.get(name) is not None:
             values[name], sources[name] = model[name], model_source
     return SamplingDefaults(values, sources)
-
-
-def load_defaults(model: str, flags: Mapping[str, int | float | None]) -> SamplingDefaults:
-    """The defaults for `model` (a --model value) under `flags`, logged once with the source
-    of each field (reads the model's metadata: run it off the event loop)."""
-    stored, source = model_sampling_defaults(model)
-    defaults = merge_defaults(stored, source, flags)
-    engine = SamplingParams()
-    log.info(
-        "sampling defaults",
-        **{
-            name: f"{defaults.values[name]} ({defaults.sources[name]})"
-            if name in defaults.values
-            else f"{getattr(engine, name)} (engine default)"
-            for name in FIELDS
-        },
-    )
-    return defaults
