@@ -1,21 +1,11 @@
-"""SSE framing and the merging of several choices' streams."""
+"""run_all: several choices' streams merged into one on_delta; the first failure ends them
+all (services/router/requests/lifecycle.py)."""
 
 import asyncio
 
 import pytest
 
-from services.router.api.sse import DONE, parse_sse, sse
 from services.router.requests.lifecycle import run_all
-
-
-def test_sse_event_is_one_data_line_even_with_newlines_in_text():
-    raw = sse({"text": "a\nb\r\n\n"})
-    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n") and raw.count(b"\n") == 2
-    assert parse_sse(raw + DONE) == [{"text": "a\nb\r\n\n"}, "[DONE]"]
-
-
-def test_done_terminates_the_stream_as_openai_does():
-    assert DONE == b"data: [DONE]\n\n"
 
 
 async def _choice(items, delay=0.0, fail=None, closed=None):

@@ -1,5 +1,6 @@
-"""SseStream on a real aiohttp server and real sockets: events written from synchronous
-callbacks arrive whole and in order, over HTTP/1.1 (chunked) and HTTP/1.0 (raw)."""
+"""SSE (services/router/api/sse.py): the framing of one event, and SseStream on a real
+aiohttp server and real sockets: events written from synchronous callbacks arrive whole
+and in order, over HTTP/1.1 (chunked) and HTTP/1.0 (raw)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ from services.router.api.sse import DONE, ClientGone, SseStream, parse_sse, sse
 from tests.http_server import serve_http
 
 EVENTS = [{"i": i, "text": "a\nb" * i} for i in range(20)]
+
+
+def test_sse_event_is_one_data_line_even_with_newlines_in_text():
+    raw = sse({"text": "a\nb\r\n\n"})
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n") and raw.count(b"\n") == 2
+    assert parse_sse(raw + DONE) == [{"text": "a\nb\r\n\n"}, "[DONE]"]
+
+
+def test_done_terminates_the_stream_as_openai_does():
+    assert DONE == b"data: [DONE]\n\n"
 
 
 async def handler(request: web.Request) -> web.StreamResponse:
