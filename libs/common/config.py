@@ -189,7 +189,12 @@ def build_parser(cls: type[CommonConfig]) -> argparse.ArgumentParser:
     )
     for f in _fields(cls):
         own, shared = env_names(cls.SERVICE, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name} has no default: every flag needs one")
         help_text = f"{f.metadata.get('help', '')} [env {own} or {shared}; default {default!r}]"
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         kwargs["type"] = lambda raw, f=f: _convert(cls, f, raw)

@@ -78,7 +78,7 @@ class ServiceInfo(Message, tag="service_info"):
 # messages per connection only, so the router reorders by index.
 
 
-def _wire_form_of_sampling_params() -> type[Message]:
+def _wire_form_of_sampling_params() -> type[msgspec.Struct]:
     """`SamplingSpec`: SamplingParams's fields, types and defaults as a wire message (its
     tuples travel as JSON arrays), checked when built or decoded against the same table."""
     hints = typing.get_type_hints(SamplingParams)
@@ -86,8 +86,10 @@ def _wire_form_of_sampling_params() -> type[Message]:
     for f in dataclasses.fields(SamplingParams):
         if f.default is not dataclasses.MISSING:
             fields.append((f.name, hints[f.name], f.default))
-        else:
+        elif f.default_factory is not dataclasses.MISSING:
             fields.append((f.name, hints[f.name], msgspec.field(default_factory=f.default_factory)))
+        else:
+            raise TypeError(f"SamplingParams.{f.name} has no default: the wire form needs one")
 
     def __post_init__(self) -> None:
         check_sampling(self)  # a bad value raises ValueError naming the field
@@ -100,7 +102,15 @@ def _wire_form_of_sampling_params() -> type[Message]:
 
 # Sampling parameters on the wire: the fields are SamplingParams's (defined once, in
 # libs/common/engine/core/sampling_params.py, with their bounds).
-SamplingSpec = _wire_form_of_sampling_params()
+if typing.TYPE_CHECKING:
+    # The type checker cannot see a class built at run time: it sees this face instead
+    # (keyword construction, every field read as Any).
+    class SamplingSpec(Message, tag="sampling"):
+        def __init__(self, **fields: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    SamplingSpec = _wire_form_of_sampling_params()
 
 
 class GenerateRequest(Message, tag="generate"):

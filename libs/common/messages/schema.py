@@ -38,7 +38,7 @@ class MessageError(ValueError):
 class _Tag:
     """`cls.TYPE`: the type tag a message class was declared with (`tag=`)."""
 
-    def __get__(self, _obj: Any, owner: type) -> str:
+    def __get__(self, _obj: Any, owner: type[Message]) -> str:
         tag = owner.__struct_config__.tag
         return tag if isinstance(tag, str) else "message"
 
