@@ -16,6 +16,7 @@ starts, so only the choice's tokens are computed and the prefix comes from the c
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +80,8 @@ class Select:
     """The likeliest of `choices` after the state's text, stored under `name`."""
 
     name: str
-    choices: tuple[str, ...] = field(default=())
+    # A list is taken too; __post_init__ stores a tuple.
+    choices: Sequence[str] = field(default=())
 
     def __post_init__(self) -> None:
         _check_name("select", self.name)

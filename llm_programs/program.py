@@ -22,7 +22,7 @@ import asyncio
 import functools
 import inspect
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 from llm_programs.router import Router
 from llm_programs.state import Piece, State, gather_all
@@ -38,7 +38,8 @@ class Program:
                 "`async def` taking the state first"
             )
         self.func, self.name = func, func.__name__
-        functools.update_wrapper(self, func)
+        # typeshed wants a callable wrapper; update_wrapper copies attributes onto any object.
+        functools.update_wrapper(self, func)  # type: ignore[arg-type]
 
     async def arun(self, router: Router | str, /, *args: Any, **kwargs: Any) -> State:
         """Run once; the final state. Errors propagate (a ProgramError names the call).
@@ -47,6 +48,26 @@ class Program:
         async with router.session():
             return await self._run(State(router, self.name), args, kwargs)
 
+    @overload
+    async def arun_batch(
+        self,
+        router: Router | str,
+        inputs: Iterable[dict[str, Any]],
+        *,
+        concurrency: int = 8,
+        return_exceptions: Literal[False] = False,
+    ) -> list[State]: ...
+
+    @overload
+    async def arun_batch(
+        self,
+        router: Router | str,
+        inputs: Iterable[dict[str, Any]],
+        *,
+        concurrency: int = 8,
+        return_exceptions: bool,
+    ) -> list[State | BaseException]: ...
+
     async def arun_batch(
         self,
         router: Router | str,
@@ -54,7 +75,7 @@ class Program:
         *,
         concurrency: int = 8,
         return_exceptions: bool = False,
-    ) -> list[State | BaseException]:
+    ) -> list[State] | list[State | BaseException]:
         """Run once per keyword dict of `inputs`, at most `concurrency` at a time; the
         states in input order. The first error cancels the rest and is raised, unless
         `return_exceptions`: then each failed run's exception takes its place."""
@@ -79,9 +100,29 @@ class Program:
     def run(self, router: Router | str, /, *args: Any, **kwargs: Any) -> State:
         return _sync(self.arun(router, *args, **kwargs))
 
+    @overload
+    def run_batch(
+        self,
+        router: Router | str,
+        inputs: Iterable[dict[str, Any]],
+        *,
+        concurrency: int = 8,
+        return_exceptions: Literal[False] = False,
+    ) -> list[State]: ...
+
+    @overload
+    def run_batch(
+        self,
+        router: Router | str,
+        inputs: Iterable[dict[str, Any]],
+        *,
+        concurrency: int = 8,
+        return_exceptions: bool,
+    ) -> list[State | BaseException]: ...
+
     def run_batch(
         self, router: Router | str, inputs: Iterable[dict[str, Any]], **options: Any
-    ) -> list[State | BaseException]:
+    ) -> list[State] | list[State | BaseException]:
         return _sync(self.arun_batch(router, inputs, **options))
 
     def stream(self, router: Router | str, /, *args: Any, **kwargs: Any) -> Streamed:

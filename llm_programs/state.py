@@ -42,7 +42,8 @@ class State:
     def __init__(self, router: Router, program: str = "program", sink: Sink | None = None):
         self.router, self.program, self._sink = router, program, sink
         self.vars: dict[str, Any] = {}
-        self.scores: dict[str, list[ChoiceScore]] = {}
+        # A select's list[ChoiceScore]; after join(), one such list (or None) per branch.
+        self.scores: dict[str, list[Any]] = {}
         self.calls: list[CallRecord] = []
         self.returned: Any = None  # what the program function returned
         self._text = ""
@@ -106,7 +107,7 @@ class State:
     async def assistant(self, *parts: str | Gen | Select) -> str:
         """One assistant turn: its parts in order (strings appended as they are); the
         turn's text becomes the assistant message. Returns that text."""
-        self._message("assistant", None)
+        messages = self._message("assistant", None)
         self._turn = ""
         try:
             for part in parts:
@@ -123,7 +124,7 @@ class State:
             content = self._turn
         finally:
             self._turn = None
-        self._messages.append({"role": "assistant", "content": content})
+        messages.append({"role": "assistant", "content": content})
         return content
 
     async def finish(self) -> None:
@@ -196,10 +197,12 @@ class State:
         if self._sink is None:
             work = self.router.complete(label, body)
         else:
-            work = self._streamed(label, call.name, body)
+            work = self._streamed(label, call.name, body, self._sink)
         return await self._timed(label, "gen", body, work)
 
-    async def _streamed(self, label: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _streamed(
+        self, label: str, name: str, body: dict[str, Any], sink: Sink
+    ) -> dict[str, Any]:
         """The streamed completion, each piece to the sink, as a non-streamed answer."""
         body = {**body, "stream_options": {"include_usage": True}}
         pieces: list[str] = []
@@ -208,7 +211,7 @@ class State:
             for choice in event.get("choices") or ():
                 if choice.get("text"):
                     pieces.append(choice["text"])
-                    self._sink(Piece(label, name, choice["text"]))
+                    sink(Piece(label, name, choice["text"]))
             answer["usage"] = event.get("usage") or answer.get("usage")
         answer["choices"] = [{"text": "".join(pieces)}]
         return answer
@@ -271,7 +274,8 @@ class State:
             self._turn += text
         self._text += text
 
-    def _message(self, role: str, content: str | None) -> None:
+    def _message(self, role: str, content: str | None) -> list[dict[str, str]]:
+        """Append to the chat (None: only open it); returns the chat's messages."""
         where = f"{self.program}: {role}()"
         if role != "assistant" and not isinstance(content, str):
             raise ProgramInputError(f"{where}: content must be a string")
@@ -285,6 +289,7 @@ class State:
             raise ProgramInputError(f"{where}: an assistant turn is still open")
         if content is not None:
             self._messages.append({"role": role, "content": content})
+        return self._messages
 
     def _claim(self, label: str, name: str) -> None:
         if name in self.vars:
