@@ -31,7 +31,7 @@ def setup_logging(level: str = "info", fmt: str = "auto", **static: str) -> None
         if as_json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
-    shared = [
+    shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

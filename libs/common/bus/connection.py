@@ -128,7 +128,8 @@ class Bus:
                     name=self.name,
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
+                    # nats-py annotates an int; it only adds and sleeps it (seconds).
+                    reconnect_time_wait=0.5,  # type: ignore[arg-type]
                     connect_timeout=2,
                     error_cb=self._on_error,
                     disconnected_cb=self._on_disconnected,

@@ -11,12 +11,15 @@ so a sampled answer cannot wander into unbounded whitespace (docs/structured_out
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stub only
+
+JSON_OPTIONS: JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
     "whitespace_flexible": False,
@@ -36,7 +39,11 @@ def json_schema(schema: Any, param: str = "response_format") -> str:
     if not isinstance(schema, dict | bool):
         raise GrammarError(param, "a JSON schema must be an object or a boolean")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        # The stub says str | dict; the compiler takes the boolean schemas true and false too.
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema,  # type: ignore[arg-type]
+            overrides=JSON_OPTIONS,
+        )
     except ValueError as e:
         raise GrammarError(param, f"invalid JSON schema: {e}") from None
 

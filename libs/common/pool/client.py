@@ -198,7 +198,7 @@ class PoolClient:
         if len(found) != len(keys):
             raise BusError(f"{self._subject('get')}: {len(found)} answers, {len(keys)} keys")
         deadline = sent + reply.lease_ttl  # the master's lease began after `sent`
-        results: list[GetResult | None] = [None] * len(keys)
+        results: dict[int, GetResult] = {}  # index -> outcome; every index has one at the end
         todo: dict[int, list[PoolReplica]] = {}  # index -> replicas left to try
         for i, obj in enumerate(found):
             if not obj.replicas:
@@ -232,16 +232,17 @@ class PoolClient:
                     if not error or not todo[i] or (error == "mac" and not provable):
                         del todo[i]
                         results[i] = GetResult(keys[i], obj.size, error)
+        ordered = [results[i] for i in range(len(keys))]
         if loop.time() > deadline:
             log.error("pool read outlived its lease; bytes refused", keys=len(keys),
                       lease_ttl=reply.lease_ttl)  # fmt: skip
             # past the lease the store refuses reads too (the get's grant expired)
             late = ("", "unreachable")
             return [GetResult(r.key, r.size, "lease_expired") if r.error in late else r
-                    for r in results]  # fmt: skip
+                    for r in ordered]  # fmt: skip
         if bad:  # read within the lease: the bytes were the replica's, not a reused range
             await self._report_bad(bad)
-        return results
+        return ordered
 
     async def _transfer(
         self, kind: str, memory: LocalMemory, segment: dict[str, Any], ops: list, store: str

@@ -53,6 +53,8 @@ class PoolTier:
 
     def __init__(self, client: PoolClient, engine: Engine, transfer: TransferEngine,
                  staging_pages: int = 16):  # fmt: skip
+        if engine.core is None:
+            raise ValueError("PoolTier: start the engine first (its KV cache sizes the staging)")
         kv = engine.core.kv_cache
         page_shape = (kv.num_layers, 2, kv.page_size, kv.num_kv_heads, kv.head_dim)
         self.client, self.engine = client, engine

@@ -44,6 +44,12 @@ def check_range(offset: int, length: int, region_length: int) -> bool:
     return offset <= region_length and length <= region_length - offset
 
 
+def plain(op: Sequence[int]) -> tuple[int, int, int]:
+    """`op` as a plain (local_off, remote_off, length) tuple: how a TransferError names it."""
+    local_off, remote_off, length = op
+    return (local_off, remote_off, length)
+
+
 def _as_int(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return None
@@ -63,6 +69,9 @@ def validate_ops(ops: Iterable[Sequence[int]], local_length: int, remote_length:
             raise ValueError(f"ops[{index}]: expected (local_off, remote_off, length)")
         if len(raw) != 3:
             raise ValueError(f"ops[{index}]: expected (local_off, remote_off, length)")
+        local_off: int | None
+        remote_off: int | None
+        length: int | None
         local_off, remote_off, length = raw
         if not (type(local_off) is int and type(remote_off) is int and type(length) is int):
             local_off, remote_off, length = (_as_int(v) for v in raw)

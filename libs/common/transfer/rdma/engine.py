@@ -30,7 +30,7 @@ from typing import Any
 from libs.common.transfer.descriptor import RegionDescriptor
 from libs.common.transfer.engine import TransferEngine
 from libs.common.transfer.errors import AccessRefused, TransferError
-from libs.common.transfer.ops import Op, slice_ops, spread
+from libs.common.transfer.ops import Op, plain, slice_ops, spread
 from libs.common.transfer.rdma.device import VerbsDevice
 from libs.common.transfer.rdma.link import Link, LinkState, QpExchange, QpInfo, WorkTracker
 from libs.common.transfer.rdma.shim import load as load_pyverbs
@@ -255,7 +255,7 @@ class RdmaTransferEngine(TransferEngine):
         except TransferError as exc:
             # A failed work request puts the RC queue pair in the error state.
             self._fail_link(peer, qps, exc.reason)
-            op = tuple(ops[exc.op_index]) if 0 <= exc.op_index < len(ops) else None
+            op = plain(ops[exc.op_index]) if 0 <= exc.op_index < len(ops) else None
             raise TransferError(peer, exc.reason, exc.op_index, op) from None
         except Exception as exc:
             self._fail_link(peer, qps, str(exc))

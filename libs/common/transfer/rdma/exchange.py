@@ -18,6 +18,7 @@ from libs.common import __version__
 from libs.common.bus.connection import Bus, Endpoint, HandlerError
 from libs.common.messages.control import RdmaConnect
 from libs.common.transfer import TransferEngine
+from libs.common.transfer.rdma.engine import RdmaTransferEngine
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -41,7 +42,7 @@ def engine_options(transport: str, bus: Bus, prefix: str, service_id: str) -> di
 
 def connect_endpoints(engine: TransferEngine, prefix: str) -> list[Endpoint]:
     """The endpoint peers dial to set up queue pairs with `engine` (none unless rdma)."""
-    if engine.transport != "rdma":
+    if not isinstance(engine, RdmaTransferEngine):
         return []
 
     async def accept(request: RdmaConnect) -> RdmaConnect:

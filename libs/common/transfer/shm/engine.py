@@ -23,7 +23,7 @@ from pathlib import Path
 from libs.common.transfer.descriptor import RegionDescriptor
 from libs.common.transfer.engine import EngineState, TransferEngine
 from libs.common.transfer.errors import AccessRefused, RegionBusy, TransferError
-from libs.common.transfer.ops import Op, Slice, check_range, slice_ops, spread
+from libs.common.transfer.ops import Op, Slice, check_range, plain, slice_ops, spread
 from libs.common.transfer.region import Region
 from libs.common.transfer.shm.segment import Segment
 
@@ -191,7 +191,7 @@ class ShmTransferEngine(TransferEngine):
             self._log.warning("transfer refused", peer=remote.endpoint, reason=exc.reason,
                               kind=kind, op_index=0)  # fmt: skip
             raise TransferError(
-                remote.endpoint, f"refused: {exc.reason}", 0, tuple(ops[0])
+                remote.endpoint, f"refused: {exc.reason}", 0, plain(ops[0])
             ) from None
         try:
             copies = self._move(kind, region, remote_addr, ops)

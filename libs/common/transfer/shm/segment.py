@@ -107,7 +107,9 @@ class Segment:
         self.data_addr = ctypes.addressof(ctypes.c_char.from_buffer(self.data))
         # The slot table as u64 columns [region_id, offset, length, live, token, token, ...],
         # so a lookup is one vectorized compare rather than 1023 struct unpacks.
-        self._slots = np.frombuffer(mm, np.uint64, NSLOTS * SLOT_BYTES // 8, 64).reshape(NSLOTS, 8)
+        self._slots: np.ndarray | None = np.frombuffer(
+            mm, np.uint64, NSLOTS * SLOT_BYTES // 8, 64
+        ).reshape(NSLOTS, 8)
         self._last_slot: dict[int, int] = {}  # region id -> slot it was last found in (a hint)
 
     @classmethod
@@ -159,7 +161,7 @@ class Segment:
 
     def put(self, region_id: int, offset: int, length: int, token: bytes) -> int:
         """Publish a region in a free slot; ValueError when the table is full."""
-        free = np.flatnonzero(self._slots[:, 3] == 0)
+        free = np.flatnonzero(self._table()[:, 3] == 0)
         if not free.size:
             raise ValueError(f"buffer: segment {self.name} already holds {NSLOTS} regions")
         index = int(free[0])
@@ -220,6 +222,11 @@ class Segment:
             elif self._fd >= 0:  # a closed segment's locks went with its descriptor
                 _lock(self._fd, fcntl.F_UNLCK, index)
 
+    def _table(self) -> np.ndarray:
+        if self._slots is None:  # dropped by close(), so that the mapping can go
+            raise ValueError(f"segment {self.name}: closed")
+        return self._slots
+
     def _find_slot(self, region_id: int) -> int | None:
         """The slot of a live region, or None.
 
@@ -232,7 +239,7 @@ class Segment:
             if live == 1 and rid == region_id:
                 return hint
             del self._last_slot[region_id]
-        for index in np.flatnonzero(self._slots[:, 0] == np.uint64(region_id)):
+        for index in np.flatnonzero(self._table()[:, 0] == np.uint64(region_id)):
             rid, _, _, live, _ = _SLOT.unpack_from(self._mm, _slot_at(int(index)))
             if live == 1 and rid == region_id:
                 if len(self._last_slot) >= NSLOTS:

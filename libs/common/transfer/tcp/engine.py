@@ -20,7 +20,7 @@ from typing import NoReturn
 from libs.common.transfer.descriptor import U32_MAX, RegionDescriptor
 from libs.common.transfer.engine import EngineState, TransferEngine
 from libs.common.transfer.errors import AccessRefused, TransferError
-from libs.common.transfer.ops import Op, batch_bytes, slice_ops, slice_size, spread
+from libs.common.transfer.ops import Op, batch_bytes, plain, slice_ops, slice_size, spread
 from libs.common.transfer.region import Region
 from libs.common.transfer.tcp.admission import ServerLimits
 from libs.common.transfer.tcp.client import Connection
@@ -365,13 +365,13 @@ class TcpTransferEngine(TransferEngine):
         for result in results:
             if isinstance(result, AccessRefused):
                 index = getattr(result, "op_index", -1)
-                op = tuple(ops[index]) if 0 <= index < len(ops) else None
+                op = plain(ops[index]) if 0 <= index < len(ops) else None
                 self._log.warning("transfer refused by peer", peer=peer, op_index=index,
                                   reason=result.reason)  # fmt: skip
                 raise TransferError(peer, f"refused: {result.reason}", index, op) from result
-        for result in results:
-            if isinstance(result, BaseException):
-                # A socket error (reset, closed under a queued part: EBADF, EPIPE) is the
-                # connection's, not the batch's (timeouts were handled above).
-                error = _ConnectionLost if isinstance(result, OSError) else TransferError
-                raise error(peer, f"{kind} failed: {result}") from result
+        # Callers pass results holding at least one exception.
+        failure = next(r for r in results if isinstance(r, BaseException))
+        # A socket error (reset, closed under a queued part: EBADF, EPIPE) is the
+        # connection's, not the batch's (timeouts were handled above).
+        error = _ConnectionLost if isinstance(failure, OSError) else TransferError
+        raise error(peer, f"{kind} failed: {failure}") from failure

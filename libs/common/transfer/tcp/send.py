@@ -143,7 +143,12 @@ class PartSender:
             raise ConnectionError("connection closed")
         waiter = self._waiter = self._loop.create_future()
         fd = self._sock.fileno()
-        self._loop.add_writer(fd, lambda: waiter.done() or waiter.set_result(None))
+
+        def wake() -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        self._loop.add_writer(fd, wake)
         try:
             await waiter
         finally:
