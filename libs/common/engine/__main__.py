@@ -55,6 +55,8 @@ def generate(args: argparse.Namespace) -> dict:
                           weights=args.weights, kv_dtype=args.kv_dtype)  # fmt: skip
     core = EngineCore(config)
     tok = core.tokenizer
+    if tok is None:
+        raise ValueError(f"{args.model}: the model has no tokenizer to encode the prompt")
     text = args.prompt
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}])

@@ -52,16 +52,17 @@ class Bound:
         if self.kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise SamplingError(name, f"'{name}' must be an integer, got {value!r}")
+            number: int | float = value
         else:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise SamplingError(name, f"'{name}' must be a number, got {value!r}")
-            value = float(value)
-            if not math.isfinite(value):
-                raise SamplingError(name, f"'{name}' must be finite, got {value}")
-        low = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
-        if low or (self.hi is not None and value > self.hi):
-            raise SamplingError(name, f"'{name}' must be in {self.interval}, got {value}")
-        return value
+            number = float(value)
+            if not math.isfinite(number):
+                raise SamplingError(name, f"'{name}' must be finite, got {number}")
+        low = self.lo is not None and (number <= self.lo if self.lo_open else number < self.lo)
+        if low or (self.hi is not None and number > self.hi):
+            raise SamplingError(name, f"'{name}' must be in {self.interval}, got {number}")
+        return number
 
     @property
     def interval(self) -> str:

@@ -215,14 +215,14 @@ class Scheduler:
         # A step that had to preempt has no room to admit anyone.
         while not out.preempted and self.waiting and budget and self._has_seat():
             seq = self.waiting[0]
-            n = self._admit(seq, budget)
-            if n is None:
+            chunk = self._admit(seq, budget)
+            if chunk is None:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            picked[seq.request_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
-            budget -= n
+            picked[seq.request_id] = ScheduledSeq(seq, seq.num_computed_tokens, chunk)
+            budget -= chunk
         out.scheduled = list(picked.values())
         return out
 

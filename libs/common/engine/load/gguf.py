@@ -102,6 +102,8 @@ def read_config(reader: Any) -> ModelConfig:
     hidden = int(_field(reader, p + "embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _field(reader, p + "vocab_size") or (len(tokens.data) if tokens else None)
+    if vocab is None:
+        raise ValueError("gguf: neither a vocab_size nor the tokenizer's tokens")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     rope_scaling = None
     if _field(reader, p + "rope.scaling.type") == "linear":

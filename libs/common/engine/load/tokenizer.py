@@ -37,7 +37,7 @@ def _pre_tokenizer(kind: str) -> Any:
     if kind in ("qwen2", "deepseek-llm"):
         split = pre.Split(Regex(_QWEN2_SPLIT), behavior="isolated")
         return pre.Sequence([split, byte_level])
-    steps = []
+    steps: list[pre.PreTokenizer] = []
     if kind in ("smollm", "starcoder", "refact", "command-r", "codeshell"):
         steps.append(pre.Digits(individual_digits=True))
     steps.append(pre.ByteLevel(add_prefix_space=False, use_regex=True))
@@ -57,9 +57,9 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     elif model == "llama":
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
-        vocab = list(zip(tokens, (float(s) for s in scores), strict=True))
-        tok = Tokenizer(models.Unigram(vocab, unk_id=unk, byte_fallback=True))
-        norm = [normalizers.Replace(" ", "▁")]
+        scored = list(zip(tokens, (float(s) for s in scores), strict=True))
+        tok = Tokenizer(models.Unigram(scored, unk_id=unk, byte_fallback=True))
+        norm: list[normalizers.Normalizer] = [normalizers.Replace(" ", "▁")]
         if meta.get("tokenizer.ggml.add_space_prefix", True):
             norm.insert(0, normalizers.Prepend("▁"))
         tok.normalizer = normalizers.Sequence(norm)
@@ -142,8 +142,9 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special).ids
-        if add_special and self.add_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id  # set whenever add_bos is
+        if add_special and self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
@@ -161,7 +162,7 @@ class TextTokenizer:
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(self.chat_template)
 
-        def name(i: int | None) -> str:
+        def name(i: int | None) -> str | None:
             return self.tokenizer.id_to_token(i) if i is not None else ""
 
         return self._template.render(

@@ -72,7 +72,8 @@ class FusedDecode:
             return None
         lib.tq_decode_layer.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _I, _P, _I]
         lib.tq_decode_layer.restype = _I
-        layers, keep = [], []
+        layers: list[_Layer] = []
+        keep: list[torch.Tensor] = []
         for layer in model.layers:
             dense = all(hasattr(layer.mlp, n) for n in ("gate_up", "down", "size"))  # not routed
             if layer.qk_norm is not None or not dense:

@@ -185,6 +185,8 @@ class QuantLinear:
             if y is None:
                 y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
             y[:, start:stop] = part
+        if y is None:  # no slice at all: out_features == 0
+            return torch.empty(x.shape[0], 0, dtype=torch.float32)
         return y
 
 

@@ -80,7 +80,7 @@ class Sampler:
         out_lp: list[TokenLogprobs | None] = [None] * len(rows)
         if logprobs is not None:
             for i, r in enumerate(rows):
-                if want_lp[i]:
+                if r.params.logprobs is not None:
                     out_lp[i] = token_logprobs(logprobs[i], token_ids[i], r.params.logprobs)
         return SamplerOutput(token_ids, out_lp)
 

@@ -212,7 +212,7 @@ class DecodeMirror:
             if plan.write_index is not None and new is not None:
                 rows = new.index_select(0, plan.keep_rows).reshape(-1, d).to(mirror.dtype)
                 mirror.view(-1, d).index_copy_(0, plan.write_index, rows)
-            if plan.fill_pages is not None:
+            if plan.fill_pages is not None and plan.fill_slots is not None:  # set together
                 n = plan.fill_slots.shape[0]
                 gathered = paged.index_select(0, plan.fill_pages).view(n, -1, hk, d)
                 target = mirror.narrow(2, 0, plan.fill_tokens)

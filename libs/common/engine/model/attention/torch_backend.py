@@ -16,6 +16,7 @@ fresh K/V in one batched call, without touching the cache.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import torch
@@ -36,7 +37,7 @@ class _Decode:
     mirror: MirrorPlan | None = None  # set: attention reads the mirror
     # The kernel's KV writes, built at the step's first layer (flat row indices):
     # paged rows (slot * Hk + h), the continuing rows' token rows and mirror rows.
-    kernel_writes: tuple | None = None
+    kernel_writes: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -95,7 +96,7 @@ class TorchAttention(AttentionBackend):
         self.mirror = DecodeMirror(kv_cache) if decode_mirror else None
         # On the CPU, decode attention over the mirror is a C kernel (quant/kernels.c):
         # it reads K/V in their stored dtype and only each row's own context.
-        self._kernel = None
+        self._kernel: ctypes.CDLL | None = None
         if self.mirror is not None and kv_cache.buffer.device.type == "cpu":
             self._kernel = optional_library()
 
@@ -112,7 +113,7 @@ class TorchAttention(AttentionBackend):
             decode = self._plan_decode(batch, decode_idx, starts, dev)
         elif self.mirror is not None:
             self.mirror.forget()
-        prefills = []
+        prefills: list[_Prefill] = []
         for i, q in enumerate(batch.q_lens):
             if q == 1:
                 continue
@@ -164,7 +165,7 @@ class TorchAttention(AttentionBackend):
         dec = plan.decode
         if self._kernel is not None and dec is not None and dec.mirror is not None:
             if not plan.prefills:  # a decode-only step: one kernel pass per K/V write
-                self._write_kv(layer, k, v, plan)
+                self._write_kv(self._kernel, layer, (k, v), plan.slots, dec)
                 return self._decode(layer, q, kc, vc, dec)
         # Stored in the cache's dtype; everything below reads K/V as stored (rounded) and
         # computes in q's, so a chunk attends the same values whether cached or fresh.
@@ -172,16 +173,17 @@ class TorchAttention(AttentionBackend):
         kc.view(-1, hk, d).index_copy_(0, plan.slots, k)
         vc.view(-1, hk, d).index_copy_(0, plan.slots, v)
         if dec is not None and dec.mirror is not None:
+            mirror = self._planned_mirror()
             if dec.rows is None:
-                self.mirror.update(layer, dec.mirror, k, v)
+                mirror.update(layer, dec.mirror, k, v)
             else:
-                self.mirror.update(layer, dec.mirror, k[dec.rows], v[dec.rows])
+                mirror.update(layer, dec.mirror, k[dec.rows], v[dec.rows])
             if layer == self.kv_cache.num_layers - 1:
-                self.mirror.finish()
+                mirror.finish()
         if dec is not None and not plan.prefills:
             return self._decode(layer, q, kc, vc, dec)
         out = q.new_empty(plan.num_tokens, self.num_heads * d)
-        if dec is not None:
+        if dec is not None and dec.rows is not None:  # rows is None only with no prefills
             rows = dec.rows
             out.index_copy_(0, rows, self._decode(layer, q.index_select(0, rows), kc, vc, dec))
         for p in plan.prefills:
@@ -201,11 +203,18 @@ class TorchAttention(AttentionBackend):
         )
         return o.reshape(b, self.num_heads * d)
 
+    def _planned_mirror(self) -> DecodeMirror:
+        """The mirror, for a step whose plan reads it (only a mirror makes a MirrorPlan)."""
+        if self.mirror is None:
+            raise RuntimeError("attention: a step planned on a mirror this backend lacks")
+        return self.mirror
+
     def _decode_mirror(self, layer, groups, plan: MirrorPlan) -> torch.Tensor:
         if self._kernel is not None:
-            return self._kernel_attention(layer, groups, plan)
-        keys = self.mirror.keys(layer, plan).to(groups.dtype)
-        values = self.mirror.values(layer, plan).to(groups.dtype)
+            return self._kernel_attention(self._kernel, layer, groups, plan)
+        mirror = self._planned_mirror()
+        keys = mirror.keys(layer, plan).to(groups.dtype)
+        values = mirror.values(layer, plan).to(groups.dtype)
         if not plan.identity:  # rows to their slots; unused slots attend zeros, then dropped
             slotted = groups.new_zeros((plan.width, *groups.shape[1:]))
             groups = slotted.index_copy_(0, plan.slots, groups)
@@ -225,66 +234,83 @@ class TorchAttention(AttentionBackend):
         mp = dec.mirror
         if mp.fill_pages is not None or dec.rows is not None:
             return None
-        paged, src = self._kernel_writes(plan)
-        buffer, mirror = self.kv_cache.buffer, self.mirror.layer_tensor(0, 0)
-        whole = self.mirror.layer_tensor(1, 0) if self.kv_cache.num_layers > 1 else None
+        paged, src = self._kernel_writes(plan.slots, dec)
+        mirrors = self._planned_mirror()
+        buffer, mirror = self.kv_cache.buffer, mirrors.layer_tensor(0, 0)
+        whole = mirrors.layer_tensor(1, 0) if self.kv_cache.num_layers > 1 else None
         size = buffer.element_size()
         mirror_layer = (whole.data_ptr() - mirror.data_ptr()) if whole is not None else 0
+        write_index = mp.write_index if src is not None else None  # set whenever src is
         return FusedDecodeArgs(
             buffer[0, 0].data_ptr(), buffer[0, 1].data_ptr(), buffer.stride(0) * size,
             _KV_TYPES[buffer.dtype], paged.data_ptr(), mirror.data_ptr(),
-            self.mirror.layer_tensor(0, 1).data_ptr(), mirror_layer,
+            mirrors.layer_tensor(0, 1).data_ptr(), mirror_layer,
             0 if src is None else src.shape[0], 0 if src is None else src.data_ptr(),
-            0 if src is None else mp.write_index.data_ptr(), mirror.stride(0), mirror.stride(1),
-            mp.slots.data_ptr(), mp.lens.data_ptr(), self.scale,
+            0 if write_index is None else write_index.data_ptr(), mirror.stride(0),
+            mirror.stride(1), mp.slots.data_ptr(), mp.lens.data_ptr(), self.scale,
         )  # fmt: skip
 
     def fused_done(self, plan: TorchPlan) -> None:
         """Every layer of a fused step ran: the mirror's slots are up to date."""
-        self.mirror.finish()
+        self._planned_mirror().finish()
 
-    def _kernel_writes(self, plan: TorchPlan) -> tuple:
+    def _kernel_writes(
+        self, slots: torch.Tensor, dec: _Decode
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Flat row indices of the step's K/V writes, built once a step: paged rows
-        (slot * Hk + h), and the continuing rows' token rows (None: no mirror writes)."""
-        dec = plan.decode
+        (slot * Hk + h), and the continuing rows' token rows (None: no mirror writes).
+        `dec` is the step's decode part, planned on the mirror."""
         if dec.kernel_writes is None:
             hk, mp = self.num_kv_heads, dec.mirror
             heads = torch.arange(hk, dtype=torch.long)
-            paged = (plan.slots.unsqueeze(1) * hk + heads).reshape(-1)
+            paged = (slots.unsqueeze(1) * hk + heads).reshape(-1)
             src = None
-            if mp.write_index is not None:
+            if mp is not None and mp.write_index is not None:
                 src = mp.keep_rows if dec.rows is None else dec.rows[mp.keep_rows]
             dec.kernel_writes = (paged, src)
         return dec.kernel_writes
 
-    def _write_kv(self, layer, k, v, plan: TorchPlan) -> None:
-        """The step's new K/V into the pages and the mirror's continuing rows, rounded to the
-        cache's dtype as `Tensor.to` rounds (nearest even), by `tq_scatter_heads`."""
+    def _write_kv(
+        self,
+        kernel: ctypes.CDLL,
+        layer: int,
+        kv_new: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        dec: _Decode,
+    ) -> None:
+        """The step's new K and V into the pages and the mirror's continuing rows, rounded to
+        the cache's dtype as `Tensor.to` rounds (nearest even), by `tq_scatter_heads`. `dec`
+        is the step's decode part, planned on the mirror."""
         hk, d = self.num_kv_heads, self.head_dim
         kc, vc = self.kv_cache.key(layer), self.kv_cache.value(layer)
-        mp = plan.decode.mirror
-        paged, src = self._kernel_writes(plan)
+        mp, mirrors = dec.mirror, self._planned_mirror()
+        if mp is None:
+            raise RuntimeError("attention: a kernel K/V write without a mirror plan")
+        paged, src = self._kernel_writes(slots, dec)
         kind = _KV_TYPES[kc.dtype]
-        scatter = self._kernel.tq_scatter_heads
-        for kv, new, cache in ((0, k, kc), (1, v, vc)):
+        scatter = kernel.tq_scatter_heads
+        for kv, new, cache in ((0, kv_new[0], kc), (1, kv_new[1], vc)):
             if new.stride(2) != 1 or new.stride(1) != d:  # rows may be strided, heads dense
                 new = new.contiguous()
             scatter(new.data_ptr(), new.stride(0), new.shape[0], hk, d, None, paged.data_ptr(),
                     cache.data_ptr(), kind)  # fmt: skip
-            if src is not None:
-                mirror = self.mirror.layer_tensor(layer, kv)
+            if src is not None and mp.write_index is not None:  # both set, or neither
+                mirror = mirrors.layer_tensor(layer, kv)
                 scatter(new.data_ptr(), new.stride(0), src.shape[0], hk, d, src.data_ptr(),
                         mp.write_index.data_ptr(), mirror.data_ptr(), kind)  # fmt: skip
-        self.mirror.update(layer, mp, None, None)  # refills from the pages, if any
+        mirrors.update(layer, mp, None, None)  # refills from the pages, if any
         if layer == self.kv_cache.num_layers - 1:
-            self.mirror.finish()
+            mirrors.finish()
 
-    def _kernel_attention(self, layer, groups, plan: MirrorPlan) -> torch.Tensor:
+    def _kernel_attention(
+        self, kernel: ctypes.CDLL, layer: int, groups: torch.Tensor, plan: MirrorPlan
+    ) -> torch.Tensor:
         """The C kernel on the mirror as stored (any KV dtype; no padded copy, no mask)."""
         q = groups.reshape(groups.shape[0], -1).contiguous()
         out = torch.empty_like(q)
-        keys, values = self.mirror.layer_tensor(layer, 0), self.mirror.layer_tensor(layer, 1)
-        rc = self._kernel.tq_decode_attention(
+        mirror = self._planned_mirror()
+        keys, values = mirror.layer_tensor(layer, 0), mirror.layer_tensor(layer, 1)
+        rc = kernel.tq_decode_attention(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), _KV_TYPES[keys.dtype],
             keys.stride(0), keys.stride(1), plan.slots.data_ptr(), plan.lens.data_ptr(),
             q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
