@@ -6,7 +6,7 @@ segment and SSD files on their volumes, a standby master takes over, workers dra
 no request may fail.
 
 Steps (each one fails the run with a message saying which):
-  1. image and Docker as `make compose-test` (scripts/compose_test.py's functions)
+  1. image and Docker as `make compose-test` (scripts/compose_stack.py)
   2. `up -d --profile ha`: compose.yaml's stack (two masters) plus a second decode worker
      (decode_2), 512 MiB store segments; wait until every service is healthy
   3. before: cohort B's first round, then cohort A's rounds 0..R-1 (multi-turn
@@ -48,15 +48,13 @@ import platform
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from bench.client import Endpoint, RequestResult, send
-from bench.driver import Arrivals, drive
-from bench.workloads import MultiTurn, Turn
-from scripts.compose_test import (
+from bench.client import Endpoint
+from bench.workloads import MultiTurn
+from scripts.compose_stack import (
     IMAGE,
     REPO,
     SERVICES,
@@ -70,6 +68,7 @@ from scripts.compose_test import (
     step,
     tear_down,
 )
+from scripts.upgrade_load import Load, Phase, Record, background
 
 WORKDIR = REPO / "run" / "upgrade-test"
 PROJECT = "tandem-upgrade-test"
@@ -80,103 +79,6 @@ ORDER = ("nats", "cache_master_2", "cache_master", "cache_store_1", "cache_store
          "prefill", "decode", "decode_2", "router")  # fmt: skip
 MASTERS = {"cache_master": "master-1", "cache_master_2": "master-2"}  # compose.yaml's ids
 HIT_RATE_GOAL = 0.05  # |after - before|
-MAX_BACKGROUND_BATCHES = 200  # bounds the background load even if the upgrade never ends
-
-
-class Phase:
-    """A MultiTurn workload run up to (not including) round `until`: later turns it would
-    release are kept in `held`, for the next Phase to start from (`first`)."""
-
-    def __init__(self, inner: MultiTurn, until: int, first: list[Turn] | None = None):
-        self.inner, self.until, self.first = inner, until, first
-        self.held: list[Turn] = []
-        self.total = inner.total
-
-    def initial(self) -> list[Turn]:
-        return list(self.first) if self.first is not None else self.inner.initial()
-
-    def done(self, turn: Turn, ok: bool, text: str) -> list[Turn]:
-        released = self.inner.done(turn, ok, text)
-        self.held += [t for t in released if t.round >= self.until]
-        return [t for t in released if t.round < self.until]
-
-
-@dataclass
-class Record:
-    """One request as the test saw it: wall-clock times, so failures map to restarts."""
-
-    label: str
-    result: RequestResult
-    began: float
-    ended: float
-    retries: list[str] = field(default_factory=list)
-
-
-def refusal(res: RequestResult) -> str | None:
-    """Why the router refused `res` before generating anything (retry), or None."""
-    if res.ok or res.ttft:
-        return None
-    err = res.error
-    for reason in ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError"):
-        if err.startswith(reason):
-            return reason
-    for status in ("HTTP 503", "HTTP 429"):
-        if err.startswith(status):
-            return status
-    return None
-
-
-class Load:
-    """Sends turns through the router, retrying refusals; keeps a Record of each."""
-
-    def __init__(self, http: aiohttp.ClientSession, endpoint: Endpoint, retry_for: float):
-        self.http, self.endpoint, self.retry_for = http, endpoint, retry_for
-        self.records: list[Record] = []
-
-    async def send(self, label: str, turn: Turn, t0: float) -> RequestResult:
-        began, retries = time.time(), []
-        deadline = time.monotonic() + self.retry_for
-        while True:
-            res = await send(self.http, self.endpoint, turn, t0)
-            reason = refusal(res)
-            if reason is None or time.monotonic() > deadline:
-                break
-            retries.append(reason)
-            await asyncio.sleep(1.0)
-        self.records.append(Record(label, res, began, time.time(), retries))
-        return res
-
-    async def run(self, label: str, workload: Phase | MultiTurn, concurrency: int) -> None:
-        arrivals = Arrivals(max_concurrency=concurrency, duration=900.0)
-
-        async def one(turn: Turn, t0: float) -> RequestResult:
-            return await self.send(label, turn, t0)
-
-        await drive(workload, one, arrivals)
-
-    def hit_rate(self, label: str, rounds: range) -> dict[str, Any]:
-        done = [r.result for r in self.records if r.label == label and r.result.ok]
-        per_round = {}
-        for n in rounds:
-            rs = [r for r in done if r.round == n]
-            prompt = sum(r.prompt_tokens for r in rs)
-            per_round[n] = round(sum(r.cached_tokens for r in rs) / prompt, 4) if prompt else None
-        rs = [r for r in done if r.round in rounds]
-        prompt = sum(r.prompt_tokens for r in rs)
-        rate = sum(r.cached_tokens for r in rs) / prompt if prompt else 0.0
-        return {"hit_rate": round(rate, 4), "requests": len(rs), "prompt_tokens": prompt,
-                "per_round": per_round}  # fmt: skip
-
-
-async def background(load: Load, stop: asyncio.Event, concurrency: int) -> int:
-    """Short multi-turn conversations, batch after batch, until `stop` (bounded)."""
-    batch = 0
-    while not stop.is_set() and batch < MAX_BACKGROUND_BATCHES:
-        workload = MultiTurn(clients=concurrency, rounds=6, request_len=96, question_len=24,
-                             output_len=4, seed=1000 + batch)  # fmt: skip
-        await load.run("background", workload, concurrency)
-        batch += 1
-    return batch
 
 
 def wait_service_healthy(stack: Stack, service: str, timeout: float) -> None:
