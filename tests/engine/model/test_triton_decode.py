@@ -45,16 +45,48 @@ def check_kernel_against_dense_attention() -> None:
     print("ok")
 
 
-def test_paged_decode_kernel_matches_dense_attention_under_the_interpreter():
-    code = (
-        "import tests.engine.model.test_triton_decode as t; "
-        "t.check_kernel_against_dense_attention()"
-    )
+def _in_interpreter(check: str) -> None:
+    code = f"import tests.engine.model.test_triton_decode as t; t.{check}()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=240)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_paged_decode_kernel_matches_dense_attention_under_the_interpreter():
+    _in_interpreter("check_kernel_against_dense_attention")
+
+
+def check_backend_against_torch() -> None:
+    """Runs in the child process: the triton backend's outputs equal the torch backend's
+    (paged, no mirror) over decode-only steps and steps mixing decode rows and a prefill."""
+    from libs.common.engine.model.attention import AttentionBatch, backend_class
+    from libs.common.engine.model.kv_cache import KVCache
+
+    tables = {1: [0, 1, 2], 2: [3, 4, 5], 3: [6, 7, 8]}
+    steps = [([1, 2], [5, 6], [5, 6]), ([1, 2], [1, 1], [6, 7]), ([1, 2], [1, 1], [7, 8]),
+             ([1, 2, 3], [1, 1, 3], [8, 9, 3]), ([1, 2, 3], [1, 1, 2], [9, 10, 5])]  # fmt: skip
+
+    def outputs(name: str, **options: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        attn = backend_class(name)(KVCache(2, 64, 4, 2, 8), 4, **options)
+        out = []
+        for keys, q_lens, ctx in steps:
+            plan = attn.plan(AttentionBatch(q_lens, ctx, [tables[k] for k in keys], keys))
+            for layer in range(2):
+                t = sum(q_lens)
+                q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+                out.append(attn.forward(layer, q, k, v, plan))
+        return out
+
+    for got, expect in zip(outputs("triton"), outputs("torch", decode_mirror=False), strict=True):
+        torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
+    print("ok")
+
+
+def test_triton_backend_matches_torch_on_decode_and_mixed_steps():
+    _in_interpreter("check_backend_against_torch")
 
 
 def test_cuda_backends_stay_unimported_when_torch_is_chosen():
