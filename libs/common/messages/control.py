@@ -269,6 +269,7 @@ def encode_chunk_batch(worker: str, encoded_chunks: list[bytes]) -> bytes:
     """The bytes of a TokenChunkBatch holding already-encoded TokenChunks (no re-encode:
     the sender measures each chunk's size to split batches under the payload limit)."""
     raw = [msgspec.Raw(c) for c in encoded_chunks]  # written as they are
+    # msgspec encodes a Raw as its bytes wherever a TokenChunk is declared.
     return TokenChunkBatch(worker, raw).encode()  # type: ignore[arg-type]
 
 

@@ -49,6 +49,8 @@ class Message(msgspec.Struct, kw_only=True, tag_field="type"):
     `v` is keyword-only and last, so subclasses' fields keep their positional order.
     """
 
+    # mypy reads neither a descriptor in a ClassVar nor a Literal of a named constant;
+    # msgspec needs both (TYPE is no field; v is checked on decode).
     TYPE: ClassVar[str] = _Tag()  # type: ignore[assignment]
     v: Literal[SCHEMA_VERSION] = SCHEMA_VERSION  # type: ignore[valid-type]
 

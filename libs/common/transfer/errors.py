@@ -17,6 +17,8 @@ class AccessRefused(Exception):
     prober learns nothing about which regions exist, and logs which one it was).
     """
 
+    op_index: int = -1  # the refused op, where the owner named it (tcp's ERR frame)
+
     def __init__(self, reason: str, detail: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason

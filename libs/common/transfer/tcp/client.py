@@ -230,7 +230,7 @@ class Connection:
         if self._rx_kind == KIND_ERR:
             part = self._pending.popleft()
             exc = AccessRefused(bytes(self._rx_target).decode("utf-8", "replace"))
-            exc.op_index = self._rx_op_index  # type: ignore[attr-defined]
+            exc.op_index = self._rx_op_index
             if not part.future.done():
                 part.future.set_exception(exc)
             self._expect_header()
