@@ -4,7 +4,7 @@ The router's added latency has parts no router code can remove: aiohttp acceptin
 parsing each POST, and one socket write per stream per token (each a loopback TCP send
 that wakes the reader). This measures them with nothing else in the way: a process
 serving POST /v1/completions on aiohttp (the same loop choice and the router's own SSE
-writer, services/router/api/sse.py), which answers every request at once with an
+writer, services/router/formats/sse.py), which answers every request at once with an
 event stamped with the handler's entry time, then writes one completion event to every
 open stream per "step" (one loop over the streams, as the router does with a decode
 step's chunks), each stamped with the step's time; the bench's lean client
@@ -31,8 +31,8 @@ from aiohttp import web
 
 from bench.http_stream import LeanClient
 from libs.common import event_loop
-from services.router.api.openai import shapes as fmt
-from services.router.api.sse import DONE, SseStream, sse
+from services.router.formats.openai import shapes as fmt
+from services.router.formats.sse import DONE, SseStream, sse
 
 STEP_S = 0.05  # between steps: long enough for 64 streams' events to drain
 

@@ -82,7 +82,7 @@ class RouterConfig(CommonConfig):
         default=256, metadata={"help": "megabytes the KV events stream keeps"}
     )
     # Defaults for sampling fields a request leaves out, over the model's own
-    # (services/router/requests/defaults.py has the order). None: not given.
+    # (services/router/defaults.py has the order). None: not given.
     default_temperature: float | None = field(
         default=None, metadata={"help": "temperature of requests that set none"}
     )

@@ -27,10 +27,10 @@ from libs.common.messages.control import LoadReport, MessageError, RouterHeartbe
 from libs.common.service import BaseService
 from services.router.api.app import build_app
 from services.router.config import RouterConfig
+from services.router.defaults import SamplingDefaults, merge_defaults
+from services.router.dispatch.dispatcher import Dispatcher
+from services.router.dispatch.heartbeat import Heartbeat, new_instance_id
 from services.router.metrics import RouterMetrics
-from services.router.requests.defaults import SamplingDefaults, merge_defaults
-from services.router.requests.dispatch import Dispatcher
-from services.router.requests.heartbeat import Heartbeat, new_instance_id
 from services.router.routing.kv_feed import KvFeed
 from services.router.routing.kv_index import KvIndex
 from services.router.routing.policy import PolicyConfig

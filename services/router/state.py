@@ -14,9 +14,9 @@ from libs.common.bus.connection import Bus
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.grammar.compiler import GrammarCompiler
 from services.router.config import RouterConfig
+from services.router.defaults import SamplingDefaults
+from services.router.dispatch.dispatcher import Dispatcher
 from services.router.metrics import RouterMetrics
-from services.router.requests.defaults import SamplingDefaults
-from services.router.requests.dispatch import Dispatcher
 from services.router.routing.kv_index import KvIndex
 from services.router.routing.selector import RouteSelector
 from services.router.routing.workers import WorkerTable
@@ -26,7 +26,7 @@ from services.router.routing.workers import WorkerTable
 class RouterState:
     """The router's parts. `pending` counts requests in flight (the 429 bound).
 
-    `instance` is this process's random id (services/router/requests/heartbeat.py): with a request's
+    `instance` is this process's random id (services/router/dispatch/heartbeat.py): with a request's
     router-local id (`new_request_id`) it is the request's key on the workers, so the
     client's X-Request-Id stays a label that no other client's request can collide with.
     """

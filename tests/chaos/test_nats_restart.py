@@ -121,7 +121,7 @@ async def test_nats_restart_under_load_every_service_reconnects_within_10s_and_s
           f"failed {failed}, wrong {len(load.wrong())}")  # fmt: skip
 
 
-# How a stream cut by lost chunks ends (services/router/requests/dispatch.py `_check_lost`).
+# How a stream cut by lost chunks ends (services/router/dispatch/dispatcher.py `_check_lost`).
 LOST = ("lost in transit", "went silent across a NATS reconnect")
 # Tokens per blip stream: long enough to be in flight across the restarts (the case's
 # own 64 could end during the first one here); its first 64 are the case's reference.

@@ -16,7 +16,7 @@ from libs.common.messages.control import (
     encode_chunk_batch,
 )
 from libs.common.worker.token_publisher import ChunkBatcher, TokenStream, _groups
-from services.router.requests.subscriptions import StreamTable
+from services.router.dispatch.subscriptions import StreamTable
 
 
 def chunk(rid: str, index: int, ids: list[int], finish: str | None = None) -> TokenChunk:

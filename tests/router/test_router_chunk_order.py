@@ -1,7 +1,7 @@
 """ChunkOrder: a stream's chunks in index order, once each, ending at the final one."""
 
 from libs.common.messages.control import TokenChunk
-from services.router.requests.chunk_order import ChunkOrder
+from services.router.dispatch.chunk_order import ChunkOrder
 
 
 def chunk(index, ids, finish=None):

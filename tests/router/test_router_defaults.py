@@ -8,9 +8,9 @@ import pytest
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.load.generation_config import FIELDS
 from libs.common.engine.load.source import load_tokenizer
-from services.router.api.openai.validation import parse_request
 from services.router.config import RouterConfig
-from services.router.requests.defaults import merge_defaults
+from services.router.defaults import merge_defaults
+from services.router.formats.openai.validation import parse_request
 from services.router.requests.prompts import prepare
 
 NO_FLAGS = {"temperature": None, "top_p": None, "top_k": None}

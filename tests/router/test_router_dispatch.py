@@ -25,8 +25,8 @@ from libs.common.messages.control import (
     SamplingSpec,
     TokenChunk,
 )
+from services.router.dispatch.dispatcher import Dispatcher
 from services.router.errors import ApiError
-from services.router.requests.dispatch import Dispatcher
 from services.router.routing.policy import Route
 from services.router.routing.workers import WorkerTable
 

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from services.router.api import app, openapi
-from services.router.api.openai.validation import CHAT_SPECS, COMPLETION_SPECS, parse_request
+from services.router.formats.openai.validation import CHAT_SPECS, COMPLETION_SPECS, parse_request
 from tests.router.conftest import Routers
 from tests.router.schema_check import check, response_schema
 

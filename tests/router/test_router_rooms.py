@@ -1,5 +1,6 @@
-"""The router's rooms (services/router/README.md): routing/, structured/ and admission/
-import no room above them, so each can be read, and tested, alone."""
+"""The router's rooms (services/router/README.md) stand in floors: each imports only the
+rooms below it, so a reader follows a request downwards and each room can be read, and
+tested, without the ones above it."""
 
 from __future__ import annotations
 
@@ -10,23 +11,38 @@ import pytest
 from tests.test_code_shape import REPO, imported_modules
 
 ROUTER = REPO / "services" / "router"
-ROOMS = ("api", "admission", "requests", "routing", "structured")
-LOWER = ("admission", "routing", "structured")  # they import libs/ and the shared modules
+# Lowest first. state.py (the parts every handler shares) stands between dispatch/ and
+# formats/: it holds a Dispatcher and the routing parts, and the rooms above read it.
+FLOORS = ("routing", "structured", "dispatch", "state", "formats", "admission", "requests", "api")
+ALONE = ("routing", "structured")  # on the ground floor: no other room
 
 
 def rooms_imported(room: str) -> set[str]:
+    """The rooms (and state.py) that the files of `room` import, itself left out."""
+    paths = [ROUTER / "state.py"] if room == "state" else (ROUTER / room).rglob("*.py")
     found = set()
-    for path in (ROUTER / room).rglob("*.py"):
+    for path in paths:
         for name in imported_modules(path):
             parts = name.split(".")
-            if parts[:2] == ["services", "router"] and len(parts) > 2 and parts[2] in ROOMS:
+            if parts[:2] == ["services", "router"] and len(parts) > 2 and parts[2] in FLOORS:
                 if parts[2] != room:
                     found.add(parts[2])
     return found
 
 
-@pytest.mark.parametrize("room", LOWER)
-def test_a_lower_room_imports_no_other_room(room):
+def test_every_room_is_on_a_floor():
+    packages = {p.parent.name for p in ROUTER.glob("*/__init__.py")}
+    assert packages == set(FLOORS) - {"state"}
+
+
+@pytest.mark.parametrize("room", FLOORS)
+def test_a_room_imports_only_the_rooms_below_it(room):
+    below = set(FLOORS[: FLOORS.index(room)])
+    assert rooms_imported(room) - below == set()
+
+
+@pytest.mark.parametrize("room", ALONE)
+def test_a_ground_floor_room_imports_no_other_room(room):
     assert rooms_imported(room) == set()
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from libs.common.engine.core.sampling_params import BOUNDS, SamplingParams
 from libs.common.messages.control import GenerateRequest, MessageError, SamplingSpec
-from services.router.api.openai.validation import parse_request
 from services.router.errors import ApiError
+from services.router.formats.openai.validation import parse_request
 
 
 def _outside(name: str) -> list[int | float]:

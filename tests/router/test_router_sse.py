@@ -1,4 +1,4 @@
-"""SSE (services/router/api/sse.py): the framing of one event, and SseStream on a real
+"""SSE (services/router/formats/sse.py): the framing of one event, and SseStream on a real
 aiohttp server and real sockets: events written from synchronous callbacks arrive whole
 and in order, over HTTP/1.1 (chunked) and HTTP/1.0 (raw)."""
 
@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from services.router.api.sse import DONE, ClientGone, SseStream, parse_sse, sse
+from services.router.formats.sse import DONE, ClientGone, SseStream, parse_sse, sse
 from tests.http_server import serve_http
 
 EVENTS = [{"i": i, "text": "a\nb" * i} for i in range(20)]

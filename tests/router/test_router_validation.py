@@ -3,8 +3,8 @@
 import pytest
 
 from libs.common.engine.load.source import load_tokenizer
-from services.router.api.openai.validation import parse_request
 from services.router.errors import ApiError
+from services.router.formats.openai.validation import parse_request
 from services.router.requests.prompts import prepare
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -2,7 +2,7 @@
 
 A request's key on a worker is (router instance, router-local request id), as one string
 (`request_key`): two routers may send the same id, and a client's X-Request-Id is never a
-key (services/router/requests/heartbeat.py). Every router process publishes a `RouterHeartbeat`
+key (services/router/dispatch/heartbeat.py). Every router process publishes a `RouterHeartbeat`
 every `interval` on `<prefix>.routers.<router>.heartbeat`, saying its own `timeout`; a
 worker that has heard nothing from a router for that long (`RouterWatch.silent`) cancels
 every request it holds from it: its client went with it (a kill -9 sends no cancel).

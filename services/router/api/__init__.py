@@ -1,3 +1,3 @@
-"""The HTTP surface: routes and middleware (app.py), request bodies, SSE, /openapi.json,
-/v1/pins, /v1/chat/render; one folder per API format (openai/; responses/ and anthropic/
-go beside it). May import requests/, routing/, structured/ and the shared modules."""
+"""The HTTP surface: routes and middleware (app.py), the completions and chat handlers
+from requests/, /openapi.json (openapi.py), /v1/pins (pins.py), /v1/chat/render
+(render.py). The top room: it may import every other room; none imports it."""

@@ -24,8 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.common.log import get_logger, request_context
 from services.router.api import openapi, pins, render
-from services.router.api.openai import shapes as fmt
 from services.router.errors import ApiError
+from services.router.formats.openai import shapes as fmt
 from services.router.requests import lifecycle
 from services.router.state import STATE, RouterState
 

@@ -17,7 +17,7 @@ from libs.common.engine.core.sampling_params import (
     MAX_TOKEN_ID,
 )
 from services.router.api import pins
-from services.router.api.openai.validation import CHAT_SPECS, COMPLETION_SPECS, ROLES, Spec
+from services.router.formats.openai.validation import CHAT_SPECS, COMPLETION_SPECS, ROLES, Spec
 
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:

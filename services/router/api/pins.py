@@ -34,9 +34,9 @@ from libs.common.messages.pins import (
     PoolPinList,
     PoolPinRef,
 )
-from services.router.api.bodies import check_model, json_object
-from services.router.api.openai.validation import parse_messages
 from services.router.errors import ApiError, bad_request, no_workers
+from services.router.formats.bodies import check_model, json_object
+from services.router.formats.openai.validation import parse_messages
 from services.router.requests.prompts import PromptTooLong, encode, render_chat
 from services.router.state import STATE, RouterState
 

@@ -16,9 +16,9 @@ import asyncio
 
 from aiohttp import web
 
-from services.router.api.bodies import check_model, json_object
-from services.router.api.openai.validation import parse_messages
 from services.router.errors import bad_request
+from services.router.formats.bodies import check_model, json_object
+from services.router.formats.openai.validation import parse_messages
 from services.router.requests.prompts import encode, render_chat
 from services.router.state import STATE
 from services.router.structured.tools.request import check_tool_messages

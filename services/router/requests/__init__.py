@@ -1,5 +1,4 @@
-"""One request's life: parse -> prompts -> choices -> dispatch -> stream or collect
-(lifecycle.py), the generation on the workers (dispatch.py, subscriptions.py, chunk_order.py,
-migration.py) and the heartbeat that keeps this router's requests alive on them. May
-import api/ (bodies, SSE, formats), admission/, routing/, structured/ and the shared
-modules."""
+"""One request's life in the router, read top to bottom in lifecycle.py: parse -> admit ->
+prompts (prompts.py: chat template, token ids, sampling defaults) -> choices -> dispatch ->
+stream or collect. May import formats/, admission/, structured/, dispatch/, routing/ and
+the shared modules; never api/."""

@@ -36,11 +36,11 @@ from aiohttp import web
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import SamplingSpec, TokenChunk
 from services.router.admission.gate import admit
-from services.router.api.bodies import check_model, json_body
-from services.router.api.openai import shapes as fmt
-from services.router.api.openai.validation import ApiRequest, parse_request
-from services.router.api.sse import DONE, SseStream, sse
 from services.router.errors import ApiError
+from services.router.formats.bodies import check_model, json_body
+from services.router.formats.openai import shapes as fmt
+from services.router.formats.openai.validation import ApiRequest, parse_request
+from services.router.formats.sse import DONE, SseStream, sse
 from services.router.requests.prompts import Prompt, prepare
 from services.router.state import STATE, RouterState
 from services.router.structured import output as structured

@@ -21,9 +21,9 @@ import msgspec
 from libs.common.engine.core.sampling_params import SamplingError, SamplingParams
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
-from services.router.api.openai.validation import ApiRequest
+from services.router.defaults import NO_DEFAULTS, SamplingDefaults
 from services.router.errors import bad_request
-from services.router.requests.defaults import NO_DEFAULTS, SamplingDefaults
+from services.router.formats.openai.validation import ApiRequest
 from services.router.structured.tools import request as tools
 
 # Prompt logprobs travel in one message (NATS: 1 MiB): scored tokens x (1 + logprobs)

@@ -2,11 +2,12 @@
 
 `BOUNDS` and the stop limits below are the one truth about which values are accepted, with
 OpenAI's bounds where OpenAI documents one (docs/api.md). Three places check against them:
-the router's API validation (a 400 naming the parameter, services/router/api/openai/validation.py),
-the wire's `SamplingSpec` (libs/common/messages/control.py, a MessageError on decode) and
-the engine's `SamplingParams` here (a ValueError naming the field). The fields themselves
-are SamplingParams's: the wire message is derived from it, field by field. Standard library only:
-the router and the messages package import it without the engine.
+the router's API validation (a 400 naming the parameter,
+services/router/formats/openai/validation.py), the wire's `SamplingSpec`
+(libs/common/messages/control.py, a MessageError on decode) and the engine's
+`SamplingParams` here (a ValueError naming the field). The fields themselves are
+SamplingParams's: the wire message is derived from it, field by field. Standard library
+only: the router and the messages package import it without the engine.
 """
 
 from __future__ import annotations

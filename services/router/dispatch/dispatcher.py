@@ -2,7 +2,7 @@
 
     run(rid, ids, sampling, route, timeout, sink)              (a coroutine)
       open <rid> in the router's StreamTable (its two subscriptions exist before any
-      request goes out, so no chunk is missed; services/router/requests/subscriptions.py)
+      request goes out, so no chunk is missed; services/router/dispatch/subscriptions.py)
       GenerateRequest -> tandem.decode.<d>.generate  -> GenerateAccepted (or an error)
       sink(chunk) for each TokenChunk in `index` order, called in the bus's callback
       (no queue, no task switch per chunk), until the chunk with finish_reason; then
@@ -26,7 +26,7 @@ Failure handling, in one place:
   strings and streams from index len(generated), so the sink sees one uninterrupted,
   duplicate-free stream (greedy: the same tokens). With no decode worker live, or after
   `MAX_MIGRATIONS` continuations: 502 `worker_failed`, as before migration
-  (services/router/requests/migration.py; docs/reliability.md "Migration");
+  (services/router/dispatch/migration.py; docs/reliability.md "Migration");
 - chunks lost in transit while both workers are live (a restarted nats-server drops what
   it held, and what is published before the router has subscribed again): a hole in the
   chunk order for `lost_after` seconds, or a started stream silent for `lost_after` since
@@ -55,10 +55,10 @@ from libs.common.messages.control import (
     SamplingSpec,
     TokenChunk,
 )
+from services.router.dispatch.chunk_order import FAILED, ChunkOrder
+from services.router.dispatch.migration import Generation, next_route
+from services.router.dispatch.subscriptions import StreamTable
 from services.router.errors import ApiError
-from services.router.requests.chunk_order import FAILED, ChunkOrder
-from services.router.requests.migration import Generation, next_route
-from services.router.requests.subscriptions import StreamTable
 from services.router.routing.policy import Route
 from services.router.routing.workers import Worker, WorkerTable
 
@@ -138,7 +138,7 @@ class Dispatcher:
     `on_accepted(seconds)` is told how long admission took (the queue-time metric);
     `on_migrated()` that a request continues on another worker (the migrations metric).
     `router_id` names this router's stream subjects (unique per router process).
-    `instance` is this router process's id (services/router/requests/heartbeat.py): every request
+    `instance` is this router process's id (services/router/dispatch/heartbeat.py): every request
     and cancel carries it, and workers key requests by (instance, request id).
     """
 

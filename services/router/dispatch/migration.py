@@ -7,7 +7,7 @@
 Once the client has tokens, a failed attempt is continued rather than ended: the next
 GenerateRequest carries `generated = gen.sent`, and its decode worker prefills prompt +
 generated itself (the route's prefill worker is dropped), replays them through the grammar
-and stop strings and streams from index len(generated) (services/router/requests/dispatch.py sends
+and stop strings and streams from index len(generated) (services/router/dispatch/dispatcher.py sends
 it; docs/reliability.md, "Migration"). Pure Python: no bus here.
 """
 

@@ -9,7 +9,7 @@ Both are subscribed once, at the first request, instead of a SUB and an UNSUB pe
 (each a protocol line to the server and a subscription task in nats-py, whose wake-up per
 chunk was a good part of the per-token cost at 64 streams). Chunks are decoded here, in the
 subscription's callback, and handed to the request's sink right there (a plain call: the
-router formats and writes the client's SSE event inside it, services/router/requests/dispatch.py);
+router formats and writes the client's SSE event inside it, services/router/dispatch/dispatcher.py);
 a chunk for a request that is no longer open (it ended, or a late chunk after a cancel)
 is dropped. A sink must not raise: what it cannot handle ends its own request, never the
 callback that serves every other stream.
