@@ -6,12 +6,28 @@ process, as in tests, do not collide). docs/metrics.md lists them with their mea
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from services.router.routing.workers import Worker
+from libs.common.messages.control import LoadReport
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+
+
+class ObservedWorker(Protocol):
+    """What the worker gauges read of a live worker (routing/workers.py's `Worker`): the
+    metrics stay on the ground floor, below the rooms that count into them."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def report(self) -> LoadReport: ...
+    @property
+    def kv_usage(self) -> float: ...
 
 
 class RouterMetrics:
@@ -78,14 +94,14 @@ class RouterMetrics:
         self.w_tps = Gauge("tandem:worker_tokens_per_second", "Tokens per second", w, registry=r)
         self.index_keys = Gauge("tandem:kv_index_keys", "Page keys in the KV index", registry=r)
 
-    def observe_worker(self, w: Worker) -> None:
+    def observe_worker(self, w: ObservedWorker) -> None:
         labels = (w.id, w.role)
         self.w_running.labels(*labels).set(w.report.running)
         self.w_waiting.labels(*labels).set(w.report.waiting)
         self.w_kv.labels(*labels).set(w.kv_usage)
         self.w_tps.labels(*labels).set(w.report.tokens_per_s)
 
-    def forget_worker(self, w: Worker) -> None:
+    def forget_worker(self, w: ObservedWorker) -> None:
         for gauge in (self.w_running, self.w_waiting, self.w_kv, self.w_tps):
             try:
                 gauge.remove(w.id, w.role)
