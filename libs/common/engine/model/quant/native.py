@@ -1,13 +1,14 @@
 """The quantized-product kernels (kernels.c): built per instruction set, chosen at start-up.
 
-Four builds of the one C file: `avx512vnni` (x86-64-v4 plus AVX512-VNNI), `avx512`
-(x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (x86-64-v2, or the
-compiler's default off x86). `library()` picks the best
-one the CPU's flags allow, logs the choice (`quant.kernels`), and loads it with ctypes.
+Four builds of the one C translation unit (kernels.c, which #includes its parts, the *.h
+files beside it): `avx512vnni` (x86-64-v4 plus AVX512-VNNI), `avx512` (x86-64-v4), `avx2`
+(x86-64-v3: AVX2, FMA, F16C) and `generic` (x86-64-v2, or the compiler's default off x86).
+`library()` picks the best one the CPU's flags allow, logs the choice (`quant.kernels`),
+and loads it with ctypes.
 
 Where the builds live: $TANDEM_KERNEL_DIR when set (an image builds them there ahead of
 time: `python -m libs.common.engine.model.quant.native DIR`), else
-~/.cache/tandem/kernels/<hash of the source and flags>/, built on first use with the
+~/.cache/tandem/kernels/<hash of the sources and flags>/, built on first use with the
 host's C compiler (`cc`, ~1 s each; concurrent workers build into temporary names and
 rename). The library links against the OpenMP runtime torch loaded (torch/lib/libgomp),
 so its parallel loops and torch's share one pool of threads: `torch.set_num_threads`
@@ -93,8 +94,15 @@ def _torch_lib() -> pathlib.Path:
     return pathlib.Path(torch.__file__).parent / "lib"
 
 
+def sources() -> list[pathlib.Path]:
+    """kernels.c and the parts it #includes (every *.h beside it): a build depends on each."""
+    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+
+
 def _cache_dir() -> pathlib.Path:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in sources():  # a change to any part (or a part added) is another build
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     for variant in VARIANTS:
         digest.update(" ".join(_flags(variant)).encode())
     base = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))

@@ -1,0 +1,159 @@
+/* Part of kernels.c (one translation unit; included there, never compiled alone).
+ * Needs blocks.h and vectors.h; defines TQ_QX where the build has AVX2, FMA and F16C. */
+
+/* ---- products with 16-bit activations (Q4_0, Q4_1, Q8_0 weights) -----------------------
+ *
+ * Each 32-value block of a row of x is quantized to int16 with its own scale (dx = max |x|
+ * / 32767), and a block's dot product is taken in integers: dw * dx * sum(qw * qx), plus
+ * Q4_1's min (Q4_0's -8 dw) times the block's sum dx * sum(qx). The integer products run
+ * 32 at a time (vpmaddwd, or VNNI's vpdpwssd) where fp32 takes 16, and a weight's nibbles
+ * need no conversion to float. x's rounding to 16 bits is ~1.5e-5 of a block's largest
+ * |x| per value: last-position logits stay within ~1e-4 of the fp32 product's. (8-bit
+ * activations, llama.cpp's choice for these formats, were measured on the default model
+ * at 8.6e-2 relative logit error with greedy flips at a top-2 margin of 0.13:
+ * docs/engine.md.)
+ *
+ * Every row of x goes through the same sequence of operations whatever the number of
+ * rows beside it (a decode step of 1 stream or of 100): a row's result has the same bits
+ * in any batch. */
+/* out = x rounded as quantize_x (below) rounds it, in fp32 (q * d per value): the wide products
+ * (a prefill, dequantized weights times x through oneDNN) take this x, so that a row's
+ * result differs between the wide and the integer paths by fp32 summation order only,
+ * as before x was quantized, and a chunked prefill agrees with an unchunked one. */
+int tq_round_x16(const float *x, int m, int k, float *out) {
+    if (k % 32) return -1;
+#pragma omp parallel for schedule(static) if (m > 16)
+    for (int t = 0; t < m; t++)
+        for (int b = 0; b < k / 32; b++) {
+            const float *xb = x + (size_t)t * k + (size_t)b * 32;
+            float *ob = out + (size_t)t * k + (size_t)b * 32, amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            const float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            for (int i = 0; i < 32; i++) ob[i] = nearbyintf(xb[i] * id) * d;
+        }
+    return 0;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TQ_QX 1
+
+/* x rows quantized: `q` [m][kp] int16 (kp = k rounded up to 64), each block's scale d
+ * and the block sum of its quantized values, s = d * sum(q) (not of x itself:
+ * the min's term then carries x's rounding as the nibbles' term does, and the two cancel
+ * as they do in fp32); nbp = kp / 32, padding blocks zero. */
+typedef struct {
+    int16_t *q;
+    float *ds; /* [m][nbp][2]: d, s of each block side by side (one 8-byte load) */
+    int kp, nbp;
+} tq_xq_t;
+
+static int quantize_x(const float *x, int m, int k, tq_xq_t *xq) {
+    const int nb = k / 32;
+    xq->kp = (k + 63) / 64 * 64;
+    xq->nbp = xq->kp / 32;
+    xq->q = malloc(sizeof(int16_t) * (size_t)m * xq->kp + sizeof(float) * 2 * (size_t)m * xq->nbp);
+    if (!xq->q) return -2;
+    xq->ds = (float *)(xq->q + (size_t)m * xq->kp);
+#pragma omp parallel for schedule(static) if (m > 16)
+    for (int t = 0; t < m; t++) {
+        int16_t *qt = xq->q + (size_t)t * xq->kp;
+        float *ds = xq->ds + (size_t)t * xq->nbp * 2;
+        memset(qt, 0, sizeof(int16_t) * (size_t)xq->kp);
+        for (int b = nb; b < xq->nbp; b++) ds[2 * b] = ds[2 * b + 1] = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)t * k + (size_t)b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            const float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            int16_t *at = qt + (size_t)b * 32;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                const int32_t v = (int32_t)nearbyintf(xb[i] * id);
+                at[i] = (int16_t)v;
+                sum += v;
+            }
+            ds[2 * b] = d;
+            ds[2 * b + 1] = d * (float)sum;
+        }
+    }
+    return 0;
+}
+
+/* out[t] = row . x_t for g <= TQ_GROUP rows of quantized x (rows t0 .. t0 + g - 1): a
+ * block at a time, its 32 weights as two 256-bit vectors of 16 int16. The block's two
+ * fp16 scales convert in one instruction and multiply x's (d, s) pair in one: lane 0 is
+ * the scale of the integer dot, lane 1 the min's term, summed in a vector. (On AVX-512
+ * too: a loop taking two blocks per 512-bit register, their scales gathered, ran 30%
+ * slower on the AMD EPYC host, whose 512-bit operations take two 256-bit slots.) */
+static inline __attribute__((always_inline)) void rows_dot_qx(
+    int type, const uint8_t *row, int nb, int bb, const tq_xq_t *xq, int t0, int g, float *out) {
+    __m256 acc[TQ_GROUP];
+    __m128 accm[TQ_GROUP];
+    for (int t = 0; t < g; t++) {
+        acc[t] = _mm256_setzero_ps();
+        accm[t] = _mm_setzero_ps();
+    }
+    /* (d, m) from the block's first 4 bytes; Q4_0's "min" is -8 d, Q8_0 has none */
+    const __m128 mul = type == TQ_Q4_0 ? _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f)
+                                       : _mm_setr_ps(1.0f, type == TQ_Q4_1 ? 1.0f : 0.0f, 0.0f, 0.0f);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (size_t)b * bb;
+        int32_t head;
+        memcpy(&head, blk, 4);
+        __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(head));
+        if (type != TQ_Q4_1) dm = _mm_shuffle_ps(dm, dm, 0); /* (d, d): quants follow d */
+        dm = _mm_mul_ps(dm, mul);
+        __m256i lo, hi;
+        if (type == TQ_Q8_0) {
+            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        } else {
+            const __m256i bytes = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i *)(blk + (type == TQ_Q4_1 ? 4 : 2))));
+            lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+            hi = _mm256_srli_epi16(bytes, 4);
+        }
+        for (int t = 0; t < g; t++) {
+            const float *ds = xq->ds + ((size_t)(t0 + t) * xq->nbp + b) * 2;
+            const int16_t *xp = xq->q + (size_t)(t0 + t) * xq->kp + (size_t)b * 32;
+            const __m256i p = _mm256_add_epi32(
+                _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
+                _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
+            const __m128 sm = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)ds)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(sm), acc[t]);
+            accm[t] = _mm_add_ps(accm[t], sm);
+        }
+    }
+    for (int t = 0; t < g; t++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        out[t] = _mm_cvtss_f32(h) + _mm_cvtss_f32(_mm_shuffle_ps(accm[t], accm[t], 1));
+    }
+}
+
+/* y = x W^T for a Q4_0 / Q4_1 / Q8_0 weight, any m, x quantized as above. */
+static int gemm_qx(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+                   int m, float *y, int ldy) {
+    tq_xq_t xq;
+    if (quantize_x(x, m, k, &xq) != 0) return -2;
+    const int nb = k / 32, bb = tq_block_bytes(type);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < n_out; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        for (int t0 = 0; t0 < m; t0 += TQ_GROUP) {
+            const int g = m - t0 < TQ_GROUP ? m - t0 : TQ_GROUP;
+            float out[TQ_GROUP];
+            switch (g) { /* one copy of the loop per group size, its accumulators in registers */
+            case 1: rows_dot_qx(type, row, nb, bb, &xq, t0, 1, out); break;
+            case 2: rows_dot_qx(type, row, nb, bb, &xq, t0, 2, out); break;
+            case 3: rows_dot_qx(type, row, nb, bb, &xq, t0, 3, out); break;
+            default: rows_dot_qx(type, row, nb, bb, &xq, t0, 4, out); break;
+            }
+            for (int t = 0; t < g; t++) y[(size_t)(t0 + t) * ldy + n] = out[t];
+        }
+    }
+    free(xq.q);
+    return 0;
+}
+#endif
