@@ -2,7 +2,7 @@
 
 At one stream a decode step of the default model is ~6 ms of weight products and, before
 this, ~3 ms of per-op dispatch (Python, torch, ctypes) around them. `FusedDecode` runs
-each layer as `tq_decode_layer` (quant/kernels.c): RMSNorm, q|k|v, RoPE, the K/V writes
+each layer as `tq_decode_layer` (quant/decode_layer.h): RMSNorm, q|k|v, RoPE, the K/V writes
 into pages and mirror, attention over the mirror, o, the residual RMSNorm, gate|up,
 SwiGLU, down and the residual add, the same kernels in the same order as the Python path
 (model.py with the torch backend's kernel path), so the results are the same bits.

@@ -95,7 +95,7 @@ class QuantLinear:
     with a scale per 32 values and each block's dot product is an integer sum. Up to
     `GEMV_ROWS` rows (one decode stream) `tq_gemv` reads the weight's blocks directly;
     more rows, on AVX-512, `tq_gemm` unpacks 32 weight rows at a time into an int16 panel
-    that stays in cache and serves every row of x (kernels.c; any batch size, a prefill
+    that stays in cache and serves every row of x (quant/panel_products.h; any batch size, a prefill
     too: a row has the same bits in a batch of 5 or of 2,000). On AVX2, `tq_gemm` runs
     fp32 tiles over x rounded the same way, up to `GEMM_ROWS` rows.
 
@@ -121,7 +121,7 @@ class QuantLinear:
         self._bias = bias
         lib = library()[0]
         self._gemv, self._gemm = lib.tq_gemv, lib.tq_gemm
-        # The integer products take x rounded to 16 bits a block (kernels.c): the wide
+        # The integer products take x rounded to 16 bits a block (quant/x16_products.h): the wide
         # path rounds x the same way, so the two differ by summation order only.
         x16 = lib.tq_activation_bits() == 16 and weight.kind in X16_FORMATS
         self._round_x = lib.tq_round_x16 if x16 else None

@@ -94,7 +94,7 @@ class TorchAttention(AttentionBackend):
     def __init__(self, kv_cache: KVCache, num_heads: int, decode_mirror: bool = True) -> None:
         super().__init__(kv_cache, num_heads)
         self.mirror = DecodeMirror(kv_cache) if decode_mirror else None
-        # On the CPU, decode attention over the mirror is a C kernel (quant/kernels.c):
+        # On the CPU, decode attention over the mirror is a C kernel (quant/attention.h):
         # it reads K/V in their stored dtype and only each row's own context.
         self._kernel: ctypes.CDLL | None = None
         if self.mirror is not None and kv_cache.buffer.device.type == "cpu":
