@@ -15,9 +15,12 @@ time: the events it holds were all published after the old one was lost).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from datetime import datetime
 
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.client import JetStreamContext
 
 from libs.common.bus.connection import Bus
 from libs.common.bus.kv_events import STREAM_NAME, ensure_kv_stream, events_subject, retry
@@ -39,8 +42,9 @@ class KvFeed:
         self.replay_target = 0
         self.done = asyncio.Event()
         self.last_seq = 0  # stream sequence of the last event applied
-        self._created = None  # the stream's creation time: a new stream has another
-        self._sub = None
+        # The stream's creation time: a new stream has another.
+        self._created: datetime | None = None
+        self._sub: JetStreamContext.PushSubscription | None = None
         self._stopped = False
 
     @property
@@ -59,7 +63,9 @@ class KvFeed:
         self.bus.on_reconnect(self._resume)
         log.info("kv index replaying", stream=self.stream, up_to=self.replay_target)
 
-    async def _subscribe(self, policy: DeliverPolicy, start_seq: int | None = None):
+    async def _subscribe(
+        self, policy: DeliverPolicy, start_seq: int | None = None
+    ) -> JetStreamContext.PushSubscription:
         config = ConsumerConfig(deliver_policy=policy, opt_start_seq=start_seq)
         return await self.bus.nc.jetstream().subscribe(
             events_subject(self.prefix), cb=self._on_msg, ordered_consumer=True, config=config
@@ -113,7 +119,7 @@ class KvFeed:
             await _quietly(sub.unsubscribe())
 
 
-async def _quietly(awaitable) -> None:
+async def _quietly(awaitable: Awaitable[object]) -> None:
     try:
         await asyncio.wait_for(awaitable, timeout=2)
     except Exception as e:  # a closed connection already dropped it

@@ -9,6 +9,7 @@ tokenizer and their outputs would not match this router's).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Set
 
 from libs.common.engine.core.kv_hash import PageHasher
 from libs.common.log import get_logger
@@ -37,7 +38,7 @@ class RouteSelector:
         self.rng = rng or random.Random()
         self._hashers: dict[tuple[str, str, int], PageHasher] = {}
 
-    def eligible(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
+    def eligible(self, role: str, exclude: Set[str] = frozenset()) -> list[Worker]:
         # A `both` worker is on both sides: it decodes, and it prefills for the others.
         roles = ("decode", "both") if role == "decode" else ("prefill", "both")
         return [
@@ -46,10 +47,10 @@ class RouteSelector:
             if w.id not in exclude and w.report.model_id == self.model_id
         ]
 
-    def plan(self, token_ids: list[int]):
+    def plan(self, token_ids: list[int]) -> Callable[[Set[str]], Route | None]:
         keys_by_salt: dict[tuple[str, str, int], list[str]] = {}
 
-        def route(exclude: set[str]) -> Route | None:
+        def route(exclude: Set[str]) -> Route | None:
             # A retry avoids the workers that failed, but a lone decode worker is still
             # tried again (with another prefill worker, or prefilling itself).
             decodes = self.eligible("decode", exclude) or self.eligible("decode")
@@ -58,7 +59,10 @@ class RouteSelector:
             # One cluster has one page size and dtype; mixed ones are routed by the first.
             page_size = decodes[0].report.page_size
             salt = (self.model_id, decodes[0].report.kv_dtype, page_size)
-            same = lambda w: (w.report.kv_dtype, w.report.page_size) == salt[1:]  # noqa: E731
+
+            def same(w: Worker) -> bool:
+                return (w.report.kv_dtype, w.report.page_size) == salt[1:]
+
             decodes = [w for w in decodes if same(w)]
             prefills = [w for w in self.eligible("prefill", exclude) if same(w)]
             if salt not in keys_by_salt:
