@@ -58,7 +58,7 @@ class SseStream:
     def __init__(self, request: web.Request, headers: dict[str, str]):
         self.request, self.headers = request, headers
         self.response: web.StreamResponse | None = None
-        self.opening: asyncio.Task | None = None
+        self.opening: asyncio.Task[None] | None = None
         self.pending: list[bytes] = []
         self.failed: BaseException | None = None
         self._transport: asyncio.Transport | None = None
@@ -71,23 +71,29 @@ class SseStream:
     def send(self, data: bytes) -> None:
         """Write `data` now (or queue it while the response opens). Raises ClientGone."""
         if self._transport is not None:
-            self._write(data)
+            self._write(self._transport, data)
         elif self.failed is not None:
             raise ClientGone(f"the response could not start: {self.failed}")
         else:
             self.pending.append(data)
-            if self.opening is None:
-                self.opening = asyncio.ensure_future(self._open())
+            self._opening()
 
     async def finish(self, tail: bytes) -> web.StreamResponse:
         """End the body with `tail`; returns the response for aiohttp."""
         if self.opening is None:
             self.send(b"")
-        await self.opening
-        if self.failed is not None:
-            raise self.failed
-        await self.response.write_eof(tail)
-        return self.response
+        await self._opening()
+        response = self.response
+        if response is None:  # _open() failed, and said why in `failed`
+            raise self.failed or ClientGone("the response could not start")
+        await response.write_eof(tail)
+        return response
+
+    def _opening(self) -> asyncio.Task[None]:
+        """The task that opens the response, started by the first call."""
+        if self.opening is None:
+            self.opening = asyncio.ensure_future(self._open())
+        return self.opening
 
     async def _open(self) -> None:
         response = web.StreamResponse(
@@ -116,8 +122,7 @@ class SseStream:
             return
         self.response, self._chunked, self._transport = response, response.chunked, transport
 
-    def _write(self, data: bytes) -> None:
-        transport = self._transport
+    def _write(self, transport: asyncio.Transport, data: bytes) -> None:
         if transport.is_closing():
             raise ClientGone("the client closed the connection")
         if transport.get_write_buffer_size() > MAX_BUFFERED:
