@@ -240,9 +240,12 @@ class Tally:
         self.prompt_lps: dict[int, dict[str, Any]] = {}
         # max_tokens 0 with echo: the one token the engine had to sample is dropped.
         self.echo_only = api.echo and api.max_tokens == 0
-        # Tool calls are read out of each choice's text as it streams (tools/parse.py).
-        calls = api.tools is not None and api.tools.choice != "none"
-        self.tool_streams = [ToolCallStream(api.tools) for _ in range(n)] if calls else []
+        # Tool calls are read out of each choice's text as it streams (tools/parse.py), for
+        # the request's tools unless it has none or tool_choice is "none" (`tools` None).
+        self.tools = api.tools if api.tools is not None and api.tools.choice != "none" else None
+        self.tool_streams = (
+            [ToolCallStream(self.tools) for _ in range(n)] if self.tools is not None else []
+        )
 
     def add(self, d: Delta) -> None:
         if self.echo_only:
@@ -290,10 +293,10 @@ async def collect(tally: Tally, choices: list[Choice]) -> web.Response:
         out = []
         for c in tally.choices:
             lp = tally.logprobs(c.index, c.logprobs, c.text)
-            if not tally.tool_streams:
+            if tally.tools is None:
                 out.append(fmt.chat_choice(c, lp))
                 continue
-            content, calls = parse_tool_calls(c.text, api.tools)
+            content, calls = parse_tool_calls(c.text, tally.tools)
             if calls and c.finish_reason == "stop":
                 c.finish_reason = "tool_calls"
             c.text = content

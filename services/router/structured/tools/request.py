@@ -65,7 +65,10 @@ _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _NOT_OBJECT = ("string", "number", "integer", "boolean", "array", "null")
 _JINJA_TAG = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.DOTALL)
 # OpenAI's deprecated fields, their neutral value (accepted) and what replaced them.
-_LEGACY = (("functions", [], "tools"), ("function_call", "none", "tool_choice"))
+_LEGACY: tuple[tuple[str, Any, str], ...] = (
+    ("functions", [], "tools"),
+    ("function_call", "none", "tool_choice"),
+)
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Tool:
 
     def openai(self) -> dict[str, Any]:
         """The tool as OpenAI's request shape (what chat templates expect)."""
-        function = {"name": self.name, "description": self.description}
+        function: dict[str, Any] = {"name": self.name, "description": self.description}
         function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
@@ -295,13 +298,13 @@ def render_messages(
 ) -> tuple[list[dict], dict]:
     """Messages ready for the chat template and its extra keyword arguments (see the module
     docstring for the two ways)."""
-    offered = req is not None and req.choice != "none" and bool(req.tools)
+    offered = req if req is not None and req.choice != "none" and req.tools else None
     if template_has_tools:
         out = [_for_template(m) for m in messages]
-        return out, ({"tools": [t.openai() for t in req.tools]} if offered else {})
+        return out, ({"tools": [t.openai() for t in offered.tools]} if offered is not None else {})
     out = _as_text(messages)
-    if offered:
-        prompt = tools_prompt(req)
+    if offered is not None:
+        prompt = tools_prompt(offered)
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{prompt}\n\n{out[0]['content']}" if out[0]["content"] else prompt
         else:
