@@ -54,8 +54,9 @@ def merge_defaults(
     values: dict[str, int | float] = {}
     sources: dict[str, str] = {}
     for name in dict.fromkeys([*flags, *model]):  # every field either one names
-        if flags.get(name) is not None:
-            values[name], sources[name] = flags[name], flag_name(f"default_{name}")
-        elif model.get(name) is not None:
-            values[name], sources[name] = model[name], model_source
+        flag, own = flags.get(name), model.get(name)
+        if flag is not None:
+            values[name], sources[name] = flag, flag_name(f"default_{name}")
+        elif own is not None:
+            values[name], sources[name] = own, model_source
     return SamplingDefaults(values, sources)

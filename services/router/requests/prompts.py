@@ -70,14 +70,17 @@ def prepare(
             raise bad_request("the prompt is empty after tokenization", "prompt")
         prompt = Prompt(ids, text, _sampling(api, len(ids), max_model_len, defaults))
         if api.echo and api.logprobs is not None:
-            _score(api, tokenizer, prompt, isinstance(source, str))
+            _score(api, api.logprobs, tokenizer, prompt, isinstance(source, str))
         prompts.append(prompt)
     return prompts
 
 
-def _score(api: ApiRequest, tokenizer: TextTokenizer, prompt: Prompt, text: bool) -> None:
-    """Echo with logprobs: the prompt's tokens are scored from the one that holds the
-    character `prompt_logprobs_from` (0 when unset) on; 400s when that is not possible."""
+def _score(
+    api: ApiRequest, logprobs: int, tokenizer: TextTokenizer, prompt: Prompt, text: bool
+) -> None:
+    """Echo with `logprobs` (the request's, set): the prompt's tokens are scored from the
+    one that holds the character `prompt_logprobs_from` (0 when unset) on; 400s when that
+    is not possible."""
     char_from = api.prompt_logprobs_from
     if text:
         spans = token_spans(tokenizer, prompt.text, len(prompt.token_ids))
@@ -88,7 +91,7 @@ def _score(api: ApiRequest, tokenizer: TextTokenizer, prompt: Prompt, text: bool
             )
     elif char_from is not None:
         raise bad_request("'prompt_logprobs_from' needs a text prompt", "prompt_logprobs_from")
-    values = (len(prompt.token_ids) - max(prompt.score_from, 1)) * (1 + api.logprobs)
+    values = (len(prompt.token_ids) - max(prompt.score_from, 1)) * (1 + logprobs)
     if values > MAX_PROMPT_LOGPROB_VALUES:
         raise bad_request(
             f"scoring this prompt takes {values} logprob values (tokens x (1 + logprobs)); "
@@ -97,7 +100,7 @@ def _score(api: ApiRequest, tokenizer: TextTokenizer, prompt: Prompt, text: bool
             "logprobs",
         )
     prompt.sampling = msgspec.structs.replace(
-        prompt.sampling, prompt_logprobs=api.logprobs, prompt_logprobs_from=prompt.score_from
+        prompt.sampling, prompt_logprobs=logprobs, prompt_logprobs_from=prompt.score_from
     )
 
 
@@ -105,7 +108,7 @@ def token_spans(tokenizer: TextTokenizer, text: str, num_tokens: int) -> list[tu
     """The characters (start, end) of each of `encode(text)`'s tokens in `text`; a BOS
     that encode added, and special tokens the tokenizer adds, are (0, 0)."""
     encoding = tokenizer.tokenizer.encode_batch([text], add_special_tokens=True)[0]
-    spans = [tuple(span) for span in encoding.offsets]
+    spans = [(start, end) for start, end in encoding.offsets]
     if len(spans) == num_tokens - 1:  # the BOS `encode` put in front
         spans = [(0, 0), *spans]
     if len(spans) != num_tokens:
@@ -152,8 +155,9 @@ def encode(tokenizer: TextTokenizer, text: str, limit: int | None = None) -> lis
     if limit is not None and len(encoding) > limit:
         raise PromptTooLong(len(encoding) + (1 if tokenizer.add_bos else 0))
     ids = encoding.ids
-    if tokenizer.add_bos and (not ids or ids[0] != tokenizer.bos_token_id):
-        ids = [tokenizer.bos_token_id, *ids]
+    bos = tokenizer.bos_token_id  # set whenever add_bos is
+    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids = [bos, *ids]
     return ids
 
 

@@ -282,8 +282,8 @@ def _prompts(value: Any) -> list[str | list[int]]:
         ids = _ids(value)
         if ids is not None:
             return [ids]
-        lists = [_ids(p) for p in value]
-        if all(lists):  # every item a non-empty list of ids
+        lists: list[str | list[int]] = [item for p in value if (item := _ids(p))]
+        if len(lists) == len(value):  # every item a non-empty list of ids
             return lists
     raise bad_request(
         "'prompt' must be a string, a non-empty list of strings, a list of token ids or a "
