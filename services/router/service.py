@@ -85,7 +85,7 @@ class RouterService(BaseService):
         )
         prefix = cfg.subject_prefix
         queue_time = metrics.queue.labels(cfg.model_name)
-        self.state = RouterState(
+        state = self.state = RouterState(
             config=cfg,
             bus=self.bus,
             tokenizer=tokenizer,
@@ -111,13 +111,13 @@ class RouterService(BaseService):
             instance=self.instance,
         )
         # The grammar cache's tokenizer (~0.2 s to build) is made before the first request.
-        await loop.run_in_executor(None, lambda: self.state.grammars)
+        await loop.run_in_executor(None, lambda: state.grammars)
         self._load_sub = await self.bus.subscribe(
             self.subject("workers", "*", "*", "load"), self._on_load
         )
         self._feed = KvFeed(self.bus, prefix, index, cfg.kv_stream_max_age, cfg.kv_stream_max_mb)
         await self._feed.start()
-        self.state.replayed = lambda: self._feed is not None and self._feed.replayed
+        state.replayed = lambda: self._feed is not None and self._feed.replayed
         self._prune_task = asyncio.create_task(self._prune(), name="router-prune")
         beat = RouterHeartbeat(router=self.instance, service_id=cfg.service_id,
                                interval=cfg.heartbeat_interval, timeout=cfg.heartbeat_timeout,
@@ -125,7 +125,7 @@ class RouterService(BaseService):
         self._heartbeat = Heartbeat(self.bus, prefix, beat)
         await self._heartbeat.start()
         self._runner = web.AppRunner(
-            build_app(self.state),
+            build_app(state),
             access_log=None,
             handler_cancellation=True,  # a client that goes away cancels its request
             shutdown_timeout=cfg.drain_timeout,

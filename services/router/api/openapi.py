@@ -103,7 +103,8 @@ def _schema(specs: tuple[Spec, ...]) -> dict[str, Any]:
     }
 
 
-_STR, _INT, _ANY = {"type": "string"}, {"type": "integer"}, {}
+_STR, _INT = {"type": "string"}, {"type": "integer"}
+_ANY: dict[str, Any] = {}  # any JSON value
 _NULL_STR = {"type": ["string", "null"]}
 USAGE = _obj(
     ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
