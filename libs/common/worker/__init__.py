@@ -11,6 +11,7 @@
     handoff/            both halves of the KV handoff (sender.py, receiver.py) and what they
                         share (protocol.py)
     router_watch.py     which routers are alive; requests keyed by router
+    wire.py             the bus's formats <-> the engine's: sampling in, logprobs out
 
 services/prefill and services/decode are the entry points that build a WorkerService.
 Calls go down only: service -> roles -> handoff -> core; the core calls no role.

@@ -29,7 +29,6 @@ from libs.common.bus.connection import Bus
 from libs.common.bus.kv_events import KvEventPublisher, keep_kv_stream
 from libs.common.config import WorkerConfig
 from libs.common.engine.config import EngineConfig
-from libs.common.engine.core.outputs import TokenLogprobs
 from libs.common.engine.core.radix_cache import CacheEvent
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
@@ -39,7 +38,6 @@ from libs.common.messages.control import (
     LoadReport,
     MessageError,
     RouterHeartbeat,
-    SamplingSpec,
 )
 from libs.common.pool.client import PoolClient
 from libs.common.pool.integrity import KvMac, load_kv_mac
@@ -52,21 +50,6 @@ log = get_logger(__name__)
 
 _CANCELLED_KEPT = 4096  # early cancels remembered (request ids)
 _ROUTER_SWEEP_S = 0.25  # how often held requests are checked against their router's silence
-
-
-def sampling_params(spec: SamplingSpec) -> SamplingParams:
-    """Wire sampling -> engine sampling; ValueError (naming the field) when invalid."""
-    body = {k: v for k, v in spec.to_dict().items() if k not in ("v", "type")}
-    return SamplingParams.from_dict(body)
-
-
-def logprobs_wire(items: list[TokenLogprobs | None]) -> list[dict]:
-    """Engine logprobs -> TokenChunk.logprobs entries."""
-    return [
-        {"token": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-        for lp in items
-        if lp is not None
-    ]
 
 
 @dataclass

@@ -27,10 +27,11 @@ from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import GenerateAccepted, GenerateRequest, Usage
 from libs.common.worker.backlog import PromptBacklog
-from libs.common.worker.core import WorkerCore, logprobs_wire, sampling_params
+from libs.common.worker.core import WorkerCore
 from libs.common.worker.handoff.receiver import HandoffReceiver
 from libs.common.worker.router_watch import request_key
 from libs.common.worker.token_publisher import ChunkBatcher, TokenStream
+from libs.common.worker.wire import logprobs_wire, sampling_params
 
 PromptDone = Callable[[], None]
 Run = Callable[[TokenStream, PromptDone], Awaitable[None]]

@@ -36,10 +36,11 @@ from libs.common.messages.control import (
     Usage,
 )
 from libs.common.transfer import RegionDescriptor, TransferError
-from libs.common.worker.core import WorkerCore, logprobs_wire, sampling_params
+from libs.common.worker.core import WorkerCore
 from libs.common.worker.handoff.protocol import handoff_check
 from libs.common.worker.handoff.sender import KvSender, check_pairing, vouch
 from libs.common.worker.router_watch import request_key
+from libs.common.worker.wire import logprobs_wire, sampling_params
 
 log = get_logger(__name__)
 
