@@ -32,6 +32,7 @@ from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.radix_cache import CacheEvent
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
+from libs.common.engine.step_loop import EngineCore
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import (
     CancelRequest,
@@ -63,13 +64,16 @@ class Held:
 
 class WorkerCore:
     """The engine, transfer engine, pool tier and cluster feed one worker process shares
-    among its roles. `role` ("prefill", "decode" or "both") names it in load reports."""
+    among its roles. `role` ("prefill", "decode" or "both") names it in load reports.
+
+    `engine`, `engine_core`, `transfer` and `kv_region` exist from `start` on: before it
+    they raise RuntimeError (the roles serve requests only once the core has started)."""
 
     def __init__(self, bus: Bus, config: WorkerConfig, role: str) -> None:
         self.bus, self.config, self.role = bus, config, role
-        self.engine: Engine | None = None
-        self.transfer: TransferEngine | None = None
-        self.kv_region: RegionDescriptor | None = None
+        self._engine: Engine | None = None
+        self._transfer: TransferEngine | None = None
+        self._kv_region: RegionDescriptor | None = None  # the KV pool, registered
         self.pool: PoolTier | None = None
         self.kv_mac: KvMac | None = None  # the cluster's KV secret: pool tags, handoff MACs
         self.events = KvEventPublisher(bus, config.subject_prefix, config.service_id, tier="device")
@@ -92,6 +96,56 @@ class WorkerCore:
         """A subject under the configured prefix (as BaseService.subject)."""
         return ".".join((self.config.subject_prefix, *parts))
 
+    # --- what start brings up ------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        """Whether the engine and the transfer engine are up (from start until stop)."""
+        return self._engine is not None and self._transfer is not None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("worker not started: no engine")
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def engine_core(self) -> EngineCore:
+        """The engine's step loop: its KV cache, scheduler and page hasher."""
+        core = self.engine.core
+        if core is None:
+            raise RuntimeError("worker not started: the engine is not started")
+        return core
+
+    @property
+    def transfer(self) -> TransferEngine:
+        if self._transfer is None:
+            raise RuntimeError("worker not started: no transfer engine")
+        return self._transfer
+
+    @transfer.setter
+    def transfer(self, transfer: TransferEngine) -> None:
+        self._transfer = transfer
+
+    @property
+    def kv_region(self) -> RegionDescriptor:
+        """The KV pool's region in the transfer engine (peers address its pages in it)."""
+        if self._kv_region is None:
+            raise RuntimeError("worker not started: the KV pool is not registered")
+        return self._kv_region
+
+    @kv_region.setter
+    def kv_region(self, region: RegionDescriptor) -> None:
+        self._kv_region = region
+
+    def _started_core(self) -> EngineCore | None:
+        """The engine's step loop, or None before start (what `info` shows then)."""
+        return self._engine.core if self._engine is not None else None
+
     # --- what the pairing check and `info` need --------------------------------------
 
     @property
@@ -101,26 +155,27 @@ class WorkerCore:
 
     @property
     def model_id(self) -> str:
-        return self.engine.core.model.model_id if self.engine and self.engine.core else ""
+        return core.model.model_id if (core := self._started_core()) else ""
 
     @property
     def kv_dtype(self) -> str:
-        return self.engine.core.kv_format if self.engine and self.engine.core else ""
+        return core.kv_format if (core := self._started_core()) else ""
 
     @property
     def num_kv_pages(self) -> int:
-        return self.engine.core.kv_cache.num_pages if self.engine and self.engine.core else 0
+        return core.kv_cache.num_pages if (core := self._started_core()) else 0
 
     @property
     def max_model_len(self) -> int:
         """The longest sequence this worker can serve: the model's context, or less when
         its KV pool is smaller (a longer one could never be scheduled here)."""
-        if not (self.engine and self.engine.core):
+        if not (core := self._started_core()):
             return 0
         pool_tokens = self.num_kv_pages * self.config.page_size
-        return min(self.engine.core.model.config.max_position, pool_tokens)
+        return min(core.model.config.max_position, pool_tokens)
 
     def details(self) -> dict[str, Any]:
+        core, transfer = self._started_core(), self._transfer
         return {
             "role": self.role,
             "model": self.config.model,
@@ -129,12 +184,10 @@ class WorkerCore:
             "kv_dtype": self.kv_dtype,
             "kv_pages": self.num_kv_pages,
             # Pages taken out of use for good (a KV handoff that could not be fenced).
-            "retired_kv_pages": self.engine.core.scheduler.retired_pages
-            if self.engine and self.engine.core
-            else 0,
+            "retired_kv_pages": core.scheduler.retired_pages if core else 0,
             "transport": self.transport,
-            "transfer_endpoint": self.transfer.endpoint if self.transfer else "",
-            "transfer": self.transfer.info() if self.transfer else {},
+            "transfer_endpoint": transfer.endpoint if transfer else "",
+            "transfer": transfer.info() if transfer else {},
             "prefix_cache": not self.config.no_prefix_cache,
             "pool": not self.config.no_pool,
             "active_requests": len(self._active),
@@ -146,10 +199,10 @@ class WorkerCore:
         options = self.config.transfer_options(self.transport)
         prefix, sid = self.config.subject_prefix, self.config.service_id
         options.update(engine_options(self.transport, self.bus, prefix, sid))
-        self.transfer = create_engine(self.transport, **options)
-        await self.transfer.start()
-        await serve_connect(self.bus, self.transfer, prefix, sid)
-        self.engine = Engine(
+        self._transfer = transfer = create_engine(self.transport, **options)
+        await transfer.start()
+        await serve_connect(self.bus, transfer, prefix, sid)
+        self._engine = engine = Engine(
             EngineConfig(
                 model=self.config.model,
                 page_size=self.config.page_size,
@@ -164,10 +217,10 @@ class WorkerCore:
                 tier="device",
             ),
             on_kv_event=self._on_kv_event,
-            kv_allocator=self.transfer.allocate,
+            kv_allocator=transfer.allocate,
         )
-        await self.engine.start()
-        self.kv_region = self.transfer.register(self.engine.core.kv_cache.buffer)
+        await engine.start()
+        self._kv_region = transfer.register(self.engine_core.kv_cache.buffer)
         self.kv_mac = load_kv_mac(self.config.kv_secret_file)
         if self.kv_mac is None:
             log.warning("KV handoff verification OFF: no --kv-secret-file / "
@@ -175,9 +228,9 @@ class WorkerCore:
                         "land in their reserved pages (dev mode)")  # fmt: skip
         if not self.config.no_pool and not self.config.no_prefix_cache:
             # Pool pages enter through the prefix cache, so the pool needs it on.
-            client = PoolClient(self.bus, self.transfer, self.config.subject_prefix,
+            client = PoolClient(self.bus, transfer, self.config.subject_prefix,
                                 mac=self.kv_mac)  # fmt: skip
-            self.pool = PoolTier(client, self.engine, self.transfer)
+            self.pool = PoolTier(client, engine, transfer)
         await keep_kv_stream(self.bus, self.config.subject_prefix)
         self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self._on_cancel_msg)
         await self.bus.subscribe(self.subject("routers", "*", "heartbeat"), self._on_heartbeat)
@@ -187,7 +240,7 @@ class WorkerCore:
             asyncio.create_task(self._events_loop(), name="kv-events"),
             asyncio.create_task(self._routers_loop(), name="router-liveness"),
         ]
-        log.info("transfer engine ready", transport=self.transport, endpoint=self.transfer.endpoint)
+        log.info("transfer engine ready", transport=self.transport, endpoint=transfer.endpoint)
 
     async def stop(self) -> None:
         loops, self._loops = self._loops, []
@@ -196,10 +249,11 @@ class WorkerCore:
         await asyncio.gather(*loops, return_exceptions=True)
         if self._pending_events and self.bus.connected:
             await self._flush_events()
-        engine, self.engine = self.engine, None
+        # Both leave at once, so `started` turns False before either stops.
+        engine, self._engine = self._engine, None
+        transfer, self._transfer = self._transfer, None
         if engine is not None:
             await engine.stop()
-        transfer, self.transfer = self.transfer, None
         if transfer is not None:
             await transfer.stop()
 
@@ -207,7 +261,7 @@ class WorkerCore:
 
     def page_keys(self, token_ids: list[int], num_tokens: int) -> list[str]:
         """Keys of the full pages among the first `num_tokens` tokens (none without a cache)."""
-        hasher = self.engine.core.hasher
+        hasher = self.engine_core.hasher
         if hasher is None:
             return []
         n = num_tokens // self.config.page_size * self.config.page_size
@@ -297,7 +351,7 @@ class WorkerCore:
         self._tokens_out += n
 
     def load_report(self, interval: float) -> LoadReport:
-        core = self.engine.core
+        core = self.engine_core
         scheduler = core.scheduler
         report = LoadReport(
             worker=self.config.service_id,

@@ -86,7 +86,10 @@ class PrefillRole:
                 remote = RegionDescriptor.from_dict(req.kv_region)
             except ValueError as e:
                 raise HandlerError(400, str(e)) from None
-            core.hold(key, req.router, asyncio.current_task())
+            task = asyncio.current_task()
+            if task is None:  # a handler runs in a task; held, a cancel can reach it
+                raise RuntimeError("prefill handler called outside a task")
+            core.hold(key, req.router, task)
             core.queued_prompt_tokens += len(req.token_ids)
             try:
                 async with asyncio.timeout(req.timeout):
@@ -100,7 +103,7 @@ class PrefillRole:
             finally:
                 core.queued_prompt_tokens -= len(req.token_ids)
                 try:
-                    if core.engine is not None:  # frees its pages; full ones stay cached
+                    if core.started:  # frees its pages; full ones stay cached
                         await core.engine.abort(key)
                 finally:
                     # Active until the reply goes: the abort waits for the engine's lock (a
@@ -166,8 +169,9 @@ class PrefillRole:
         )
         kv_mac = ""
         if not finished:
-            await sender.finish(last.page_table or [])
-            local_pages = last.page_table[sender.skip : sender.num_pages]
+            page_table = last.page_table or []
+            await sender.finish(page_table)  # ValueError unless it holds every prompt page
+            local_pages = page_table[sender.skip : sender.num_pages]
             kv_mac = await vouch(core, req, first, local_pages)
         core.write_back(req.token_ids, len(req.token_ids))
         log.info("prefill done", prompt_tokens=len(req.token_ids), cached=cached,

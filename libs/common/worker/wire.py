@@ -6,6 +6,8 @@ the engine's SamplingParams, and the engine's logprobs to TokenChunk entries.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from libs.common.engine.core.outputs import TokenLogprobs
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.messages.control import SamplingSpec
@@ -17,7 +19,7 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
     return SamplingParams.from_dict(body)
 
 
-def logprobs_wire(items: list[TokenLogprobs | None]) -> list[dict]:
+def logprobs_wire(items: Sequence[TokenLogprobs | None]) -> list[dict]:
     """Engine logprobs -> TokenChunk.logprobs entries."""
     return [
         {"token": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}

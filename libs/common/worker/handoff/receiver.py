@@ -95,7 +95,7 @@ class HandoffReceiver:
         core = self.core
         if core.transfer.transport == "rdma":
             return core.kv_region
-        kv = core.engine.core.kv_cache
+        kv = core.engine_core.kv_cache
         ranges = page_ranges(KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes), pages)
         ttl = core.config.handoff_timeout + 5.0  # revoked at the handoff's end; a backstop
         async with self._region_freed:
@@ -110,7 +110,7 @@ class HandoffReceiver:
         """End a handoff's write capability (the fence); the pages of request `key` are
         retired instead when a peer's write cannot be stopped."""
         core = self.core
-        if region.region_id == core.kv_region.region_id or core.transfer is None:
+        if region.region_id == core.kv_region.region_id or not core.started:
             return
         try:
             core.transfer.unregister(region)  # the fence: no late write lands after it
@@ -129,7 +129,7 @@ class HandoffReceiver:
         self, req: GenerateRequest, pages: list[int], held: int, region: RegionDescriptor
     ) -> PrefillResult:
         core = self.core
-        kv = core.engine.core.kv_cache
+        kv = core.engine_core.kv_cache
         prefill = PrefillRequest(
             request_id=req.request_id,
             token_ids=req.token_ids,
@@ -217,7 +217,7 @@ async def verify_kv(
         )
     key, me = core.kv_mac.handoff_key, core.config.service_id
     seed = handoff_seed(key, req.router, req.request_id, me)
-    digest = await asyncio.to_thread(pool_digest, core.engine.core.kv_cache, pages, seed)
+    digest = await asyncio.to_thread(pool_digest, core.engine_core.kv_cache, pages, seed)
     claim = HandoffClaim(req.router, req.request_id, me, req.token_ids, pages,
                          result.first_token, digest)  # fmt: skip
     if not verify_handoff(key, claim, result.kv_mac):

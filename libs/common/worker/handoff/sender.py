@@ -112,7 +112,7 @@ class KvSender:
     ) -> KvSender:
         """The sender of `req`'s prompt pages from `core`'s pool into `remote`;
         ValueError when the request's pages do not add up."""
-        kv = core.engine.core.kv_cache
+        kv = core.engine_core.kv_cache
         return cls(
             core.transfer, core.kv_region,
             KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes),
@@ -129,7 +129,7 @@ async def vouch(
     the same bytes, `local_pages`, still held by the request): "" without a KV secret."""
     if core.kv_mac is None:
         return ""
-    kv, key = core.engine.core.kv_cache, core.kv_mac.handoff_key
+    kv, key = core.engine_core.kv_cache, core.kv_mac.handoff_key
     seed = handoff_seed(key, req.router, req.request_id, req.decode_worker)
     digest = await asyncio.to_thread(pool_digest, kv, local_pages, seed)
     claim = HandoffClaim(req.router, req.request_id, req.decode_worker, req.token_ids,
