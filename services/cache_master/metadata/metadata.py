@@ -27,7 +27,10 @@ from services.cache_master.metadata.objects import (
     Changes,
     PoolObject,
     PoolRequestError,
+    PutResult,
+    PutSpec,
     Replica,
+    ReportedRecord,
     Segment,
     check_checksum,
     check_key,
@@ -77,7 +80,11 @@ class PoolMetadata:
     # --- stores --------------------------------------------------------------------------
 
     def mount(
-        self, store_id: str, descriptor: dict[str, Any], reported: Iterable[Any], now: float
+        self,
+        store_id: str,
+        descriptor: dict[str, Any],
+        reported: Iterable[ReportedRecord],
+        now: float,
     ) -> tuple[Segment, int]:
         """Mount or re-mount a store's segment; return it and how many reports were refused.
 
@@ -143,8 +150,8 @@ class PoolMetadata:
     # --- writes --------------------------------------------------------------------------
 
     def put_start(
-        self, specs: Sequence[Any], replicas: int, now: float, client: str = ""
-    ) -> tuple[str, list[tuple[str, str, list[Replica]]]]:
+        self, specs: Sequence[PutSpec], replicas: int, now: float, client: str = ""
+    ) -> tuple[str, list[PutResult]]:
         """Reserve ranges for each spec; return the put id and (key, status, replicas).
 
         Status `ok` (write every replica, then put_end), `exists` (the key is visible or
@@ -171,7 +178,7 @@ class PoolMetadata:
                                    f"{len(specs)} asked > the limit {self.limits.max_pending_puts}"
                                    "; finish (put_end) or revoke puts first")  # fmt: skip
         put_id = secrets.token_hex(8)
-        out = []
+        out: list[PutResult] = []
         for spec in specs:
             if spec.key in self.objects:
                 out.append((spec.key, "exists", []))

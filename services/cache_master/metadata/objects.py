@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from services.cache_master.metadata.allocator import OffsetAllocator
 
@@ -33,10 +33,45 @@ class PutSpec(NamedTuple):
     mac: str = ""  # the writer's MAC tag; the master records it, only readers check it
 
 
+class ReportedRecord(Protocol):
+    """A store's report of one object it holds (PoolRecord's fields; the metadata imports
+    no messages)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def checksum(self) -> str: ...
+    @property
+    def mac(self) -> str: ...
+
+
+class BadReport(Protocol):
+    """A reader's report of a replica whose bytes failed their checksum or MAC tag
+    (PoolBadCopy's fields)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def store(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def checksum(self) -> str: ...
+    @property
+    def mac(self) -> str: ...
+
+
 @dataclass
 class Replica:
     store_id: str
     offset: int
+
+
+PutResult = tuple[str, str, list[Replica]]  # put_start's answer for one key: status, replicas
 
 
 @dataclass(eq=False)

@@ -10,13 +10,15 @@ mistaken bad-replica report drops nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from services.cache_master.metadata.allocator import AllocationError
 from services.cache_master.metadata.objects import (
+    BadReport,
     PoolObject,
     PoolRequestError,
     Replica,
+    ReportedRecord,
     Segment,
     check_checksum,
     check_key,
@@ -27,7 +29,7 @@ if TYPE_CHECKING:  # metadata.py imports this module
     from services.cache_master.metadata.metadata import PoolMetadata
 
 
-def adopt(meta: PoolMetadata, segment: Segment, record: Any) -> bool:
+def adopt(meta: PoolMetadata, segment: Segment, record: ReportedRecord) -> bool:
     """Take a store's report of one object it holds, if it fits what is known."""
     try:
         key, checksum = check_key(record.key), check_checksum(record.checksum)
@@ -35,8 +37,9 @@ def adopt(meta: PoolMetadata, segment: Segment, record: Any) -> bool:
     except PoolRequestError:
         return False
     obj = meta.objects.get(key)
-    if obj is not None and obj.on(segment.store_id) is not None:
-        return obj.on(segment.store_id).offset == record.offset  # already known here
+    known = obj.on(segment.store_id) if obj is not None else None
+    if known is not None:
+        return known.offset == record.offset  # already known here
     if obj is not None and (not obj.complete or (obj.size, obj.checksum, obj.mac) != (
         record.size, checksum, mac)):  # fmt: skip
         return False  # a put in progress, or other bytes under the same key
@@ -57,7 +60,7 @@ def adopt(meta: PoolMetadata, segment: Segment, record: Any) -> bool:
     return True
 
 
-def drop_bad(meta: PoolMetadata, reports: Iterable[Any], now: float) -> int:
+def drop_bad(meta: PoolMetadata, reports: Iterable[BadReport], now: float) -> int:
     """Forget replicas a reader found bad (bytes failing their checksum or MAC tag).
 
     Only a report that matches the record drops anything: same checksum and tag, the

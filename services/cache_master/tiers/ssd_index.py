@@ -17,13 +17,13 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from libs.common.messages.pool import PoolRecord
 from services.cache_master.metadata.metadata import PoolMetadata
 from services.cache_master.metadata.objects import (
     PoolObject,
     PoolRequestError,
+    PutResult,
     Replica,
     Segment,
     check_checksum,
@@ -84,7 +84,7 @@ class SsdIndex:
         self.by_store.pop(store_id, None)
         self.capacity.pop(store_id, None)
 
-    def replace(self, store_id: str, capacity: int, records: Iterable[Any]) -> int:
+    def replace(self, store_id: str, capacity: int, records: Iterable[PoolRecord]) -> int:
         """A store's report of its whole tier; returns how many records were refused."""
         new: dict[str, SsdCopy] = {}
         refused = 0
@@ -158,7 +158,12 @@ def exists(meta: PoolMetadata, index: SsdIndex, keys: Iterable[str]) -> int:
 def on_ssd_only(meta: PoolMetadata, index: SsdIndex, key: str) -> bool:
     """Present on SSD, not in the metadata at all (not even pending): a put of it answers
     `exists`, a get promotes it."""
-    return key not in meta.objects and index.on(key, meta.segments) is not None
+    return ssd_only_copy(meta, index, key) is not None
+
+
+def ssd_only_copy(meta: PoolMetadata, index: SsdIndex, key: str) -> tuple[str, SsdCopy] | None:
+    """The store and SSD copy of a key on SSD only (on_ssd_only), else None."""
+    return None if key in meta.objects else index.on(key, meta.segments)
 
 
 def plan_spills(
@@ -186,7 +191,7 @@ def plan_spills(
     for key in meta.lru:
         obj = meta.objects.get(key)
         replica = obj.on(segment.store_id) if obj is not None else None
-        if replica is None or obj.leased(now):
+        if obj is None or replica is None or obj.leased(now):
             continue
         budget -= obj.size
         if key not in busy and segment.store_id not in index.copies.get(key, {}):
@@ -205,9 +210,10 @@ def reserve_promotions(
     A key with no room is left out (a miss)."""
     by_store: dict[str, Promotion] = {}
     for key in dict.fromkeys(keys):
-        if not on_ssd_only(meta, index, key):
+        held = ssd_only_copy(meta, index, key)
+        if held is None:
             continue
-        store_id, copy = index.on(key, meta.segments)
+        store_id, copy = held
         segment = meta.segments[store_id]
         alloc = segment.allocator
         if alloc.largest_free < alloc.aligned(copy.size):
@@ -234,7 +240,7 @@ def held_on_ssd(meta: PoolMetadata, index: SsdIndex, keys: Iterable[str]) -> set
     return {key for key in keys if on_ssd_only(meta, index, key)}
 
 
-def with_held(keys: list[str], results: list[Any], held: set[str]) -> list[Any]:
+def with_held(keys: list[str], results: list[PutResult], held: set[str]) -> list[PutResult]:
     """put_start's results for the keys not `held`, with `exists` put back in order for
     those that were."""
     rest = iter(results)
