@@ -16,6 +16,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from libs.common import __version__
@@ -23,7 +24,7 @@ from libs.common.bus.connection import Endpoint, HandlerError
 from libs.common.bus.kv_events import keep_kv_stream
 from libs.common.bus.permissions import election_bucket
 from libs.common.log import get_logger
-from libs.common.messages.control import InfoRequest
+from libs.common.messages.control import InfoRequest, Message
 from libs.common.messages.mounts import (
     PoolMount,
     PoolMountChunk,
@@ -67,6 +68,7 @@ from services.cache_master.tiers.ssd_index import exists, held_on_ssd, with_held
 log = get_logger(__name__)
 
 QUEUE_GROUP = "tandem-pool-master"
+Handler = Callable[[Any], Awaitable[Message]]  # a request message -> its reply
 
 
 class CacheMasterService(BaseService):
@@ -143,7 +145,7 @@ class CacheMasterService(BaseService):
         return self.pool_endpoints() if self.serving or not self.config.elected else []
 
     def pool_endpoints(self) -> list[Endpoint]:
-        handlers = {
+        handlers: dict[str, tuple[type[Message], Handler]] = {
             "mount": (PoolMount, self.stores.mount),
             "mount_chunk": (PoolMountChunk, self.stores.mount_chunk),
             "mount_end": (PoolMountEnd, self.stores.mount_end),
@@ -253,10 +255,10 @@ class CacheMasterService(BaseService):
             if self.exit_on_step_down:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    def _guarded(self, handler: Any) -> Any:
+    def _guarded(self, handler: Handler) -> Handler:
         """`handler` behind the fence; the metadata's refusals become its error replies."""
 
-        async def guarded(req: Any) -> Any:
+        async def guarded(req: Any) -> Message:
             self.fence.check()  # requests queued before the endpoints went away
             try:
                 return await handler(req)

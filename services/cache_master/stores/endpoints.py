@@ -98,9 +98,10 @@ class StoreEndpoints:
         return self._page(session, req.page)
 
     def _page(self, session: MountSession, page: int) -> PoolMountReply:
-        return PoolMountReply(session.pages[page], session.rejected, session.update_seq,
+        pages = session.listed()
+        return PoolMountReply(pages[page], session.rejected, session.update_seq,
                               epoch=self.fence.value, mount_id=session.mount_id, page=page,
-                              pages=len(session.pages))  # fmt: skip
+                              pages=len(pages))  # fmt: skip
 
     async def unmount(self, req: PoolStoreRef) -> PoolCount:
         self.fence.seen(req.epoch, req.store_id)

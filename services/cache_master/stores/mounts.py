@@ -30,11 +30,17 @@ class MountSession:
     mount_id: str
     descriptor: dict[str, Any]
     expires: float
-    records: list[Any] = field(default_factory=list)
+    records: list[PoolRecord] = field(default_factory=list)
     chunks: int = 1
     pages: list[list[PoolRecord]] | None = None  # after the end: the reply's pages
     rejected: int = 0
     update_seq: int = 0
+
+    def listed(self) -> list[list[PoolRecord]]:
+        """The master's list in pages: set by `Mounts.finish`, before any page is served."""
+        if self.pages is None:
+            raise RuntimeError(f"mount {self.mount_id}: not finished")
+        return self.pages
 
 
 class Mounts:
@@ -44,7 +50,9 @@ class Mounts:
         self.idle_timeout, self.max_sessions = idle_timeout, max_sessions
         self.sessions: dict[str, MountSession] = {}
 
-    def begin(self, store_id: str, descriptor: dict[str, Any], records: list, now: float):
+    def begin(
+        self, store_id: str, descriptor: dict[str, Any], records: list[PoolRecord], now: float
+    ) -> MountSession:
         self.expire(now)
         if store_id not in self.sessions and len(self.sessions) >= self.max_sessions:
             raise PoolRequestError(503, f"{len(self.sessions)} mounts in progress; retry later")
@@ -54,7 +62,9 @@ class Mounts:
         self.sessions[store_id] = session
         return session
 
-    def chunk(self, store_id: str, mount_id: str, index: int, records: list, now: float):
+    def chunk(
+        self, store_id: str, mount_id: str, index: int, records: list[PoolRecord], now: float
+    ) -> MountSession:
         session = self._find(store_id, mount_id, now)
         if session.pages is not None or index != session.chunks:
             del self.sessions[store_id]  # the store starts its mount again
@@ -65,7 +75,9 @@ class Mounts:
         session.chunks += 1
         return session
 
-    def end(self, store_id: str, mount_id: str, chunks: int, records: int, now: float):
+    def end(
+        self, store_id: str, mount_id: str, chunks: int, records: int, now: float
+    ) -> MountSession:
         """The session, all its chunks in: the caller applies it and calls `finish`."""
         session = self._find(store_id, mount_id, now)
         if session.pages is not None or (chunks, records) != (session.chunks, len(session.records)):
@@ -75,7 +87,7 @@ class Mounts:
                                    f"and {records}; mount again")  # fmt: skip
         return session
 
-    def finish(self, session: MountSession, records: list[PoolRecord], update_seq: int):
+    def finish(self, session: MountSession, records: list[PoolRecord], update_seq: int) -> None:
         """Keep the master's list (as of `update_seq`) in pages for the store to read."""
         session.records = []
         session.pages = chunk_records(records)
@@ -109,7 +121,7 @@ class Mounts:
         return session
 
 
-def _check_chunk(records: list) -> None:
+def _check_chunk(records: list[PoolRecord]) -> None:
     if len(records) > MOUNT_CHUNK_RECORDS:
         raise PoolRequestError(413, f"{len(records)} records in one mount message, over "
                                f"{MOUNT_CHUNK_RECORDS}; send them in chunks")  # fmt: skip

@@ -45,6 +45,10 @@ SPILL_TIMEOUT_S = 30.0
 PROMOTE_TIMEOUT_S = 5.0
 REPORT_IDLE_S = 30.0
 
+# A report in chunks: when its last chunk came, how many it has, the next index, the
+# records so far.
+ReportSession = tuple[float, int, int, list[PoolRecord]]
+
 
 class SsdTiers:
     """Drives the stores' SSD tiers for `meta`. `publish()` sends the metadata's changes
@@ -60,7 +64,7 @@ class SsdTiers:
         self.epoch = 0
         self._busy: dict[str, str] = {}  # key -> store, in a spill order now
         self._cancelled: set[str] = set()  # removed while being spilled
-        self._reports: dict[str, tuple[float, int, int, list]] = {}  # store -> session
+        self._reports: dict[str, ReportSession] = {}  # store -> its report in progress
         self._task: asyncio.Task | None = None
 
     # --- spills --------------------------------------------------------------------------
@@ -108,7 +112,8 @@ class SsdTiers:
             for records in orders.values():
                 for r in records:
                     self._busy.pop(r.key, None)
-        spilled, removed = 0, {}
+        spilled = 0
+        removed: dict[str, list[PoolRecord]] = {}  # files written for keys removed meanwhile
         for (store_id, records), reply in zip(orders.items(), replies, strict=True):
             if reply is None:
                 continue
@@ -204,6 +209,7 @@ class SsdTiers:
         if req.store_id not in self.meta.segments:
             raise HandlerError(409, f"ssd report of {req.store_id!r}: not mounted")
         now = time.monotonic()
+        session: ReportSession | None
         if req.index == 0:
             session = (now, req.chunks, 0, [])
         else:
