@@ -110,7 +110,12 @@ class LeaderElection:
 
     @property
     def leading(self) -> bool:
-        return self.claim is not None and self.claim.master_id == self.master_id
+        return self._ours() is not None
+
+    def _ours(self) -> Claim | None:
+        """Our claim while leading, else None."""
+        claim = self.claim
+        return claim if claim is not None and claim.master_id == self.master_id else None
 
     async def start(self) -> None:
         """Look at the key once (a master that can win at once leads when this returns),
@@ -124,12 +129,13 @@ class LeaderElection:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if self.leading and self._kv is not None:
-            released = Claim("", self.claim.epoch)
+        ours = self._ours()
+        if ours is not None and self._kv is not None:
+            released = Claim("", ours.epoch)
             try:
                 await asyncio.wait_for(self._kv.update(KEY, released.encode(), last=self.revision),
                                        timeout=2)  # fmt: skip
-                log.info("leadership released", epoch=self.claim.epoch)
+                log.info("leadership released", epoch=ours.epoch)
             except Exception as e:  # the claim lapses after the lease instead
                 log.warning("leadership release failed", error=str(e) or type(e).__name__)
         self.claim = None
@@ -173,13 +179,14 @@ class LeaderElection:
 
     async def _step(self) -> bool:
         """One renewal or one look at the key; False once deposed."""
-        if self.leading:
-            return await self._renew()
-        first = self._seen is None
+        ours = self._ours()
+        if ours is not None:
+            return await self._renew(ours)
+        last = self._seen
         seen, now = await self._read(), time.monotonic()
-        if first or seen.revision != self._seen.revision:
+        if last is None or seen.revision != last.revision:
             self._seen, self._changed_at = seen, now
-        if self._may_claim(seen, first, now - self._changed_at):
+        if self._may_claim(seen, last is None, now - self._changed_at):
             await self._claim(seen, now)
         return True
 
@@ -216,22 +223,23 @@ class LeaderElection:
         if self.on_elected is not None:
             await self.on_elected(claim.epoch)
 
-    async def _renew(self) -> bool:
+    async def _renew(self, claim: Claim) -> bool:
+        """Renew `claim` (ours: `self.claim`); False once another master holds the key."""
         try:
-            self.revision = await self._kv.update(KEY, self.claim.encode(), last=self.revision)
+            self.revision = await self._kv.update(KEY, claim.encode(), last=self.revision)
             return True
         except KeyWrongLastSequenceError:
             pass  # someone wrote the key, or our last write landed unacknowledged
         seen = await self._read()
-        if seen.claim == self.claim:
+        if seen.claim == claim:
             self.revision = seen.revision  # ours: renewed at the next step
             return True
         if seen.claim is None:  # the key or the bucket was lost: the claim is still ours
-            self.revision = await self._kv.create(KEY, self.claim.encode())
-            log.warning("leader key was gone; claimed again", epoch=self.claim.epoch)
+            self.revision = await self._kv.create(KEY, claim.encode())
+            log.warning("leader key was gone; claimed again", epoch=claim.epoch)
             return True
         log.error("another master holds the leadership; stepping down",
-                  epoch=self.claim.epoch, leader=seen.claim.master_id[:80],
+                  epoch=claim.epoch, leader=seen.claim.master_id[:80],
                   leader_epoch=seen.claim.epoch)  # fmt: skip
         self.claim = None
         if self.on_deposed is not None:
