@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
 
 from libs.common.bus.connection import BusError, Endpoint, HandlerError
 from libs.common.log import get_logger
-from libs.common.messages.control import MessageError
+from libs.common.messages.control import Message, MessageError
 from libs.common.messages.mounts import (
     PoolMount,
     PoolMountChunk,
@@ -43,6 +43,7 @@ from libs.common.messages.mounts import (
     PoolMountReply,
 )
 from libs.common.messages.pool import (
+    PoolCopy,
     PoolCount,
     PoolGrant,
     PoolGrantReply,
@@ -67,6 +68,8 @@ from services.cache_store.ssd_orders import report, serve_order
 
 log = get_logger(__name__)
 
+R = TypeVar("R", bound=Message)
+
 
 class CacheStoreService(BaseService):
     """Contributes a memory segment to the pool; peers read and write it directly."""
@@ -76,9 +79,9 @@ class CacheStoreService(BaseService):
     def __init__(self, config: CacheStoreConfig):
         super().__init__(config)
         self.config: CacheStoreConfig = config
-        self.engine: TransferEngine | None = None
-        self.segment: StoreSegment | None = None
-        self.region: RegionDescriptor | None = None
+        self._engine: TransferEngine | None = None  # these three: set by on_start
+        self._segment: StoreSegment | None = None
+        self._region: RegionDescriptor | None = None
         self.mounted = False
         self.epoch = 0  # the highest master epoch seen
         self.grants = GrantBook()  # revoked when a higher epoch is followed
@@ -90,14 +93,32 @@ class CacheStoreService(BaseService):
         self.ssd: SsdTier | None = None
         self._ssd_reported = False  # the tier reported on the current mount
 
+    @property
+    def engine(self) -> TransferEngine:
+        if self._engine is None:
+            raise RuntimeError("cache store not started: no transfer engine")
+        return self._engine
+
+    @property
+    def segment(self) -> StoreSegment:
+        if self._segment is None:
+            raise RuntimeError("cache store not started: no segment")
+        return self._segment
+
+    @property
+    def region(self) -> RegionDescriptor:
+        if self._region is None:
+            raise RuntimeError("cache store not started: segment not registered")
+        return self._region
+
     def details(self) -> dict[str, Any]:
-        seg = self.segment
+        engine, seg = self._engine, self._segment
         return {
             "segment_size": self.config.segment_bytes,
             "segment_file": self.config.segment_file,
-            "transport": self.engine.transport if self.engine else self.config.transport,
-            "transfer_endpoint": self.engine.endpoint if self.engine and self.region else "",
-            "transfer": self.engine.info() if self.engine else {},
+            "transport": engine.transport if engine else self.config.transport,
+            "transfer_endpoint": engine.endpoint if engine and self._region else "",
+            "transfer": engine.info() if engine else {},
             "mounted": self.mounted,
             "epoch": self.epoch,
             "objects": len(seg.index) if seg else 0,
@@ -143,21 +164,21 @@ class CacheStoreService(BaseService):
         options = self.config.transfer_options(self._transport())
         prefix, sid = self.config.subject_prefix, self.config.service_id
         options.update(engine_options(self._transport(), self.bus, prefix, sid))
-        self.engine = create_engine(self._transport(), **options)
-        await self.engine.start()
-        await serve_connect(self.bus, self.engine, prefix, sid)
-        self.segment = StoreSegment.open(
-            self.engine, self.config.segment_bytes, self.config.segment_file
+        engine = self._engine = create_engine(self._transport(), **options)
+        await engine.start()
+        await serve_connect(self.bus, engine, prefix, sid)
+        segment = self._segment = StoreSegment.open(
+            engine, self.config.segment_bytes, self.config.segment_file
         )
-        await asyncio.to_thread(self.segment.prefault)
-        self.region = self.engine.register(self.segment.view)
-        kept = await asyncio.to_thread(self.segment.load)
+        await asyncio.to_thread(segment.prefault)
+        self._region = engine.register(segment.view)
+        kept = await asyncio.to_thread(segment.load)
         if self.config.ssd_dir:
             self.ssd = SsdTier(self.config.ssd_dir, self.config.ssd_bytes)
             dropped = await asyncio.to_thread(self.ssd.scan)
             log.info("ssd tier indexed", path=self.config.ssd_dir, objects=len(self.ssd.entries),
                      used=self.ssd.used, capacity=self.ssd.capacity, dropped=dropped)  # fmt: skip
-        self.segment.replace(kept)
+        segment.replace(kept)
         if self.config.segment_file:
             log.info("segment file opened", path=self.config.segment_file, objects=len(kept))
         subject = self.subject("pool", "store", self.config.service_id, "update")
@@ -189,12 +210,12 @@ class CacheStoreService(BaseService):
                 await sub.unsubscribe()
             except Exception as e:  # closed connection: nothing to unsubscribe from
                 log.debug("unsubscribe failed", error=str(e))
-        if self.segment is not None:
-            self.segment.save(self.segment.snapshot())
-        if self.engine is not None:
-            await self.engine.stop()
-        if self.segment is not None:
-            self.segment.close()
+        if self._segment is not None:
+            self._segment.save(self._segment.snapshot())
+        if self._engine is not None:
+            await self._engine.stop()
+        if self._segment is not None:
+            self._segment.close()
 
     # --- keeping the master in sync ------------------------------------------------------
 
@@ -271,14 +292,14 @@ class CacheStoreService(BaseService):
                             old_epoch=self.epoch, epoch=epoch)  # fmt: skip
         self.epoch = epoch
 
-    async def _ask(self, name: str, message: Any, reply_type: type) -> Any:
+    async def _ask(self, name: str, message: Message, reply_type: type[R]) -> R:
         """A mount step; a reply from a master below the highest epoch seen is refused."""
         reply = await self.bus.request(self.master(name), message, reply_type)
         epoch = getattr(reply, "epoch", self.epoch)  # a chunk's PoolCount has none
         if epoch > epoch_ceiling(time.time_ns()):
             raise BusError(f"{name}: implausible master epoch {epoch}")
         if epoch < self.epoch:
-            raise BusError(f"{name}: answered by a stale master (epoch {reply.epoch} < "
+            raise BusError(f"{name}: answered by a stale master (epoch {epoch} < "
                            f"{self.epoch})")  # fmt: skip
         return reply
 
@@ -333,7 +354,7 @@ class CacheStoreService(BaseService):
                 f"{self.epoch}" + ("" if self.mounted else " and is not mounted"),
             )
         size = self.segment.size
-        by_source: dict[str, list[Any]] = {}
+        by_source: dict[str, list[PoolCopy]] = {}
         for copy in req.copies:
             if copy.offset < 0 or copy.size <= 0 or copy.offset + copy.size > size:
                 raise HandlerError(400, f"copy of {copy.key}: {copy.offset}+{copy.size} is "
