@@ -99,8 +99,8 @@ class CacheMasterService(BaseService):
                                  config.service_id, self._on_fenced)  # fmt: skip
         self.fence.value = config.epoch  # 0: picked at start; an election may set it
         self.announce = Announcer(self.bus, config.subject_prefix, self.meta, lambda: self.epoch)
-        self._sweeper: asyncio.Task | None = None
-        self._fence_task: asyncio.Task | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._fence_task: asyncio.Task[None] | None = None
         self.grants = StoreGrants(self.bus, lambda sid: self.subject("pool", "store", sid, "grant"))
         self.repairer = Repairer(self.bus, self.meta, config.subject_prefix, self._publish_changes)
         self.ssd = SsdTiers(self.bus, self.meta, config.subject_prefix,

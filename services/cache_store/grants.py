@@ -89,7 +89,7 @@ class GrantBook:
     def __len__(self) -> int:
         return len(self._issued)
 
-    def add(self, reply: PoolGrantReply, segment: RegionDescriptor, epoch: int, ttl: float):
+    def add(self, reply: PoolGrantReply, segment: RegionDescriptor, epoch: int, ttl: float) -> None:
         """Note a grant just made (not the segment's own descriptor, which rdma and a full
         shm table hand out); forget those past their ttl."""
         now = time.monotonic()

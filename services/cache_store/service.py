@@ -88,7 +88,7 @@ class CacheStoreService(BaseService):
         self._update_seq = 0
         self._early: list[PoolStoreUpdate] | None = None  # updates that came mid-mount
         self._remount = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
+        self._loop_task: asyncio.Task[None] | None = None
         self._sub: Any = None
         self.ssd: SsdTier | None = None
         self._ssd_reported = False  # the tier reported on the current mount

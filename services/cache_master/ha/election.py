@@ -104,7 +104,7 @@ class LeaderElection:
         self._kv: Any = None
         self._seen: Seen | None = None
         self._changed_at = 0.0
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._failures = 0
         self._warned = False  # a live duplicate of our id was logged
 

@@ -36,7 +36,7 @@ class Repairer:
                  publish: Callable[[], Awaitable[None]]):  # fmt: skip
         self.bus, self.meta, self.prefix, self.publish = bus, meta, prefix, publish
         self.epoch = 0
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def kick(self) -> None:
         """Start rounds unless running or nothing to do."""

@@ -75,9 +75,11 @@ class Announcer:
             log.warning("pool publish failed", subject=subject, error=str(e))
 
 
-def update_chunks(records: list[PoolRecord], removed: list[str]) -> list[tuple[list, list]]:
+def update_chunks(
+    records: list[PoolRecord], removed: list[str]
+) -> list[tuple[list[PoolRecord], list[str]]]:
     """Index changes cut into updates within NATS's payload limit (one, usually)."""
-    out: list[tuple[list, list]] = [([], removed[i : i + EVENT_KEYS])
+    out: list[tuple[list[PoolRecord], list[str]]] = [([], removed[i : i + EVENT_KEYS])
                                     for i in range(0, len(removed), EVENT_KEYS)]  # fmt: skip
     if records:
         out += [(chunk, []) for chunk in chunk_records(records)]

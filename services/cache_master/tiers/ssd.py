@@ -37,7 +37,13 @@ from libs.common.log import get_logger
 from libs.common.messages.pool import PoolRecord, PoolSsdOrder, PoolSsdReply, PoolSsdReport
 from services.cache_master.metadata.metadata import PoolMetadata
 from services.cache_master.metadata.objects import PoolObject, Segment
-from services.cache_master.tiers.ssd_index import SsdCopy, SsdIndex, plan_spills, reserve_promotions
+from services.cache_master.tiers.ssd_index import (
+    SsdCopy,
+    SsdEvents,
+    SsdIndex,
+    plan_spills,
+    reserve_promotions,
+)
 
 log = get_logger(__name__)
 
@@ -56,7 +62,7 @@ class SsdTiers:
 
     def __init__(self, bus: Bus, meta: PoolMetadata, prefix: str, watermark: float,
                  publish: Callable[[], Awaitable[None]],
-                 publish_events: Callable[[dict], Awaitable[None]]):  # fmt: skip
+                 publish_events: Callable[[SsdEvents], Awaitable[None]]):  # fmt: skip
         self.bus, self.meta, self.prefix, self.watermark = bus, meta, prefix, watermark
         self.publish, self.publish_events = publish, publish_events
         self.index = SsdIndex()
@@ -65,7 +71,7 @@ class SsdTiers:
         self._busy: dict[str, str] = {}  # key -> store, in a spill order now
         self._cancelled: set[str] = set()  # removed while being spilled
         self._reports: dict[str, ReportSession] = {}  # store -> its report in progress
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     # --- spills --------------------------------------------------------------------------
 

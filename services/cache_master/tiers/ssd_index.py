@@ -34,6 +34,8 @@ from services.cache_master.metadata.objects import (
 SPILL_OBJECTS = 16  # objects per spill order (one order per store in flight); held from
 SPILL_BYTES = 16 << 20  # eviction while it runs, so small orders back to back
 
+SsdEvents = dict[str, dict[str, list[str]]]  # store -> "stored"/"removed" -> keys
+
 
 @dataclass(frozen=True)
 class SsdCopy:
@@ -59,7 +61,7 @@ class SsdIndex:
         self.capacity: dict[str, int] = {}  # store id -> its tier's --ssd-size (0: none)
         self.copies: dict[str, dict[str, SsdCopy]] = {}
         self.by_store: dict[str, set[str]] = {}
-        self.events: dict[str, dict[str, list[str]]] = {}  # store -> stored/removed -> keys
+        self.events: SsdEvents = {}
         self.spilled = self.promoted = self.dropped = 0
 
     def add(self, store_id: str, key: str, copy: SsdCopy) -> None:
@@ -117,7 +119,7 @@ class SsdIndex:
                 return store_id, copy
         return None
 
-    def take_events(self) -> dict[str, dict[str, list[str]]]:
+    def take_events(self) -> SsdEvents:
         events, self.events = self.events, {}
         return events
 
