@@ -10,11 +10,13 @@ mistaken bad-replica report drops nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from services.cache_master.metadata.allocator import AllocationError
+from services.cache_master.metadata.eviction import Lru
 from services.cache_master.metadata.objects import (
     BadReport,
+    Changes,
     PoolObject,
     PoolRequestError,
     Replica,
@@ -25,11 +27,37 @@ from services.cache_master.metadata.objects import (
     check_mac,
 )
 
-if TYPE_CHECKING:  # metadata.py imports this module
-    from services.cache_master.metadata.metadata import PoolMetadata
+
+class ObjectLimits(Protocol):
+    """The bounds a reported object is held to (PoolLimits' fields)."""
+
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def min_object_size(self) -> int: ...
+    @property
+    def max_object_size(self) -> int: ...
 
 
-def adopt(meta: PoolMetadata, segment: Segment, record: ReportedRecord) -> bool:
+class ReportedOn(Protocol):
+    """What a report reads and changes of the metadata (PoolMetadata, which calls `adopt`
+    from its mount: this module knows the parts, not the class, so the two do not import
+    each other)."""
+
+    objects: dict[str, PoolObject]
+    segments: dict[str, Segment]
+    lru: Lru
+    changes: Changes
+    doomed: list[PoolObject]
+    under_replicated: set[str]
+
+    @property
+    def limits(self) -> ObjectLimits: ...
+
+    def drop_replica(self, obj: PoolObject, segment: Segment, free: bool) -> None: ...
+
+
+def adopt(meta: ReportedOn, segment: Segment, record: ReportedRecord) -> bool:
     """Take a store's report of one object it holds, if it fits what is known."""
     try:
         key, checksum = check_key(record.key), check_checksum(record.checksum)
@@ -60,7 +88,7 @@ def adopt(meta: PoolMetadata, segment: Segment, record: ReportedRecord) -> bool:
     return True
 
 
-def drop_bad(meta: PoolMetadata, reports: Iterable[BadReport], now: float) -> int:
+def drop_bad(meta: ReportedOn, reports: Iterable[BadReport], now: float) -> int:
     """Forget replicas a reader found bad (bytes failing their checksum or MAC tag).
 
     Only a report that matches the record drops anything: same checksum and tag, the
