@@ -62,8 +62,8 @@ from services.cache_master.stores.announce import Announcer
 from services.cache_master.stores.endpoints import StoreEndpoints
 from services.cache_master.stores.grants import StoreGrants, by_store
 from services.cache_master.stores.mounts import Mounts
-from services.cache_master.tiers.ssd import SsdTiers
 from services.cache_master.tiers.ssd_index import exists, held_on_ssd, with_held
+from services.cache_master.tiers.ssd_orders import SsdTiers
 
 log = get_logger(__name__)
 
@@ -339,7 +339,7 @@ class CacheMasterService(BaseService):
                          ssd=self.ssd.index.stats(self.meta))  # fmt: skip
 
     async def _ssd_report(self, req: PoolSsdReport) -> PoolCount:
-        """A store's SSD tier after its mount (tiers/ssd.py)."""
+        """A store's SSD tier after its mount (tiers/ssd_orders.py)."""
         self.fence.seen(req.epoch, req.store_id)
         return PoolCount(await self.ssd.report(req))
 

@@ -264,7 +264,7 @@ class PoolStats(Message, tag="pool_stats"):
     epoch: int = 0
     under_replicated: int = 0
     repaired: int = 0
-    # SSD tiers (services/cache_master/tiers/ssd.py): objects on SSD only / with an SSD copy,
+    # SSD tiers (services/cache_master/tiers/ssd_orders.py): objects on SSD only / with an SSD copy,
     # spilled, promoted back to DRAM, dropped by a tier's size bound or checksum.
     ssd: dict[str, int] = field(default_factory=dict)
 

@@ -10,7 +10,7 @@ replicas on that segment, least recently used object first (a get refreshes an o
 exists does not), skipping:
   - objects under a read lease (a reader may be copying their bytes right now);
   - pending objects (being written; they are not in the LRU until put_end).
-  - objects an SSD spill is copying (tiers/ssd.py), until its order ends;
+  - objects an SSD spill is copying (tiers/ssd_orders.py), until its order ends;
   - replicas a soft pin holds (`keep`, pins/book.py), within the pins' bound.
 An object that loses its last replica disappears from the pool; one that keeps another
 replica stays visible with fewer copies.
@@ -67,7 +67,7 @@ class Lru:
         changing it; the caller then forgets each returned object's replica on
         `segment` (its bytes are already free) and drops the key of one left with none.
         `first`: objects it accepts are evicted before any other (those with an SSD copy,
-        tiers/ssd.py: evicting them loses nothing), then the walk goes on over the rest.
+        tiers/ssd_orders.py: evicting them loses nothing), then the walk goes on over the rest.
         `keep`: objects it accepts are never evicted here (pinned, pins/book.py).
         """
         alloc = segment.allocator

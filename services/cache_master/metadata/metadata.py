@@ -69,7 +69,7 @@ class PoolMetadata:
         self.pending_by_client: dict[str, int] = {}
         self.under_replicated: set[str] = set()  # keys to copy back up to `want` replicas
         self.unplaced: set[str] = set()  # under-replicated, no store to copy to: wait a mount
-        # (object, segment) -> evict it before others there (tiers/ssd.py: it has an SSD copy)
+        # (object, segment) -> evict it first there (tiers/ssd_orders.py: it has an SSD copy)
         self.evict_first: Callable[[PoolObject, Segment], bool] | None = None
         self.keep: Callable[[PoolObject, Segment], bool] | None = None  # pinned (pins/book.py)
 

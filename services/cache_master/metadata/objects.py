@@ -92,7 +92,7 @@ class PoolObject:
     counted: bool = False  # counted in its client's pending objects
     repair_failures: int = 0  # failed copies back up to `want` (ha/repair_plan.py)
     mac: str = ""  # the writer's MAC tag over key and bytes ("" written without one)
-    spilling_until: float = 0.0  # an SSD spill is copying its bytes: not evicted (tiers/ssd.py)
+    spilling_until: float = 0.0  # an SSD spill copies its bytes: not evicted (tiers/ssd_orders.py)
 
     def leased(self, now: float) -> bool:
         return self.lease_until > now

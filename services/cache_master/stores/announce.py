@@ -53,7 +53,7 @@ class Announcer:
             await self._send(subject, message)
 
     async def publish_ssd(self, events: dict[str, dict[str, list[str]]]) -> None:
-        """KV events of the stores' SSD tiers (tiers/ssd.py): tier `ssd`, the store's seq."""
+        """KV events of the stores' SSD tiers (tiers/ssd_orders.py): tier `ssd`, the store's seq."""
         for store_id, kinds in events.items():
             subject = events_subject(self.prefix, store_id)
             for kind in ("removed", "stored"):
