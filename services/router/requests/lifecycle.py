@@ -62,6 +62,20 @@ async def serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     """The whole request; each step is one call, defined below in this order."""
     state = request.app[STATE]
     api = await parse(request, endpoint, state)
+    prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
+    return await run_request(request, api, prefix, stream if api.stream else collect)
+
+
+Respond = Callable[[web.Request, "Tally", list["Choice"]], Awaitable[web.StreamResponse]]
+
+
+async def run_request(
+    request: web.Request, api: ApiRequest, id_prefix: str, respond: Respond
+) -> web.StreamResponse:
+    """Steps 2 to 6 for a checked ApiRequest of any API format (OpenAI's here, the
+    Responses and Messages formats beside it): admit, prompts, choices, then `respond`
+    runs the choices (`dispatch`) and writes the response in its format."""
+    state = request.app[STATE]
     admit(state)
     state.pending += 1
     state.metrics.running.labels(state.metrics.model).inc()
@@ -72,11 +86,8 @@ async def serve(request: web.Request, endpoint: str) -> web.StreamResponse:
                 prepare, api, state.tokenizer, state.context_len(), state.sampling_defaults
             )
             choices = make_choices(rid, api, prompts, arrived, label)
-            prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
-            tally = Tally(state, api, prompts, prefix + label)
-            if api.stream:
-                return await stream(request, tally, choices)
-            return await collect(tally, choices)
+            tally = Tally(state, api, prompts, id_prefix + label)
+            return await respond(request, tally, choices)
     finally:
         state.pending -= 1
         state.metrics.running.labels(state.metrics.model).dec()
@@ -89,6 +100,12 @@ async def serve(request: web.Request, endpoint: str) -> web.StreamResponse:
 async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiRequest:
     """The body as an ApiRequest for a model this router serves; 400 or 404 otherwise."""
     api = parse_request(endpoint, await json_body(request), state.config.max_n)
+    await check(api, state)
+    return api
+
+
+async def check(api: ApiRequest, state: RouterState) -> None:
+    """The model and the grammars of a parsed request, in whichever format it came."""
     check_model(state, api.model)
     # Grammars compile off the loop, once per distinct text; the tools' schemas compile
     # even under "auto", so a schema that cannot be enforced is a 400 in every mode.
@@ -96,7 +113,6 @@ async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiR
         await asyncio.to_thread(tools.check_tool_grammar, api.tools, state.grammars)
     if api.grammar is not None and api.grammar.param != "tools":
         await structured.check(api.grammar, state.grammars)
-    return api
 
 
 # --- 2. admit: admit() in services/router/admission/gate.py ------------------------------
@@ -284,7 +300,7 @@ class Tally:
         return out
 
 
-async def collect(tally: Tally, choices: list[Choice]) -> web.Response:
+async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> web.Response:
     """Run every choice, then answer with one JSON body."""
     await dispatch(tally.state, choices, tally.add)
     api, prompts = tally.api, tally.prompts
