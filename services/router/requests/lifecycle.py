@@ -14,7 +14,8 @@ Read top to bottom, in the order a request lives it:
   5. dispatch  every choice routed (routing/selector.py) and run on the workers (dispatch.py); its
                TokenChunks become `Delta`s, observed by the latency metrics
   6. stream or collect  each Delta formatted and written as SSE events at once, inside the
-               bus's callback for its chunk (it never awaits); or merged into one body
+               bus's callback for its chunk (it never awaits); or merged into one body; a
+               chat choice's text split into its message's parts (chat_text.py)
 
 Leaving for any reason (the client went away, an error in one choice) cancels the choices
 still running, and each sends `CancelRequest` to the workers.
@@ -41,11 +42,11 @@ from services.router.formats.bodies import check_model, json_body
 from services.router.formats.openai import shapes as fmt
 from services.router.formats.openai.validation import ApiRequest, parse_request
 from services.router.formats.sse import DONE, SseStream, sse
+from services.router.requests.chat_text import ChatText, chat_choice
 from services.router.requests.prompts import Prompt, prepare
 from services.router.state import STATE, RouterState
 from services.router.structured import output as structured
 from services.router.structured.tools import request as tools
-from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
 
 log = get_logger(__name__)
 
@@ -256,12 +257,10 @@ class Tally:
         self.prompt_lps: dict[int, dict[str, Any]] = {}
         # max_tokens 0 with echo: the one token the engine had to sample is dropped.
         self.echo_only = api.echo and api.max_tokens == 0
-        # Tool calls are read out of each choice's text as it streams (tools/parse.py), for
-        # the request's tools unless it has none or tool_choice is "none" (`tools` None).
+        # A chat choice's text is split into its message's parts (chat_text.py): tool calls
+        # for the request's tools unless it has none or tool_choice is "none" (`tools` None).
         self.tools = api.tools if api.tools is not None and api.tools.choice != "none" else None
-        self.tool_streams = (
-            [ToolCallStream(self.tools) for _ in range(n)] if self.tools is not None else []
-        )
+        self.texts = [ChatText(self.tools) for _ in range(n)] if api.endpoint == "chat" else []
 
     def add(self, d: Delta) -> None:
         if self.echo_only:
@@ -306,17 +305,10 @@ async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> 
     api, prompts = tally.api, tally.prompts
     model, created = api.model, int(time.time())
     if api.endpoint == "chat":
-        out = []
-        for c in tally.choices:
-            lp = tally.logprobs(c.index, c.logprobs, c.text)
-            if tally.tools is None:
-                out.append(fmt.chat_choice(c, lp))
-                continue
-            content, calls = parse_tool_calls(c.text, tally.tools)
-            if calls and c.finish_reason == "stop":
-                c.finish_reason = "tool_calls"
-            c.text = content
-            out.append(fmt.chat_choice(c, lp, [call.delta(i) for i, call in enumerate(calls)]))
+        out = [
+            chat_choice(c, tally.logprobs(c.index, c.logprobs, c.text), tally.tools)
+            for c in tally.choices
+        ]
         body = fmt.chat_body(tally.rid, created, model, out, tally.totals)
     else:
         out = []
@@ -379,27 +371,8 @@ def _events(d: Delta, tally: Tally, started: set[int]) -> list:
             scored = tally.prompt_lps.get(d.index)
             events.append(fmt.completion_delta(d.index, echoed, scored, None))
     lp = tally.logprobs(d.index, d.logprobs, d.text)
-    if chat and tally.tool_streams:
-        events.append(_tool_delta(d, tally.tool_streams[d.index], lp))
-    elif chat:
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-        events.append(fmt.chat_delta(d.index, delta, lp, d.finish_reason))
+    if chat:
+        events.append(tally.texts[d.index].event(d.index, d.text, lp, d.finish_reason))
     else:
         events.append(fmt.completion_delta(d.index, d.text, lp, d.finish_reason))
     return events
-
-
-def _tool_delta(d: Delta, calls: ToolCallStream, lp: Any) -> dict[str, Any]:
-    """A chat delta with tools: the text split into content and whole tool calls; the
-    finish reason is "tool_calls" when the choice called one and stopped by itself."""
-    content, deltas = calls.feed(d.text)
-    reason = d.finish_reason
-    if reason is not None:
-        rest, more = calls.finish()
-        content, deltas = content + rest, deltas + more
-        if calls.called and reason == "stop":
-            reason = "tool_calls"
-    delta: dict[str, Any] = {"content": content} if content else {}
-    if deltas:
-        delta["tool_calls"] = deltas
-    return fmt.chat_delta(d.index, delta, lp, reason)
