@@ -186,3 +186,28 @@ async def test_tools_bad_input_is_a_400_naming_the_field(cluster, extra, params)
     status, reply = await post(cluster.url, "/v1/chat/completions", body)
     assert status == 400, reply
     assert reply["error"]["param"] in params, reply
+
+
+@pytest.mark.parametrize("max_tokens", [3, 12])
+async def test_tools_a_call_cut_by_max_tokens_leaks_no_markup_whole_or_streamed(
+    cluster, c, max_tokens
+):
+    """The forced call is cut inside its block: no call, no markup or partial JSON in the
+    content, finish_reason "length"; the same streamed."""
+    args = dict(
+        model="default", messages=long_messages("What is the weather in Paris?"),
+        max_tokens=max_tokens, temperature=1.0, seed=4, tools=[WEATHER, CLOCK],
+        tool_choice="required",
+    )  # fmt: skip
+    r = await c.chat.completions.create(**args)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.tool_calls and not choice.message.content, choice.message
+    stream = await c.chat.completions.create(**args, stream=True)
+    content, calls, finish = "", [], None
+    async for chunk in stream:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            calls += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "length" and content == "" and not calls

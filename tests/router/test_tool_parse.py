@@ -3,7 +3,6 @@ and streamed (the request side: test_tool_request.py)."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -41,7 +40,6 @@ def test_arguments_are_reserialized_compactly_without_ascii_escapes():
         call_block("get_news", {"q": "x"}),
         call_block("get_time", "UTC"),
         '<tool_call>\n{"name": "get_time"}\n</tool_call>',
-        "<tool_call>\n" + json.dumps({"name": "get_time", "arguments": {}}),  # unterminated
     ],
 )
 def test_a_block_that_is_not_a_call_stays_in_the_content(block):
@@ -63,14 +61,16 @@ def test_tool_choice_none_parses_nothing():
 # --- ToolCallStream ---------------------------------------------------------------------
 
 
-def _stream(pieces: list[str], req: ToolRequest | None = None) -> tuple[list[str], list[dict]]:
+def _stream(
+    pieces: list[str], req: ToolRequest | None = None, cut: bool = False
+) -> tuple[list[str], list[dict]]:
     stream = ToolCallStream(req or tool_request())
     sent, deltas = [], []
     for piece in pieces:
         content, new = stream.feed(piece)
         sent.append(content)
         deltas += new
-    content, new = stream.finish()
+    content, new = stream.finish(cut)
     return [*sent, content], deltas
 
 
@@ -85,11 +85,12 @@ STREAMED = [
 ]
 
 
+@pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("text", STREAMED)
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
-def test_streamed_output_adds_up_to_the_parsed_output(text, size):
-    sent, deltas = _stream([text[i : i + size] for i in range(0, len(text), size)])
-    content, calls = parse_tool_calls(text, tool_request())
+def test_streamed_output_adds_up_to_the_parsed_output(text, size, cut):
+    sent, deltas = _stream([text[i : i + size] for i in range(0, len(text), size)], cut=cut)
+    content, calls = parse_tool_calls(text, tool_request(), cut)
     assert "".join(sent) == content
     assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
         (c.name, c.arguments) for c in calls
@@ -121,11 +122,35 @@ def test_tool_call_deltas_have_openais_streaming_shape_and_count_up():
     assert deltas[1]["function"] == {"name": "get_weather", "arguments": '{"city": "B"}'}
 
 
-def test_an_unterminated_block_is_flushed_as_content_at_the_finish():
+def test_an_unterminated_block_is_dropped_at_the_finish_never_sent_as_content():
     stream = ToolCallStream(tool_request())
-    assert stream.feed('<tool_call>\n{"name": "get_time"') == ("", [])
-    assert stream.finish() == ('<tool_call>\n{"name": "get_time"', [])
+    assert stream.feed('Sure. <tool_call>\n{"name": "get_time"') == ("Sure.", [])
+    assert stream.finish(cut=True) == ("", [])
     assert not stream.called
+
+
+CUT = [
+    call_block("get_time", {"zone": "A"}) + '\n<tool_call>\n{"name": "get_weather", "argu',
+    'I will check. <tool_call>\n{"name": "get_ti',
+    "Checking <tool_",
+    "<tool_call>",
+    "<tool_call> x </tool_call> <tool_call> y <tool_call>",
+]
+
+
+@pytest.mark.parametrize("text", CUT)
+def test_a_call_cut_short_leaves_no_markup_in_the_content(text):
+    content, calls = parse_tool_calls(text, tool_request(), cut=True)
+    sent, _ = _stream(list(text), cut=True)
+    assert "".join(sent) == content
+    assert "<tool_" not in content.replace("<tool_call> x </tool_call>", "")
+    assert '"name"' not in content
+    assert len(calls) == text.count("</tool_call>") - text.count(" x </tool_call>")
+
+
+def test_a_trailing_partial_tag_stays_content_when_the_output_was_not_cut():
+    assert parse_tool_calls("a <tool_c", tool_request()) == ("a <tool_c", [])
+    assert parse_tool_calls("a <tool_c", tool_request(), cut=True) == ("a", [])
 
 
 def test_a_stream_for_tool_choice_none_passes_text_through():

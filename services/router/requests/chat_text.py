@@ -7,7 +7,8 @@
 The model writes one text; the client sees it split. Tool-call blocks are read out of it
 (structured/tools/parse.py) for a request with tools, unless tool_choice is "none" (then
 `tools` is None here); a choice that called a tool and stopped by itself finishes with
-"tool_calls".
+"tool_calls". A call cut by max_tokens is dropped: its markup never reaches the content,
+and the choice finishes with "length".
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def chat_choice(c: fmt.Choice, logprobs: Any, tools: ToolRequest | None) -> dict
     """A finished chat choice as its body: the text split into content and tool calls."""
     if tools is None:
         return fmt.chat_choice(c, logprobs)
-    content, calls = parse_tool_calls(c.text, tools)
+    content, calls = parse_tool_calls(c.text, tools, cut=c.finish_reason == "length")
     if calls and c.finish_reason == "stop":
         c.finish_reason = "tool_calls"
     c.text = content
@@ -51,7 +52,7 @@ def _tool_delta(
     finish reason is "tool_calls" when the choice called one and stopped by itself."""
     content, deltas = calls.feed(text)
     if reason is not None:
-        rest, more = calls.finish()
+        rest, more = calls.finish(cut=reason == "length")
         content, deltas = content + rest, deltas + more
         if calls.called and reason == "stop":
             reason = "tool_calls"

@@ -8,6 +8,10 @@ A block is a call when its JSON is an object with a "name" among the request's t
 "arguments" an object; anything else stays in the content. With parallel_tool_calls false
 only the first call counts (later blocks stay content), and with tool_choice "none"
 nothing is parsed. Content is stripped of surrounding whitespace, streamed or not.
+
+Content never carries call markup a call was cut in: a block that never closed (the
+output ended inside it: max_tokens, a stop string) is dropped, and so, when the output
+was cut (`cut`: its finish reason is "length"), is a trailing start of "<tool_call>".
 """
 
 from __future__ import annotations
@@ -42,21 +46,26 @@ def new_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
 
 
-def parse_tool_calls(text: str, req: ToolRequest) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, req: ToolRequest, cut: bool = False) -> tuple[str, list[ToolCall]]:
     """A finished output -> (the content outside the call blocks, stripped; the calls)."""
     if req.choice == "none":
         return text, []
     calls: list[ToolCall] = []
     content: list[str] = []
-    at = 0
+    at = closed = 0
     for block in _BLOCK.finditer(text):
+        closed = block.end()
         call = _call(block.group(1), req) if (req.parallel or not calls) else None
         if call is None:
             continue
         content.append(text[at : block.start()])
         at = block.end()
         calls.append(call)
-    content.append(text[at:])
+    unclosed = text.find(OPEN, closed)
+    rest = text[at:] if unclosed < 0 else text[at:unclosed]
+    if cut and unclosed < 0:
+        rest = rest[: len(rest) - _tag_start(rest)]
+    content.append(rest)
     return "".join(content).strip(), calls
 
 
@@ -121,12 +130,12 @@ class ToolCallStream:
             buf, self._inside = buf[j + len(CLOSE) :], False
         return "".join(content), deltas
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """The end of output: held text (an unterminated block, a partial tag) is content;
-        trailing whitespace is dropped."""
+    def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
+        """The end of output: an unterminated block is dropped; a held partial tag is
+        content, unless the output was `cut`; trailing whitespace is dropped."""
         if self.req.choice == "none":
             return "", []
-        held = (OPEN if self._inside else "") + self._pending
+        held = "" if self._inside or cut else self._pending
         self._pending, self._inside = "", False
         return self._content(held), []
 
