@@ -81,6 +81,14 @@ class RouterConfig(CommonConfig):
     kv_stream_max_mb: int = field(
         default=256, metadata={"help": "megabytes the KV events stream keeps"}
     )
+    responses_ttl: float = field(
+        default=30 * 86400.0,
+        metadata={"help": "seconds a stored response (POST /v1/responses, store) is kept"},
+    )
+    responses_max_mb: int = field(
+        default=1024,
+        metadata={"help": "megabytes of stored responses kept; past it new ones are not stored"},
+    )
     # Defaults for sampling fields a request leaves out, over the model's own
     # (services/router/defaults.py has the order). None: not given.
     default_temperature: float | None = field(
@@ -113,6 +121,8 @@ class RouterConfig(CommonConfig):
             "kv_index_max_keys",
             "kv_stream_max_age",
             "kv_stream_max_mb",
+            "responses_ttl",
+            "responses_max_mb",
         ):
             require_positive(self, name)
         if self.heartbeat_timeout < 2 * self.heartbeat_interval:

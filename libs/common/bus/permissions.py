@@ -21,7 +21,9 @@ gets no reply at all.
   after a reconnect); readers (the router, an operator) may look at it and make
   consumers on it; nobody here may delete or change a stream. Masters elect their leader
   in their own key-value bucket (`election_bucket`, services/cache_master/ha/election.py):
-  they may create it, read it and write its keys, nothing else of JetStream's.
+  they may create it, read it and write its keys, nothing else of JetStream's. Routers
+  keep the Responses API's stored responses in a bucket of theirs (`responses_bucket`,
+  services/router/requests/stored.py) with the same rights on it.
 """
 
 from __future__ import annotations
@@ -52,7 +54,16 @@ MASTER_TO_STORE = ("update", "replicate", "grant", "ssd")
 def election_bucket(prefix: str) -> str:
     """The JetStream KV bucket where the masters of subject prefix `prefix` elect their
     leader (bucket names allow letters, digits, `_` and `-`)."""
-    base = "TANDEM_POOL_MASTER"
+    return _bucket("TANDEM_POOL_MASTER", prefix)
+
+
+def responses_bucket(prefix: str) -> str:
+    """The JetStream KV bucket where the routers of subject prefix `prefix` keep stored
+    responses (POST /v1/responses with `store`)."""
+    return _bucket("TANDEM_RESPONSES", prefix)
+
+
+def _bucket(base: str, prefix: str) -> str:
     return base if prefix == "tandem" else f"{base}_{re.sub(r'[^A-Za-z0-9]', '_', prefix).upper()}"
 
 
@@ -92,6 +103,7 @@ def _router(p: str, scope: str) -> tuple[list[str], list[str]]:
     publish = [f"{p}.decode.*.generate", f"{p}.cancel", f"{p}.routers.*.heartbeat"]
     publish += [*_js_writer(p), *_js_reader(p)]  # its index replays the KV events stream
     publish += _pool(p, PIN_CALLS)  # POST/GET/DELETE /v1/pins (services/router/api/pins.py)
+    publish += _js_bucket(responses_bucket(p))  # stored responses (POST /v1/responses)
     subscribe = [f"{p}.workers.*.*.load", f"{p}.kv.events.>"]
     subscribe += [f"{p}.stream.{scope}.>", f"{p}.chunks.{scope}"]
     return publish, subscribe
@@ -161,7 +173,12 @@ def _js_writer(p: str) -> list[str]:
 def _js_election(p: str) -> list[str]:
     """The masters' leader bucket: create it (idempotent), look it up, read its keys (direct
     or stream get) and write them (compare-and-set publishes on `$KV.<bucket>.<key>`)."""
-    bucket = election_bucket(p)
+    return _js_bucket(election_bucket(p))
+
+
+def _js_bucket(bucket: str) -> list[str]:
+    """One KV bucket: create it (idempotent), look it up, read its keys, write and delete
+    them (publishes on `$KV.<bucket>.<key>`); never delete or change its stream."""
     stream, api = f"KV_{bucket}", "$JS.API"
     return [
         f"{api}.STREAM.CREATE.{stream}",

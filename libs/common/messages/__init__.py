@@ -4,7 +4,8 @@ Owns the envelope (schema version, type tag), the field checks and the decode of
 type: control messages (generate, prefill, reserve, token streams, load reports, KV events,
 service info) in `control`, the pool's messages (master RPCs, heartbeats, grants, SSD
 tiers) in `pool`, a store's mount in chunks in `mounts`, soft pins of prefixes (router <->
-master, and their saved form) in `pins`.
+master, and their saved form) in `pins`, the Responses API's stored responses (the router's
+KV bucket) in `responses`.
 
 May import: the standard library and msgspec only, so any process (and any tool) can read
 the whole protocol without loading anything else; and the sampling fields' bounds from

@@ -4,8 +4,9 @@
                 -> API key check on /v1/*
                 -> handler; ApiError / HTTP errors / anything else -> OpenAI error body
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/render (a chat
-request's prompt text, not run), POST/GET /v1/pins and DELETE /v1/pins/{id} (soft pins of
-prefixes in the KV pool, pins.py), GET /v1/models, GET /health,
+request's prompt text, not run), POST /v1/responses, GET and DELETE /v1/responses/{id}
+(OpenAI's Responses API, requests/responses.py), POST/GET /v1/pins and DELETE
+/v1/pins/{id} (soft pins of prefixes in the KV pool, pins.py), GET /v1/models, GET /health,
 GET /metrics, GET /openapi.json. No response ever carries a traceback.
 """
 
@@ -26,7 +27,8 @@ from libs.common.log import get_logger, request_context
 from services.router.api import openapi, pins, render
 from services.router.errors import ApiError
 from services.router.formats.openai import shapes as fmt
-from services.router.requests import lifecycle
+from services.router.requests import lifecycle, responses
+from services.router.requests.stored import ResponseStore
 from services.router.state import STATE, RouterState
 
 log = get_logger(__name__)
@@ -40,6 +42,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(state: RouterState) -> web.Application:
     app = web.Application(middlewares=[_middleware], client_max_size=MAX_BODY)
     app[STATE] = state
+    app[responses.STORE] = ResponseStore(state.bus, state.config)
     for method, path, handler in routes():
         app.router.add_route(method, path, handler)
     return app
@@ -51,6 +54,9 @@ def routes() -> list[tuple[str, str, Handler]]:
         ("POST", "/v1/completions", lifecycle.completions),
         ("POST", "/v1/chat/completions", lifecycle.chat_completions),
         ("POST", "/v1/chat/render", render.chat_render),
+        ("POST", "/v1/responses", responses.create),
+        ("GET", "/v1/responses/{response_id}", responses.retrieve),
+        ("DELETE", "/v1/responses/{response_id}", responses.delete),
         ("POST", "/v1/pins", pins.create_pin),
         ("GET", "/v1/pins", pins.list_pins),
         ("DELETE", "/v1/pins/{pin_id}", pins.delete_pin),

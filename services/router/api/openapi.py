@@ -18,6 +18,7 @@ from libs.common.engine.core.sampling_params import (
 )
 from services.router.api import pins
 from services.router.formats.openai.validation import CHAT_SPECS, COMPLETION_SPECS, ROLES, Spec
+from services.router.formats.responses.request import RESPONSES_SPECS
 
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:
@@ -51,6 +52,12 @@ _KINDS: dict[str, dict[str, Any]] = {
             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
             _IDS,
             {"type": "array", "items": _IDS, "minItems": 1},
+        ]
+    },
+    "input": {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "items": {"type": "object"}},
         ]
     },
     "messages": {
@@ -179,8 +186,33 @@ RENDER = _obj(
     prompt=_STR,
     prompt_tokens=_INT,
 )
+RESPONSE = _obj(
+    ["id", "object", "created_at", "status", "model", "output"],
+    id=_STR,
+    object={"const": "response"},
+    created_at=_INT,
+    status={"enum": ["completed", "incomplete", "in_progress", "failed"]},
+    model=_STR,
+    output={
+        "type": "array",
+        "items": _obj(["id", "type"], type={"enum": ["message", "function_call"]}),
+    },
+    usage=_obj(
+        ["input_tokens", "input_tokens_details", "output_tokens", "total_tokens"],
+        input_tokens=_INT,
+        input_tokens_details=_obj(["cached_tokens"], cached_tokens=_INT),
+        output_tokens=_INT,
+        total_tokens=_INT,
+    ),
+)
+RESPONSE_DELETED = _obj(
+    ["id", "object", "deleted"], id=_STR, object={"const": "response"}, deleted={"const": True}
+)
 SCHEMAS = {
     "CompletionRequest": _schema(COMPLETION_SPECS),
+    "ResponseRequest": {**_schema(RESPONSES_SPECS), "additionalProperties": False},
+    "Response": RESPONSE,
+    "ResponseDeleted": RESPONSE_DELETED,
     "ChatCompletionRequest": _schema(CHAT_SPECS),
     "Completion": COMPLETION,
     "ChatCompletion": CHAT,
@@ -231,6 +263,25 @@ def _generate(request: str, response: str, summary: str) -> dict[str, Any]:
     }
 
 
+def _stored_response() -> dict[str, Any]:
+    """GET and DELETE of a stored response (POST /v1/responses with `store`)."""
+    param = {"name": "response_id", "in": "path", "required": True, "schema": _STR}
+    missing = _json("Error", "no stored response of this id (never stored, expired, deleted)")
+    errors = {"401": _ERRORS["401"], "404": missing, "503": _ERRORS["503"]}
+    return {
+        "get": {
+            "summary": "A stored response",
+            "parameters": [param],
+            "responses": {"200": _json("Response", "the response object"), **errors},
+        },
+        "delete": {
+            "summary": "Delete a stored response",
+            "parameters": [param],
+            "responses": {"200": _json("ResponseDeleted", "deleted"), **errors},
+        },
+    }
+
+
 def document(model_name: str) -> dict[str, Any]:
     """The whole document; `model_name` is the one value of `model` this router serves."""
     return {
@@ -258,6 +309,8 @@ def document(model_name: str) -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/responses": _generate("ResponseRequest", "Response", "OpenAI Responses API"),
+            "/v1/responses/{response_id}": _stored_response(),
             "/v1/models": {
                 "get": {
                     "summary": "Served models",

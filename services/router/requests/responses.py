@@ -1,0 +1,169 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API on the
+request life every format shares (lifecycle.run_request: admit, prompts, choices,
+dispatch through PD, migration and grammars).
+
+  1. parse     the body against the closed table (formats/responses/request.py); the
+               conversation of `previous_response_id` read from the store (stored.py);
+               the whole as a chat ApiRequest, its grammar and tools checked (lifecycle.check)
+  2-5.         lifecycle.run_request, one choice
+  6. respond   collect: one response object; stream: the typed events
+               (formats/responses/events.py), the first ones with the first output, so
+               an error before it is still a plain 4xx/5xx
+  7. store     with `store` (the default) the response and its conversation are written
+               to the bucket before the client gets the end of it, so a next request may
+               name it at once, through any router
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from libs.common.log import get_logger
+from libs.common.messages.responses import StoredResponse
+from services.router.errors import ApiError
+from services.router.formats.bodies import json_body
+from services.router.formats.responses import shapes
+from services.router.formats.responses.events import ResponseEvents, encode
+from services.router.formats.responses.request import (
+    ResponsesRequest,
+    previous_not_found,
+    read_body,
+    renamed,
+    to_api,
+    valid_response_id,
+)
+from services.router.formats.sse import SseStream
+from services.router.requests import lifecycle
+from services.router.requests.lifecycle import Choice, Delta, Tally
+from services.router.requests.stored import ResponseStore
+from services.router.state import STATE
+from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
+
+log = get_logger(__name__)
+
+STORE: web.AppKey[ResponseStore] = web.AppKey("responses_store", ResponseStore)
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    state, store = request.app[STATE], request.app[STORE]
+    req = read_body(await json_body(request))
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        previous = await store.get(req.previous_response_id)
+        if previous is None:
+            raise previous_not_found(req.previous_response_id)
+        history = previous.messages
+    with renamed():
+        api = to_api(req, history, state.config.max_n)
+        await lifecycle.check(api, state)
+        run = Run(req, store, history)
+        return await lifecycle.run_request(request, api, "resp_",
+                                           run.stream if req.stream else run.collect)  # fmt: skip
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    stored = await _stored(request)
+    return web.json_response(stored.body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def delete(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    store = request.app[STORE]
+    if not valid_response_id(response_id) or not await store.delete(response_id):
+        raise _not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def _stored(request: web.Request) -> StoredResponse:
+    response_id = request.match_info["response_id"]
+    stored = None
+    if valid_response_id(response_id):
+        stored = await request.app[STORE].get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                    code="response_not_found")  # fmt: skip
+
+
+class Run:
+    """One response's run: `collect` or `stream` (lifecycle's `respond`), then `save`."""
+
+    def __init__(self, req: ResponsesRequest, store: ResponseStore, history: list[dict]):
+        self.req, self.store, self.history = req, store, history
+        self.id, self.created = shapes.new_id("resp"), int(time.time())
+
+    async def collect(
+        self, request: web.Request, tally: Tally, choices: list[Choice]
+    ) -> web.StreamResponse:
+        await lifecycle.dispatch(tally.state, choices, tally.add)
+        c = tally.choices[0]
+        content, calls = parse_tool_calls(c.text, tally.tools) if tally.tools else (c.text, [])
+        status = _status(c.finish_reason)
+        output = []
+        if content or not calls:
+            output.append(shapes.message_item(shapes.new_id("msg"), content, status))
+        for i, call in enumerate(calls):
+            output.append(shapes.call_item(shapes.new_id("fc"), call.delta(i), "completed"))
+        body = shapes.response_body(self.id, self.created, self.req, output, status)
+        body["usage"] = shapes.usage(tally.totals)
+        await self.save(body)
+        return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+    async def stream(
+        self, request: web.Request, tally: Tally, choices: list[Choice]
+    ) -> web.StreamResponse:
+        out = SseStream(request, {"x-request-id": request["request_id"]})
+        events = ResponseEvents()
+        calls = ToolCallStream(tally.tools) if tally.tools is not None else None
+
+        def on_delta(d: Delta) -> None:  # in the bus's callback: formats and writes
+            tally.add(d)
+            sent = [] if out.started else events.start(self.body([], "in_progress"))
+            content, deltas = calls.feed(d.text) if calls is not None else (d.text, [])
+            if calls is not None and d.finish_reason is not None:
+                rest, more = calls.finish()
+                content, deltas = content + rest, deltas + more
+            sent += events.text(content)
+            for delta in deltas:
+                sent += events.call(delta)
+            out.send(encode(sent))
+
+        try:
+            await lifecycle.dispatch(tally.state, choices, on_delta)
+            body = self.body([], _status(tally.choices[0].finish_reason))
+            body["usage"] = shapes.usage(tally.totals)
+            tail = events.finish(body)
+            await self.save(body)
+        except ApiError as e:
+            if not out.started:  # the HTTP status is still free: a plain error response
+                raise
+            log.warning("stream ended by an error", status=e.status, error=e.message)
+            metrics = tally.state.metrics
+            metrics.failure.labels(metrics.model, str(e.status)).inc()
+            error = {"code": e.code or str(e.status), "message": e.message}
+            tail = events.failed(self.body([], "in_progress"), error)
+        return await out.finish(encode(tail))
+
+    def body(self, output: list[dict[str, Any]], status: str) -> dict[str, Any]:
+        return shapes.response_body(self.id, self.created, self.req, output, status)
+
+    async def save(self, body: dict[str, Any]) -> None:
+        """Store the response (with `store`); its body says `store: false` when it could
+        not be."""
+        if not self.req.store:
+            return
+        messages = [*self.history, *self.req.input, *shapes.chat_output(body["output"])]
+        record = StoredResponse(self.id, float(self.created), messages, body)
+        body["store"] = await self.store.put(record)
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
