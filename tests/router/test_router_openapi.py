@@ -9,6 +9,7 @@ import pytest
 
 from services.router.api import app, openapi
 from services.router.formats.openai.validation import CHAT_SPECS, COMPLETION_SPECS, parse_request
+from services.router.formats.responses.request import RESPONSES_SPECS
 from tests.router.conftest import Routers
 from tests.router.schema_check import check, response_schema
 
@@ -23,7 +24,11 @@ def test_documented_paths_are_exactly_the_routes():
 
 @pytest.mark.parametrize(
     ("name", "specs"),
-    [("CompletionRequest", COMPLETION_SPECS), ("ChatCompletionRequest", CHAT_SPECS)],
+    [
+        ("CompletionRequest", COMPLETION_SPECS),
+        ("ChatCompletionRequest", CHAT_SPECS),
+        ("ResponseRequest", RESPONSES_SPECS),
+    ],
 )
 def test_request_schemas_list_every_accepted_field(name, specs):
     schema = DOC["components"]["schemas"][name]

@@ -73,7 +73,8 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "se
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 # Keys an input item may carry besides its content: our own output items come back as
-# input with their id and status (openai-agents sends them so); they change nothing.
+# input with their id and status (openai-agents sends them so); they change nothing. Other
+# keys are refused unless null (a client's own model of an item may dump its unset fields).
 _ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
@@ -211,7 +212,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 "function_call_output are",
                 "input",
             )
-        extra = sorted(set(item) - _ITEM_KEYS[kind])
+        extra = sorted(k for k, x in item.items() if k not in _ITEM_KEYS[kind] and x is not None)
         if extra:
             raise bad_request(f"'{where}.{extra[0]}' is not a field of a {kind} item", "input")
         if kind == "message":
