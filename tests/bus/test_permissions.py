@@ -15,6 +15,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from libs.common.bus.connection import Bus
 from libs.common.bus.credentials import connect_options
 from libs.common.bus.permissions import (
     CLIENT_CALLS,
@@ -22,13 +23,17 @@ from libs.common.bus.permissions import (
     STORE_CALLS,
     election_bucket,
     permissions,
+    responses_bucket,
 )
 from libs.common.messages.pins import PoolPin, PoolPinInfo, PoolPinList
 from libs.common.messages.pool import PoolCount, PoolKeys
+from libs.common.messages.responses import StoredResponse
 from scripts.identities import AUTH_CONF, Identity, ensure
 from scripts.nats_server import NatsServer
 from services.cache_master.config import CacheMasterConfig
 from services.cache_master.service import CacheMasterService
+from services.router.config import RouterConfig
+from services.router.requests.stored import ResponseStore
 
 IDENTITIES = (
     Identity("router", "router", "router-1"),
@@ -332,3 +337,27 @@ async def test_the_router_pins_and_the_master_saves_the_pin_where_no_worker_may_
                              timeout=0.5)  # fmt: skip
         assert await secured.wait_refused(name, "publish", "tandem.pool.master.pin"), name
     assert not secured.errors["router"]
+
+
+async def test_the_router_keeps_stored_responses_in_its_bucket_where_no_worker_writes(secured):
+    """Stored responses (services/router/requests/stored.py) under the router identity: the
+    router creates the bucket, writes, reads and deletes a response; a worker may not write
+    into it, and the router may not delete the bucket's stream."""
+    bus = Bus(secured.server.url, "router", 5, 5, str(secured.files["router"]))
+    await bus.connect()
+    try:
+        store = ResponseStore(bus, RouterConfig(nats_url=secured.server.url))
+        record = StoredResponse("resp_" + "a" * 32, 1.0, [{"role": "user", "content": "hi"}])
+        assert await store.put(record)
+        assert await store.get(record.id) == record
+        assert await store.delete(record.id) and await store.get(record.id) is None
+    finally:
+        await bus.close()
+    bucket = responses_bucket("tandem")
+    router, decode = await secured.connect("router"), await secured.connect("decode")
+    await decode.publish(f"$KV.{bucket}.resp_x", b"x")
+    await router.publish(f"$JS.API.STREAM.DELETE.KV_{bucket}", b"")
+    await decode.flush()
+    await router.flush()
+    assert await secured.wait_refused("decode", "publish", f"$KV.{bucket}.resp_x")
+    assert await secured.wait_refused("router", "publish", f"$JS.API.STREAM.DELETE.KV_{bucket}")
