@@ -41,7 +41,7 @@ from services.router.requests import lifecycle
 from services.router.requests.lifecycle import Choice, Delta, Tally
 from services.router.requests.stored import ResponseStore
 from services.router.state import STATE
-from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
+from services.router.structured.tools.parse import ToolCall, ToolCallStream, parse_tool_calls
 
 log = get_logger(__name__)
 
@@ -105,8 +105,10 @@ class Run:
     ) -> web.StreamResponse:
         await lifecycle.dispatch(tally.state, choices, tally.add)
         c = tally.choices[0]
-        content, calls = parse_tool_calls(c.text, tally.tools) if tally.tools else (c.text, [])
         status = _status(c.finish_reason)
+        content, calls = c.text, list[ToolCall]()
+        if tally.tools is not None:  # a call cut by max_output_tokens is dropped, markup too
+            content, calls = parse_tool_calls(c.text, tally.tools, cut=status == "incomplete")
         output = []
         if content or not calls:
             output.append(shapes.message_item(shapes.new_id("msg"), content, status))
@@ -129,7 +131,7 @@ class Run:
             sent = [] if out.started else events.start(self.body([], "in_progress"))
             content, deltas = calls.feed(d.text) if calls is not None else (d.text, [])
             if calls is not None and d.finish_reason is not None:
-                rest, more = calls.finish()
+                rest, more = calls.finish(cut=d.finish_reason == "length")
                 content, deltas = content + rest, deltas + more
             sent += events.text(content)
             for delta in deltas:
