@@ -210,7 +210,7 @@ RESPONSE_DELETED = _obj(
 )
 SCHEMAS = {
     "CompletionRequest": _schema(COMPLETION_SPECS),
-    "ResponseRequest": {**_schema(RESPONSES_SPECS), "additionalProperties": False},
+    "ResponseRequest": _schema(RESPONSES_SPECS),
     "Response": RESPONSE,
     "ResponseDeleted": RESPONSE_DELETED,
     "ChatCompletionRequest": _schema(CHAT_SPECS),
