@@ -8,7 +8,12 @@ import aiohttp
 import pytest
 
 from services.router.api import app, openapi
-from services.router.formats.openai.validation import CHAT_SPECS, COMPLETION_SPECS, parse_request
+from services.router.formats.openai.validation import (
+    CHAT_SPECS,
+    COMPLETION_SPECS,
+    neutral_fields,
+    parse_request,
+)
 from services.router.formats.responses.request import RESPONSES_SPECS
 from tests.router.conftest import Routers
 from tests.router.schema_check import check, response_schema
@@ -23,17 +28,23 @@ def test_documented_paths_are_exactly_the_routes():
 
 
 @pytest.mark.parametrize(
-    ("name", "specs"),
+    ("name", "endpoint", "specs"),
     [
-        ("CompletionRequest", COMPLETION_SPECS),
-        ("ChatCompletionRequest", CHAT_SPECS),
-        ("ResponseRequest", RESPONSES_SPECS),
+        ("CompletionRequest", "completions", COMPLETION_SPECS),
+        ("ChatCompletionRequest", "chat", CHAT_SPECS),
     ],
 )
-def test_request_schemas_list_every_accepted_field(name, specs):
+def test_request_schemas_list_every_accepted_field_and_no_other(name, endpoint, specs):
     schema = DOC["components"]["schemas"][name]
-    assert set(schema["properties"]) == {s.name for s in specs}
+    assert set(schema["properties"]) == {s.name for s in specs} | set(neutral_fields(endpoint))
     assert set(schema["required"]) == {s.name for s in specs if s.required}
+    assert schema["additionalProperties"] is False
+
+
+def test_the_responses_schema_lists_every_accepted_field():
+    schema = DOC["components"]["schemas"]["ResponseRequest"]
+    assert set(schema["properties"]) == {s.name for s in RESPONSES_SPECS}
+    assert set(schema["required"]) == {s.name for s in RESPONSES_SPECS if s.required}
 
 
 def test_documented_bounds_are_the_enforced_bounds():

@@ -132,7 +132,7 @@ def test_prompt_of_the_wrong_shape_is_400(prompt):
 
 def test_good_completion_request_parses_with_openai_defaults():
     r = parse_request("completions", {**COMP, "prompt": ["a", "b"], "n": 2, "stop": "x",
-                                      "temperature": 0, "unknown_field": 1}, max_n=4)  # fmt: skip
+                                      "temperature": 0}, max_n=4)  # fmt: skip
     assert (r.prompts, r.n, r.max_tokens, r.stream, r.echo) == (["a", "b"], 2, 16, False, False)
     assert r.sampling["stop"] == ["x"] and r.sampling["temperature"] == 0
 

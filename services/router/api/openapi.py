@@ -17,7 +17,14 @@ from libs.common.engine.core.sampling_params import (
     MAX_TOKEN_ID,
 )
 from services.router.api import pins
-from services.router.formats.openai.validation import CHAT_SPECS, COMPLETION_SPECS, ROLES, Spec
+from services.router.formats.openai.messages import ROLES
+from services.router.formats.openai.validation import (
+    CHAT_SPECS,
+    COMPLETION_SPECS,
+    STREAM_OPTIONS,
+    Spec,
+    neutral_fields,
+)
 from services.router.formats.responses.request import RESPONSES_SPECS
 
 
@@ -42,6 +49,8 @@ _KINDS: dict[str, dict[str, Any]] = {
     "boolean": {"type": "boolean"},
     "string": {"type": "string"},
     "object": {"type": "object"},
+    "schema": {"type": ["object", "boolean", "string"]},
+    "choices": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
     "tools": {"type": "array", "items": {"type": "object"}},
     "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
     "ids": {"type": "array", "items": _ID, "maxItems": MAX_STOP_IDS},
@@ -86,10 +95,20 @@ _NEEDS = {
 }
 
 
-def _schema(specs: tuple[Spec, ...]) -> dict[str, Any]:
-    props: dict[str, Any] = {}
+def _schema(
+    specs: tuple[Spec, ...], neutral: dict[str, tuple[Any, ...]] | None = None
+) -> dict[str, Any]:
+    """A request's schema; given its `neutral` fields (accepted at those values only), it
+    lists every field the parser accepts and no other (the parser refuses the others)."""
+    props: dict[str, Any] = {
+        name: {"enum": list(values), "description": "accepted at this neutral value only"}
+        for name, values in (neutral or {}).items()
+    }
     for s in specs:
         prop = {**_KINDS[s.kind], "description": s.help}
+        if s.name == "stream_options":
+            prop = {**prop, "additionalProperties": False,
+                    "properties": {k: {"type": "boolean"} for k in STREAM_OPTIONS}}  # fmt: skip
         b = s.bound
         if b is not None and b.lo is not None:
             prop["exclusiveMinimum" if b.lo_open else "minimum"] = b.lo
@@ -107,7 +126,7 @@ def _schema(specs: tuple[Spec, ...]) -> dict[str, Any]:
         "required": [s.name for s in specs if s.required],
         "properties": props,
         "dependentSchemas": needs,
-    }
+    } | ({"additionalProperties": False} if neutral is not None else {})
 
 
 _STR, _INT = {"type": "string"}, {"type": "integer"}
@@ -178,6 +197,8 @@ RENDER_REQUEST = {
         "model": _STR,
         "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
         "add_generation_prompt": {"type": "boolean", "default": True},
+        "continue_final_message": {"type": "boolean", "default": False},
+        "chat_template_kwargs": {"type": "object"},
     },
 }
 RENDER = _obj(
@@ -209,11 +230,11 @@ RESPONSE_DELETED = _obj(
     ["id", "object", "deleted"], id=_STR, object={"const": "response"}, deleted={"const": True}
 )
 SCHEMAS = {
-    "CompletionRequest": _schema(COMPLETION_SPECS),
+    "CompletionRequest": _schema(COMPLETION_SPECS, neutral_fields("completions")),
     "ResponseRequest": _schema(RESPONSES_SPECS),
     "Response": RESPONSE,
     "ResponseDeleted": RESPONSE_DELETED,
-    "ChatCompletionRequest": _schema(CHAT_SPECS),
+    "ChatCompletionRequest": _schema(CHAT_SPECS, neutral_fields("chat")),
     "Completion": COMPLETION,
     "ChatCompletion": CHAT,
     "ChatRenderRequest": RENDER_REQUEST,

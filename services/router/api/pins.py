@@ -36,7 +36,8 @@ from libs.common.messages.pins import (
 )
 from services.router.errors import ApiError, bad_request, no_workers
 from services.router.formats.bodies import check_model, json_object
-from services.router.formats.openai.validation import parse_messages
+from services.router.formats.openai.chat_template import TemplateArgs
+from services.router.formats.openai.messages import parse_messages
 from services.router.requests.prompts import PromptTooLong, encode, render_chat
 from services.router.state import STATE, RouterState
 
@@ -126,7 +127,7 @@ def _tokens(state: RouterState, body: dict[str, Any]) -> list[int]:
         if not isinstance(generation, bool):
             raise bad_request("'add_generation_prompt' must be a boolean",
                               "add_generation_prompt")  # fmt: skip
-        text = render_chat(state.tokenizer, messages, None, generation)
+        text = render_chat(state.tokenizer, messages, None, TemplateArgs(generation))
     limit = state.context_len()
     try:
         return encode(state.tokenizer, text, limit)

@@ -7,7 +7,9 @@ here, so its prompts are the ones /v1/chat/completions would build, token for to
     {"messages": [...], "add_generation_prompt": true}
       -> {"object": "chat.prompt", "prompt": "<text>", "prompt_tokens": n}
 
-`model` is optional (checked when given); any other field is refused.
+`model` is optional (checked when given); `continue_final_message` and
+`chat_template_kwargs` work as on /v1/chat/completions (chat_template.py); any other
+field is refused.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import asyncio
 
 from aiohttp import web
 
-from services.router.errors import bad_request
 from services.router.formats.bodies import check_model, json_object
-from services.router.formats.openai.validation import parse_messages
+from services.router.formats.openai import chat_template
+from services.router.formats.openai.messages import parse_messages
 from services.router.requests.prompts import encode, render_chat
 from services.router.state import STATE
 from services.router.structured.tools.request import check_tool_messages
 
-FIELDS = ("model", "messages", "add_generation_prompt")
+FIELDS = ("model", "messages", *chat_template.FIELDS)
 
 
 async def chat_render(request: web.Request) -> web.Response:
@@ -33,12 +35,10 @@ async def chat_render(request: web.Request) -> web.Response:
         check_model(state, body["model"])
     messages = parse_messages(body.get("messages"))
     check_tool_messages(body["messages"])
-    generation = body.get("add_generation_prompt", True)
-    if not isinstance(generation, bool):
-        raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+    template = chat_template.template_args(body, messages)
 
     def render() -> tuple[str, int]:
-        text = render_chat(state.tokenizer, messages, None, generation)
+        text = render_chat(state.tokenizer, messages, None, template)
         return text, len(encode(state.tokenizer, text))
 
     text, n = await asyncio.to_thread(render)  # template and tokenizer: CPU, off the loop

@@ -23,6 +23,11 @@ from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
 from services.router.defaults import NO_DEFAULTS, SamplingDefaults
 from services.router.errors import bad_request
+from services.router.formats.openai.chat_template import (
+    DEFAULT_TEMPLATE,
+    TemplateArgs,
+    cut_after_final,
+)
 from services.router.formats.openai.validation import ApiRequest
 from services.router.structured.tools import request as tools
 
@@ -51,7 +56,9 @@ def prepare(
     defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> list[Prompt]:
     if api.endpoint == "chat":
-        sources: list[str | list[int]] = [render_chat(tokenizer, api.messages, api.tools)]
+        sources: list[str | list[int]] = [
+            render_chat(tokenizer, api.messages, api.tools, api.template)
+        ]
     else:
         sources = api.prompts
     prompts = []
@@ -120,18 +127,24 @@ def render_chat(
     tokenizer: TextTokenizer,
     messages: list[dict],
     tool_request: tools.ToolRequest | None = None,
-    add_generation_prompt: bool = True,
+    template: TemplateArgs = DEFAULT_TEMPLATE,
 ) -> str:
-    """The prompt text the model's chat template makes of `messages`; a 400 naming
-    "messages" when the template refuses them."""
+    """The prompt text the model's chat template makes of `messages`, as `template` asks
+    (chat_template.py); a 400 naming "messages" when the template refuses them."""
     try:
         has_tools = tools.template_has_tools(tokenizer.chat_template)
         rendered, extra = tools.render_messages(messages, tool_request, has_tools)
-        return tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt, **extra
+        text = tokenizer.apply_chat_template(
+            rendered,
+            add_generation_prompt=template.add_generation_prompt,
+            **template.kwargs,
+            **extra,
         )
     except Exception as e:  # a template may raise anything; the client sees why
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    if template.continue_final_message:
+        text = cut_after_final(text, rendered[-1]["content"])
+    return text
 
 
 class PromptTooLong(Exception):

@@ -1,7 +1,9 @@
-"""Structured output in the API: `response_format`, `regex`, `ebnf` -> one grammar.
+"""Structured output in the API, under every name clients send it -> one grammar.
 
-OpenAI's `response_format` (text, json_object, json_schema) and SGLang's `regex` and `ebnf`
-each ask for a grammar; a request may ask for one at most (tools with tool_choice required
+OpenAI's `response_format` (text, json_object, json_schema), SGLang's `regex` and `ebnf`,
+vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object}) and its
+older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar` each ask for a
+grammar; a request may ask for one at most (tools with tool_choice required
 or a named function are a grammar too: services/router/structured/tools/request.py). The
 grammar text is
 built here without a tokenizer (libs/common/grammar/build.py); `check` then compiles it
@@ -12,6 +14,7 @@ worker is asked. The workers compile the same text again, from their own cache.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +25,12 @@ from libs.common.grammar.build import GrammarError
 from libs.common.grammar.compiler import GrammarCompiler
 from services.router.errors import bad_request
 
-FIELDS = ("response_format", "regex", "ebnf")
+FIELDS = (
+    "response_format", "regex", "ebnf", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+)  # fmt: skip
+# vLLM's structured_outputs keys (and guided_<key>): what each asks for.
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
@@ -50,6 +58,10 @@ def from_body(body: dict[str, Any]) -> Grammar | None:
     try:
         if param == "response_format":
             text = _response_format(value)
+        elif param == "structured_outputs":
+            text = _structured_outputs(value)
+        elif param.startswith("guided_"):
+            text = _kind(param.removeprefix("guided_"), value, param)
         elif param == "regex":
             text = build.regex(value, param)
         else:
@@ -80,7 +92,50 @@ def _asks(name: str, value: Any) -> bool:
         return False
     if name == "response_format":
         return not (isinstance(value, dict) and value.get("type") == "text")
+    if name == "structured_outputs":  # {} and all-null keys ask for nothing
+        return not isinstance(value, dict) or any(v is not None for v in value.values())
     return True
+
+
+def _structured_outputs(value: Any) -> str:
+    """vLLM's `structured_outputs`: exactly one of _KINDS set."""
+    param = "structured_outputs"
+    if not isinstance(value, dict):
+        raise GrammarError(param, f"'{param}' must be an object")
+    for key in sorted(value):
+        if key not in _KINDS:
+            raise GrammarError(
+                param, f"'{param}.{key}' is not supported (one of {', '.join(_KINDS)})"
+            )
+    asked = [k for k in _KINDS if value.get(k) is not None and value.get(k) is not False]
+    if len(asked) != 1:
+        raise GrammarError(param, f"'{param}' must set exactly one of {', '.join(_KINDS)}")
+    return _kind(asked[0], value[asked[0]], param)
+
+
+def _kind(kind: str, value: Any, param: str) -> str:
+    """The grammar of one structured-output kind, its errors naming `param`."""
+    if kind == "json":
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise GrammarError(param, f"'{param}': the schema is not valid JSON") from None
+        return build.json_schema(value, param)
+    if kind == "json_object":
+        if value is not True:
+            raise GrammarError(param, f"'{param}.json_object' must be true")
+        return build.json_object(param)
+    if kind == "regex":
+        return build.regex(value, param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value:
+            raise GrammarError(param, f"'{param}': a choice is a non-empty list of strings")
+        if not all(isinstance(c, str) and c for c in value):
+            raise GrammarError(param, f"'{param}': each choice must be a non-empty string")
+        # Lark string literals are JSON's: one alternative per choice, exactly its text.
+        return build.lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+    return build.ebnf(value, param)  # grammar
 
 
 def _response_format(value: Any) -> str:

@@ -4,8 +4,9 @@ One table of `Spec`s per endpoint is the single truth about what the API accepts
 parser checks bodies against it and `openapi.py` renders it into /openapi.json. The
 sampling fields' bounds and stop limits are not defined here but taken from
 libs/common/engine/core/sampling_params.py, which the wire message and the engine check
-too. Any bad value becomes a 400 naming the parameter; unknown fields are ignored (as
-OpenAI's API and vLLM do), so newer clients keep working.
+too. Any bad value becomes a 400 naming the parameter, and so does any field outside the
+table (vLLM and OpenAI ignore those; a field this server would not enforce must not look
+accepted): the table is the closed set of what a request may say.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from libs.common.engine.core.sampling_params import (
     check_token_ids,
 )
 from services.router.errors import bad_request
+from services.router.formats.openai.chat_template import TemplateArgs, template_args
+from services.router.formats.openai.messages import parse_messages
 from services.router.structured import output as structured
 from services.router.structured.output import Grammar
 from services.router.structured.tools import request as tools
@@ -66,6 +69,11 @@ _SAMPLING = (
     Spec("response_format", "object", "text, json_object or json_schema: output enforced"),
     Spec("regex", "string", "the output fully matches this regular expression"),
     Spec("ebnf", "string", "the output follows this grammar (GBNF or Lark)"),
+    Spec("structured_outputs", "object", "vLLM's {json | regex | choice | grammar}: enforced"),
+    Spec("guided_json", "schema", "a JSON schema the output follows (vLLM's older name)"),
+    Spec("guided_regex", "string", "the output matches this regex (vLLM's older name)"),
+    Spec("guided_choice", "choices", "the output is one of these strings (vLLM's older name)"),
+    Spec("guided_grammar", "string", "the output follows this grammar (vLLM's older name)"),
 )
 COMPLETION_SPECS = (
     Spec("prompt", "prompt", "string, list of strings, token ids or lists of ids", required=True),
@@ -96,26 +104,45 @@ CHAT_SPECS = (
     Spec("tools", "tools", "functions the model may call: [{type: function, function}]"),
     Spec("tool_choice", "tool_choice", "none, auto, required or {type: function, function}"),
     Spec("parallel_tool_calls", "boolean", "more than one call per answer (default true)"),
+    Spec("add_generation_prompt", "boolean", "open the assistant's turn (default true)"),
+    Spec(
+        "continue_final_message",
+        "boolean",
+        "the model continues the last (assistant) message; not with add_generation_prompt",
+    ),
+    Spec("chat_template_kwargs", "object", "more variables for the chat template"),
 )
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
-_NEUTRAL = {
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),  # beam search's
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),  # the output's text never shows them
+    "priority": (None, 0),
+    "store": (None, False),  # OpenAI's: kept for distillation
+    "service_tier": (None, "auto", "default"),
 }
-# Tool calling is chat's: on /v1/completions these are refused the same way.
-_CHAT_ONLY = {
+# Chat's own neutral-only fields. Tool calling is chat's: on /v1/completions its fields
+# are refused the same way.
+_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+}
+_CHAT_ONLY: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
 }
+# stream_options' keys (include_usage is the only one enforced).
+STREAM_OPTIONS = ("include_usage",)
 # The sampling fields copied from the body as they are (max_tokens and logprobs have API
 # aliases and defaults of their own, set per endpoint below).
 _SAMPLING_KEYS = (*(k for k in BOUNDS if k not in ("max_tokens", "logprobs")), "ignore_eos")
-ROLES = ("system", "user", "assistant", "developer", "tool")
-# Tool fields a message keeps for the chat template: an assistant's calls, a tool's answer.
-_TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 
 @dataclass
@@ -138,6 +165,7 @@ class ApiRequest:
     user: str = ""
     grammar: Grammar | None = None  # what the output must follow (structured/output.py)
     tools: ToolRequest | None = None  # chat's tools and tool_choice (structured/tools/request.py)
+    template: TemplateArgs = field(default_factory=TemplateArgs)  # chat: how it is rendered
 
 
 def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
@@ -145,20 +173,18 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     specs = COMPLETION_SPECS if endpoint == "completions" else CHAT_SPECS
+    _closed(endpoint, body, specs)
     v = {s.name: _check(s, body.get(s.name)) for s in specs}
-    for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in neutral:
-            raise bad_request(f"'{name}' is not supported by this server", name)
-    if endpoint == "completions":
-        for name, neutral in _CHAT_ONLY.items():
-            if body.get(name) not in neutral:
-                raise bad_request(f"'{name}' is for /v1/chat/completions only", name)
     req = ApiRequest(endpoint=endpoint, model=v["model"])
     req.n = 1 if v["n"] is None else v["n"]
     if req.n > max_n:
         raise bad_request(f"'n' must be <= {max_n}, got {req.n}", "n")
     req.stream = bool(v["stream"])
     options = v["stream_options"] or {}
+    for key in sorted(options):
+        if key not in STREAM_OPTIONS:
+            raise bad_request(f"'stream_options.{key}' is not supported by this server",
+                              f"stream_options.{key}")  # fmt: skip
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
@@ -204,11 +230,48 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
                               "prompt_logprobs_from")  # fmt: skip
     else:
         req.messages = parse_messages(v["messages"])
+        req.template = template_args(body, req.messages)
         req.max_tokens = v["max_completion_tokens"] or v["max_tokens"]
         if v["top_logprobs"] is not None and not v["logprobs"]:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         req.logprobs = (v["top_logprobs"] or 0) if v["logprobs"] else None
     return req
+
+
+def neutral_fields(endpoint: str) -> dict[str, tuple[Any, ...]]:
+    """The fields `endpoint` accepts at their neutral values only, with those values."""
+    if endpoint == "chat":
+        return {**_NEUTRAL, **_CHAT_NEUTRAL}
+    return {**_NEUTRAL, **_CHAT_ONLY}
+
+
+def _closed(endpoint: str, body: dict[str, Any], specs: tuple[Spec, ...]) -> None:
+    """A 400 naming the first field outside the endpoint's table, or a neutral-only field
+    at another value than its neutral one."""
+    neutral = {**_NEUTRAL, **(_CHAT_NEUTRAL if endpoint == "chat" else {})}
+    known = {s.name for s in specs} | set(neutral_fields(endpoint))
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    for name in sorted(body):
+        if name not in known:
+            raise bad_request(f"'{name}' is not a field of {path} on this server", name)
+    for name, values in neutral.items():
+        if not _neutral(body.get(name), values):
+            raise bad_request(f"'{name}' is not supported by this server", name)
+    if endpoint == "completions":
+        for name, values in _CHAT_ONLY.items():
+            if not _neutral(body.get(name), values):
+                raise bad_request(f"'{name}' is for /v1/chat/completions only", name)
+
+
+def _neutral(value: Any, values: tuple[Any, ...]) -> bool:
+    """`value` is one of `values`, of the same JSON type (1 is not true, nor 1.0 false)."""
+    return any(value == n and _json_type(value) == _json_type(n) for n in values)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    return "number" if isinstance(value, int | float) else type(value).__name__
 
 
 def _check(spec: Spec, value: Any) -> Any:
@@ -290,38 +353,6 @@ def _prompts(value: Any) -> list[str | list[int]]:
         "list of such lists",
         "prompt",
     )
-
-
-def parse_messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise bad_request(f"'{where}' needs a 'role' among {', '.join(ROLES)}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is served here
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise bad_request(
-                        f"'{where}.content': only text parts are supported", "messages"
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise bad_request(f"'{where}.content': a text part needs 'text'", "messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif content is None and m["role"] == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise bad_request(f"'{where}.content' must be a string or text parts", "messages")
-        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
-        for key in _TOOL_KEYS.get(m["role"], ()):  # checked with the tools (tools/request.py)
-            if m.get(key) is not None:
-                message[key] = m[key]
-        out.append(message)
-    return out
 
 
 def _show(value: Any) -> str:
