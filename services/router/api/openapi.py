@@ -176,6 +176,7 @@ CHAT = _obj(
                 ["role", "content"],
                 role={"const": "assistant"},
                 content={"type": ["string", "null"]},
+                reasoning_content={"type": ["string", "null"]},
                 tool_calls={"type": ["array", "null"], "items": _obj(["id", "type", "function"])},
             ),
             **_CHOICE_COMMON,

@@ -42,7 +42,7 @@ from services.router.formats.bodies import check_model, json_body
 from services.router.formats.openai import shapes as fmt
 from services.router.formats.openai.validation import ApiRequest, parse_request
 from services.router.formats.sse import DONE, SseStream, sse
-from services.router.requests.chat_text import ChatText, chat_choice
+from services.router.requests.chat_text import ChatText
 from services.router.requests.prompts import Prompt, prepare
 from services.router.state import STATE, RouterState
 from services.router.structured import output as structured
@@ -260,7 +260,8 @@ class Tally:
         # A chat choice's text is split into its message's parts (chat_text.py): tool calls
         # for the request's tools unless it has none or tool_choice is "none" (`tools` None).
         self.tools = api.tools if api.tools is not None and api.tools.choice != "none" else None
-        self.texts = [ChatText(self.tools) for _ in range(n)] if api.endpoint == "chat" else []
+        chat = api.endpoint == "chat"  # and a reasoning model's thinking (prompt.thinks)
+        self.texts = [ChatText(self.tools, prompts[i // api.n].thinks) for i in range(n) if chat]
 
     def add(self, d: Delta) -> None:
         if self.echo_only:
@@ -306,7 +307,7 @@ async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> 
     model, created = api.model, int(time.time())
     if api.endpoint == "chat":
         out = [
-            chat_choice(c, tally.logprobs(c.index, c.logprobs, c.text), tally.tools)
+            tally.texts[c.index].choice(c, tally.logprobs(c.index, c.logprobs, c.text))
             for c in tally.choices
         ]
         body = fmt.chat_body(tally.rid, created, model, out, tally.totals)
@@ -372,7 +373,8 @@ def _events(d: Delta, tally: Tally, started: set[int]) -> list:
             events.append(fmt.completion_delta(d.index, echoed, scored, None))
     lp = tally.logprobs(d.index, d.logprobs, d.text)
     if chat:
-        events.append(tally.texts[d.index].event(d.index, d.text, lp, d.finish_reason))
+        event = tally.texts[d.index].event(d.index, d.text, lp, d.finish_reason)
+        events += [event] if event is not None else []
     else:
         events.append(fmt.completion_delta(d.index, d.text, lp, d.finish_reason))
     return events

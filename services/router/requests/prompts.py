@@ -29,6 +29,7 @@ from services.router.formats.openai.chat_template import (
     cut_after_final,
 )
 from services.router.formats.openai.validation import ApiRequest
+from services.router.structured import reasoning
 from services.router.structured.tools import request as tools
 
 # Prompt logprobs travel in one message (NATS: 1 MiB): scored tokens x (1 + logprobs)
@@ -40,13 +41,16 @@ MAX_PROMPT_LOGPROB_VALUES = 16384
 class Prompt:
     """One prompt of a request: its ids, its text (for echo) and its sampling. With echo
     and logprobs, the prompt is scored from token `score_from` on, and `offsets[i]` is
-    where token i starts in `text` (None: not known, a prompt given as ids)."""
+    where token i starts in `text` (None: not known, a prompt given as ids). `thinks`:
+    where a reasoning model's output starts after a chat prompt (structured/reasoning.py),
+    None when there is no thinking to split out."""
 
     token_ids: list[int]
     text: str
     sampling: SamplingSpec
     score_from: int = 0
     offsets: list[int] | None = None
+    thinks: reasoning.Start | None = None
 
 
 def prepare(
@@ -76,10 +80,23 @@ def prepare(
         if not ids:
             raise bad_request("the prompt is empty after tokenization", "prompt")
         prompt = Prompt(ids, text, _sampling(api, len(ids), max_model_len, defaults))
+        if api.endpoint == "chat":
+            _thinking(prompt, tokenizer)
         if api.echo and api.logprobs is not None:
             _score(api, api.logprobs, tokenizer, prompt, isinstance(source, str))
         prompts.append(prompt)
     return prompts
+
+
+def _thinking(prompt: Prompt, tokenizer: TextTokenizer) -> None:
+    """A reasoning model's chat prompt: where its output starts, and the request's grammar
+    moved after the thinking part (the thinking is free)."""
+    tags = reasoning.think_tags(tokenizer)
+    prompt.thinks = reasoning.output_start(tags, prompt.text)
+    grammar = prompt.sampling.grammar
+    if tags is not None and prompt.thinks is not None and grammar:
+        wrapped = reasoning.after_thinking(grammar, tags, prompt.thinks)
+        prompt.sampling = msgspec.structs.replace(prompt.sampling, grammar=wrapped)
 
 
 def _score(
