@@ -1,0 +1,93 @@
+"""Reasoning end to end: the tiny Qwen3 model of tests/router/tiny_qwen3.py (it thinks "ab"
+and answers "Hi") served by a real cluster (nats-server, one prefill and one decode
+worker, a router; the disaggregated path), its thinking split out whole and streamed, and
+a grammar that applies only after `</think>`. Marked `slow` (the processes start)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from scripts.cluster import LocalCluster
+from tests.router import tiny_qwen3
+from tests.router.conftest import router_env, router_port
+from tests.router.e2e_cluster import WORKER_ARGS, wait_healthy
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("transformers")
+
+MODEL = "tiny-qwen3"
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def url(module_nats, tmp_path_factory):
+    folder = tiny_qwen3.write_model(tmp_path_factory.mktemp("tiny-qwen3"))
+    logs = tmp_path_factory.mktemp("reasoning-logs")
+    cluster = LocalCluster(module_nats.url, env=router_env(), capture=logs)
+    try:
+        for role, sid in (("prefill", "p1"), ("decode", "d1")):
+            cluster.start_one(role, "--service-id", sid, *WORKER_ARGS, "--model", str(folder),
+                              label=sid)  # fmt: skip
+        cluster.start_one("router", "--service-id", "router-think", "--port", "0",
+                          "--model", str(folder), "--served-model-name", MODEL)  # fmt: skip
+        port = asyncio.run(router_port(module_nats.url, "router-think", 240))
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_healthy(base, {"prefill": 1, "decode": 1}, 240, cluster.procs))
+        yield base
+    finally:
+        cluster.stop()
+
+
+async def chat(url: str, **fields) -> dict:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, **fields}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            if not fields.get("stream"):
+                return await r.json()
+            events = []
+            async for line in r.content:
+                text = line.decode().strip()
+                if text.startswith("data: ") and text != "data: [DONE]":
+                    events.append(json.loads(text[len("data: ") :]))
+            return {"events": events}
+
+
+async def test_the_thinking_is_reasoning_content_and_the_answer_content(url):
+    reply = await chat(url)
+    choice = reply["choices"][0]
+    assert choice["message"]["reasoning_content"] == tiny_qwen3.REASONING
+    assert choice["message"]["content"] == tiny_qwen3.CONTENT
+    assert choice["finish_reason"] == "stop"
+
+
+async def test_streamed_the_thinking_comes_as_reasoning_content_deltas_none_empty(url):
+    events = (await chat(url, stream=True))["events"]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == tiny_qwen3.REASONING
+    assert "".join(d.get("content", "") for d in deltas[1:]) == tiny_qwen3.CONTENT
+    assert all(deltas[1:-1]), deltas  # only the role event opens with empty content
+    assert finishes[-1] == "stop"
+
+
+async def test_a_grammar_applies_after_the_thinking_only(url):
+    # Under "Yo" from the first token the model could not think ("<think>" is masked);
+    # after </think> it must write "Yo" where it would write "Hi". Greedy: where "H" is
+    # masked the allowed tokens tie, and the first of them, "Y", comes before whitespace.
+    reply = await chat(url, regex="Yo", temperature=0)
+    message = reply["choices"][0]["message"]
+    assert message["reasoning_content"] == tiny_qwen3.REASONING
+    assert message["content"] == "Yo"
+
+
+async def test_a_cut_while_thinking_has_reasoning_and_no_content(url):
+    reply = await chat(url, max_tokens=2)
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["reasoning_content"] == "a"
+    assert not choice["message"]["content"]
