@@ -24,7 +24,10 @@ class RouterConfig(CommonConfig):
         default="", metadata={"help": "model name clients ask for (default: the --model value)"}
     )
     api_key: str = field(
-        default="", metadata={"help": "require `Authorization: Bearer <key>` (empty: open)"}
+        default="",
+        metadata={
+            "help": "require `Authorization: Bearer <key>` or `x-api-key: <key>` (empty: open)"
+        },
     )
     api_keys_file: str = field(
         default="", metadata={"help": "file of accepted API keys, one a line (# comments)"}

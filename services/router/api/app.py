@@ -5,9 +5,12 @@
                 -> handler; ApiError / HTTP errors / anything else -> OpenAI error body
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/render (a chat
 request's prompt text, not run), POST /v1/responses, GET and DELETE /v1/responses/{id}
-(OpenAI's Responses API, requests/responses.py), POST/GET /v1/pins and DELETE
-/v1/pins/{id} (soft pins of prefixes in the KV pool, pins.py), GET /v1/models, GET /health,
-GET /metrics, GET /openapi.json. No response ever carries a traceback.
+(OpenAI's Responses API, requests/responses.py), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API, requests/messages.py: its errors in
+Anthropic's shape), POST/GET /v1/pins and DELETE /v1/pins/{id} (soft pins of prefixes in
+the KV pool, pins.py), GET /v1/models, GET /health, GET /metrics, GET /openapi.json. No
+response ever carries a traceback. An API key comes as `Authorization: Bearer <key>` or
+as `x-api-key: <key>` (Anthropic's header).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from libs.common.log import get_logger, request_context
 from services.router.api import openapi, pins, render
 from services.router.errors import ApiError
+from services.router.formats.anthropic import shapes as anthropic
 from services.router.formats.openai import shapes as fmt
-from services.router.requests import lifecycle, responses
+from services.router.requests import lifecycle, messages, responses
 from services.router.requests.stored import ResponseStore
 from services.router.state import STATE, RouterState
 
@@ -57,6 +61,8 @@ def routes() -> list[tuple[str, str, Handler]]:
         ("POST", "/v1/responses", responses.create),
         ("GET", "/v1/responses/{response_id}", responses.retrieve),
         ("DELETE", "/v1/responses/{response_id}", responses.delete),
+        ("POST", "/v1/messages", messages.messages),
+        ("POST", "/v1/messages/count_tokens", messages.count_tokens),
         ("POST", "/v1/pins", pins.create_pin),
         ("GET", "/v1/pins", pins.list_pins),
         ("DELETE", "/v1/pins/{pin_id}", pins.delete_pin),
@@ -84,11 +90,12 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
             _authorize(request, state)
             response = await handler(request)
         except ApiError as e:
-            response = _error(e, state)
+            response = _error(request, e, state)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            response = _error(ApiError(e.status, e.reason or "error", code=str(e.status)), state)
+            error = ApiError(e.status, e.reason or "error", code=str(e.status))
+            response = _error(request, error, state)
         except ConnectionResetError:
             log.info("client disconnected")
             raise
@@ -97,17 +104,21 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
             raise
         except Exception:
             log.exception("unexpected error")
-            response = _error(ApiError(500, "internal error; see the router log"), state)
+            error = ApiError(500, "internal error; see the router log")
+            response = _error(request, error, state)
         if not response.prepared:
             response.headers["x-request-id"] = rid
         return response
 
 
-def _error(e: ApiError, state: RouterState) -> web.Response:
+def _error(request: web.Request, e: ApiError, state: RouterState) -> web.Response:
+    """The error's response: OpenAI's body, or Anthropic's on Anthropic's paths."""
     state.metrics.failure.labels(state.metrics.model, str(e.status)).inc()
     if e.status >= 500:
         log.warning("request failed", status=e.status, error=e.message)
-    return _json(e.body(), e.status, e.headers)
+    is_anthropic = request.path.startswith("/v1/messages")
+    body = anthropic.error_body(e) if is_anthropic else e.body()
+    return _json(body, e.status, e.headers)
 
 
 def _authorize(request: web.Request, state: RouterState) -> None:
@@ -115,12 +126,13 @@ def _authorize(request: web.Request, state: RouterState) -> None:
         return
     auth = request.headers.get("Authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    key = key or request.headers.get("x-api-key", "").strip()  # Anthropic's clients' header
     # compare_digest against every key: the time taken says nothing about the key.
     ok = any([hmac.compare_digest(key.encode(), k.encode()) for k in state.api_keys])
     if not ok:
         raise ApiError(
             401,
-            "a valid API key is required (Authorization: Bearer <key>)",
+            "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )

@@ -17,6 +17,7 @@ from libs.common.engine.core.sampling_params import (
     MAX_TOKEN_ID,
 )
 from services.router.api import pins
+from services.router.formats.anthropic.request import COUNT_SPECS, MESSAGES_SPECS
 from services.router.formats.openai.messages import ROLES
 from services.router.formats.openai.validation import (
     CHAT_SPECS,
@@ -43,6 +44,7 @@ _TEXT_PARTS = {
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     },
 }
+_BLOCKS = {"type": "array", "items": {"type": "object", "required": ["type"]}}
 _KINDS: dict[str, dict[str, Any]] = {
     "integer": {"type": "integer"},
     "number": {"type": "number"},
@@ -55,6 +57,17 @@ _KINDS: dict[str, dict[str, Any]] = {
     "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
     "ids": {"type": "array", "items": _ID, "maxItems": MAX_STOP_IDS},
     "stop": {"oneOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP}]},
+    "strings": {"type": "array", "items": _STOP, "maxItems": MAX_STOP},
+    "system": {"oneOf": [{"type": "string"}, _TEXT_PARTS]},
+    "anthropic_messages": {
+        "type": "array",
+        "minItems": 1,
+        "items": _obj(
+            ["role", "content"],
+            role={"enum": ["user", "assistant", "system"]},
+            content={"oneOf": [{"type": "string"}, _BLOCKS]},
+        ),
+    },
     "prompt": {
         "oneOf": [
             {"type": "string", "minLength": 1},
@@ -230,6 +243,29 @@ RESPONSE = _obj(
 RESPONSE_DELETED = _obj(
     ["id", "object", "deleted"], id=_STR, object={"const": "response"}, deleted={"const": True}
 )
+ANTHROPIC_USAGE = _obj(
+    ["input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"],
+    input_tokens=_INT,
+    output_tokens=_INT,
+    cache_creation_input_tokens=_INT,
+    cache_read_input_tokens=_INT,
+)
+MESSAGE = _obj(
+    ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
+    id=_STR,
+    type={"const": "message"},
+    role={"const": "assistant"},
+    model=_STR,
+    content={"type": "array", "items": _obj(["type"], type={"enum": ["text", "tool_use"]})},
+    stop_reason={"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+    stop_sequence=_NULL_STR,
+    usage=ANTHROPIC_USAGE,
+)
+ANTHROPIC_ERROR = _obj(
+    ["type", "error"],
+    type={"const": "error"},
+    error=_obj(["type", "message"], type=_STR, message=_STR),
+)
 SCHEMAS = {
     "CompletionRequest": _schema(COMPLETION_SPECS, neutral_fields("completions")),
     "ResponseRequest": _schema(RESPONSES_SPECS),
@@ -240,6 +276,11 @@ SCHEMAS = {
     "ChatCompletion": CHAT,
     "ChatRenderRequest": RENDER_REQUEST,
     "ChatPrompt": RENDER,
+    "MessagesRequest": _schema(MESSAGES_SPECS),
+    "CountTokensRequest": _schema(COUNT_SPECS),
+    "Message": MESSAGE,
+    "MessageTokens": _obj(["input_tokens"], input_tokens=_INT),
+    "AnthropicError": ANTHROPIC_ERROR,
     "ModelList": MODELS,
     "Health": HEALTH,
     "Error": ERROR,
@@ -304,6 +345,18 @@ def _stored_response() -> dict[str, Any]:
     }
 
 
+def _anthropic(request: str, response: str, summary: str, stream: bool) -> dict[str, Any]:
+    """A Messages API path: its errors in Anthropic's shape."""
+    ok = _json(response, summary)
+    if stream:
+        ok["content"]["text/event-stream"] = {
+            "schema": {"type": "string", "description": "Anthropic's events (stream: true)"}
+        }
+    errors = {k: _json("AnthropicError", v["description"]) for k, v in _ERRORS.items()}
+    body = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+    return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok, **errors}}}
+
+
 def document(model_name: str) -> dict[str, Any]:
     """The whole document; `model_name` is the one value of `model` this router serves."""
     return {
@@ -333,6 +386,12 @@ def document(model_name: str) -> dict[str, Any]:
             },
             "/v1/responses": _generate("ResponseRequest", "Response", "OpenAI Responses API"),
             "/v1/responses/{response_id}": _stored_response(),
+            "/v1/messages": _anthropic(
+                "MessagesRequest", "Message", "Anthropic's Messages API", stream=True
+            ),
+            "/v1/messages/count_tokens": _anthropic(
+                "CountTokensRequest", "MessageTokens", "The prompt's tokens (not run)", False
+            ),
             "/v1/models": {
                 "get": {
                     "summary": "Served models",

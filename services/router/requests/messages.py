@@ -1,0 +1,188 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API.
+
+A Messages body becomes the chat ApiRequest (formats/anthropic/request.py) and runs
+through lifecycle.run_request like /v1/chat/completions (admission, routing, PD,
+migration, grammars are the same); only the response is written in Anthropic's shape
+(formats/anthropic/shapes.py): one message (`collect`) or its events (`stream`):
+
+    message_start, then per content block (text, or tool_use read out of the text as
+    the chat path reads tool calls): content_block_start, content_block_delta
+    (text_delta / input_json_delta), content_block_stop; then message_delta (stop_reason,
+    stop_sequence, usage) and message_stop. An error after the stream started is an
+    `error` event.
+
+Errors on these paths have Anthropic's shape (api/app.py asks shapes.error_body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from libs.common.log import get_logger
+from services.router.errors import ApiError
+from services.router.formats.anthropic import request as anthropic
+from services.router.formats.anthropic import shapes
+from services.router.formats.bodies import check_model, json_body
+from services.router.formats.openai import shapes as fmt
+from services.router.formats.sse import SseStream
+from services.router.requests import lifecycle
+from services.router.requests.lifecycle import Choice, Delta, Tally
+from services.router.requests.prompts import encode, render_chat
+from services.router.state import STATE
+from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
+
+log = get_logger(__name__)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    api = anthropic.parse(await json_body(request), "/v1/messages")
+    await lifecycle.check(api, state)
+    return await lifecycle.run_request(request, api, "msg_", stream if api.stream else collect)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's tokens as /v1/messages would run it (chat template and tools
+    included), without running it."""
+    state = request.app[STATE]
+    api = anthropic.parse(await json_body(request), "/v1/messages/count_tokens")
+    check_model(state, api.model)
+
+    def count() -> int:  # template and tokenizer: CPU, off the loop
+        return len(encode(state.tokenizer, render_chat(state.tokenizer, api.messages, api.tools)))
+
+    return web.json_response({"input_tokens": await asyncio.to_thread(count)})
+
+
+async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> web.Response:
+    """Run the one choice, then answer with the message."""
+    await lifecycle.dispatch(tally.state, choices, tally.add)
+    c = tally.choices[0]
+    text, blocks = c.text, []
+    if tally.tools is not None:
+        text, calls = parse_tool_calls(c.text, tally.tools)
+        blocks = [_tool_use(call.name, call.arguments) for call in calls]
+    if text or not blocks:
+        blocks.insert(0, shapes.text_block(text))
+    sequence = await _stop_sequence(tally, c)
+    called = any(b["type"] == "tool_use" for b in blocks)
+    reason = shapes.stop_reason(c.finish_reason, called, sequence)
+    body = shapes.message(tally.rid, tally.api.model, blocks, reason, sequence, _usage(tally))
+    return web.json_response(body)
+
+
+async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> web.StreamResponse:
+    """Run the one choice, writing its events as its output arrives."""
+    out = SseStream(request, {"x-request-id": request["request_id"]})
+    blocks = StreamedBlocks(tally)
+
+    def on_delta(d: Delta) -> None:  # in the bus's callback: formats and writes, never awaits
+        tally.add(d)
+        out.send(blocks.events(d))
+
+    try:
+        await lifecycle.dispatch(tally.state, choices, on_delta)
+        c = tally.choices[0]
+        sequence = await _stop_sequence(tally, c)
+        delta = {
+            "stop_reason": shapes.stop_reason(c.finish_reason, blocks.called, sequence),
+            "stop_sequence": sequence,
+        }
+        end = {"delta": delta, "usage": _usage(tally).body()}
+        tail = blocks.close() + shapes.event("message_delta", end)
+        tail += shapes.event("message_stop", {})
+    except ApiError as e:
+        # Before the first output the HTTP status is still free: a plain error response.
+        if not out.started:
+            raise
+        log.warning("stream ended by an error", status=e.status, error=e.message)
+        metrics = tally.state.metrics
+        metrics.failure.labels(metrics.model, str(e.status)).inc()
+        tail = shapes.event("error", shapes.error_body(e))
+    return await out.finish(tail)
+
+
+class StreamedBlocks:
+    """The content blocks of one streamed message: each delta's text -> its events. Text
+    goes into a text block; a tool call (whole, when its block closes in the output) is a
+    tool_use block of its own, its input in one input_json_delta."""
+
+    def __init__(self, tally: Tally) -> None:
+        self.tally = tally
+        self.calls = ToolCallStream(tally.tools) if tally.tools is not None else None
+        self.started = False  # message_start sent
+        self.next = 0  # the index of the next block
+        self.text_open = False
+        self.called = False
+
+    def events(self, d: Delta) -> bytes:
+        out = []
+        if not self.started:
+            self.started = True
+            usage = shapes.Usage(self.tally.totals.prompt_tokens)
+            start = shapes.message(self.tally.rid, self.tally.api.model, [], None, None, usage)
+            out.append(shapes.event("message_start", {"message": start}))
+        text, calls = d.text, list[dict[str, Any]]()
+        if self.calls is not None:
+            text, calls = self.calls.feed(d.text)
+            if d.finish_reason is not None:
+                rest, more = self.calls.finish()
+                text, calls = text + rest, calls + more
+        if text:
+            if not self.text_open:
+                out.append(self._start(shapes.text_block("")))
+                self.text_open = True
+            out.append(self._delta({"type": "text_delta", "text": text}))
+        for call in calls:
+            out.append(self._stop_text())
+            function = call["function"]
+            block = _tool_use(function["name"], "{}")
+            out.append(self._start(block))
+            arguments = function["arguments"]
+            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+            out.append(shapes.event("content_block_stop", {"index": self.next - 1}))
+            self.called = True
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        """The events that end the content: the open text block's stop (an empty text
+        block when the message has none, as the whole message would hold)."""
+        if self.next == 0:
+            return self._start(shapes.text_block("")) + self._stop_text(force=True)
+        return self._stop_text()
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return shapes.event("content_block_delta", {"index": self.next - 1, "delta": delta})
+
+    def _start(self, block: dict[str, Any]) -> bytes:
+        self.next += 1
+        return shapes.event("content_block_start", {"index": self.next - 1, "content_block": block})
+
+    def _stop_text(self, force: bool = False) -> bytes:
+        if not (self.text_open or force):
+            return b""
+        self.text_open = False
+        return shapes.event("content_block_stop", {"index": self.next - 1})
+
+
+def _tool_use(name: str, arguments: str) -> dict[str, Any]:
+    return shapes.tool_use_block(shapes.new_id("toolu_"), name, json.loads(arguments))
+
+
+def _usage(tally: Tally) -> shapes.Usage:
+    t = tally.totals
+    return shapes.Usage(t.prompt_tokens, t.completion_tokens, t.cached_tokens)
+
+
+async def _stop_sequence(tally: Tally, c: fmt.Choice) -> str | None:
+    """The stop sequence that ended choice `c`, read from its decoded tokens (the text
+    sent never shows it); None when it ended otherwise."""
+    stops = tally.api.sampling.get("stop") or []
+    if c.finish_reason != "stop" or not stops:
+        return None
+    full = await asyncio.to_thread(tally.state.tokenizer.decode, c.token_ids)
+    return shapes.matched_stop(full, c.text, stops)
