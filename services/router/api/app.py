@@ -1,8 +1,9 @@
-"""The aiohttp application: routes, request ids, API keys, errors in OpenAI's shape.
+"""The aiohttp application: routes, request ids, API keys, errors in OpenAI's shape
+(Anthropic's on /v1/messages*).
 
     middleware  request id (x-request-id in and out; bound to every log line)
                 -> API key check on /v1/*
-                -> handler; ApiError / HTTP errors / anything else -> OpenAI error body
+                -> handler; ApiError / HTTP errors / anything else -> an error body
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/render (a chat
 request's prompt text, not run), POST /v1/responses, GET and DELETE /v1/responses/{id}
 (OpenAI's Responses API, requests/responses.py), POST /v1/messages and
