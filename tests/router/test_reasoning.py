@@ -185,3 +185,24 @@ def test_a_chat_request_with_a_grammar_gets_it_after_the_thinking():
     default, _, _ = load_tokenizer(default_model_path())
     (plain,) = prepare(api, default, 1024)
     assert plain.thinks is None and plain.sampling.grammar == api.grammar.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "thinks"),
+    [
+        ({}, "maybe"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, None),
+        ({"continue_final_message": True, "add_generation_prompt": False,
+          "messages": [*USER, {"role": "assistant", "content": "<think>\nSo far"}]}, "thinking"),
+        ({"continue_final_message": True, "add_generation_prompt": False,
+          "messages": [*USER, {"role": "assistant", "content": "<think>x</think>Hel"}]}, None),
+    ],
+    ids=["thinking-on", "enable_thinking-false", "continued-thinking", "continued-answer"],
+)  # fmt: skip
+def test_the_chat_fields_decide_the_thinking_and_where_the_grammar_starts(extra, thinks):
+    api = parse_request("chat", {"model": "m", "messages": USER, "regex": "Yo", **extra}, 4)
+    (prompt,) = prepare(api, qwen(), 1024)
+    assert prompt.thinks == thinks
+    answer = "<think>x</think>Yo" if thinks == "maybe" else "x</think>Yo" if thinks else "Yo"
+    assert _accepts(qwen(), prompt.sampling.grammar, answer)
+    assert (prompt.sampling.grammar == api.grammar.text) == (thinks is None)

@@ -91,3 +91,12 @@ async def test_a_cut_while_thinking_has_reasoning_and_no_content(url):
     assert choice["finish_reason"] == "length"
     assert choice["message"]["reasoning_content"] == "a"
     assert not choice["message"]["content"]
+
+
+async def test_enable_thinking_false_closes_the_thinking_in_the_prompt_and_splits_nothing(url):
+    # The template renders an empty, closed thinking part; this model thinks after any
+    # "\n" regardless, and with the thinking closed its text is all answer.
+    reply = await chat(url, chat_template_kwargs={"enable_thinking": False})
+    message = reply["choices"][0]["message"]
+    assert "reasoning_content" not in message
+    assert message["content"] == f"<think>{tiny_qwen3.REASONING}</think>{tiny_qwen3.CONTENT}"

@@ -81,18 +81,19 @@ def prepare(
             raise bad_request("the prompt is empty after tokenization", "prompt")
         prompt = Prompt(ids, text, _sampling(api, len(ids), max_model_len, defaults))
         if api.endpoint == "chat":
-            _thinking(prompt, tokenizer)
+            final = api.messages[-1]["content"] if api.template.continue_final_message else None
+            _thinking(prompt, tokenizer, final)
         if api.echo and api.logprobs is not None:
             _score(api, api.logprobs, tokenizer, prompt, isinstance(source, str))
         prompts.append(prompt)
     return prompts
 
 
-def _thinking(prompt: Prompt, tokenizer: TextTokenizer) -> None:
-    """A reasoning model's chat prompt: where its output starts, and the request's grammar
-    moved after the thinking part (the thinking is free)."""
+def _thinking(prompt: Prompt, tokenizer: TextTokenizer, continued: str | None) -> None:
+    """A reasoning model's chat prompt: where its output starts (`continued`: the final
+    message's text it continues), and the request's grammar moved after the thinking."""
     tags = reasoning.think_tags(tokenizer)
-    prompt.thinks = reasoning.output_start(tags, prompt.text)
+    prompt.thinks = reasoning.output_start(tags, prompt.text, continued)
     grammar = prompt.sampling.grammar
     if tags is not None and prompt.thinks is not None and grammar:
         wrapped = reasoning.after_thinking(grammar, tags, prompt.thinks)

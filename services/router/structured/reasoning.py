@@ -13,7 +13,9 @@ prompt leaves its output decides how the output is read:
     output starts inside the thinking ("thinking");
   - it ends with `</think>` (Qwen3's template with `enable_thinking` false puts an empty
     thinking part in the prompt): there is no thinking to split (None);
-  - otherwise the output may open with `<think>` ("maybe").
+  - otherwise the output may open with `<think>` ("maybe");
+  - a continued final message (continue_final_message) is inside the thinking when it
+    has an open `<think>`, else in the answer (None).
 The text between the tags is the reasoning (`reasoning_content`), stripped of surrounding
 whitespace; what follows `</think>` is the answer, its leading whitespace dropped, where
 tool calls are read (tools/parse.py). An output that ends while thinking has reasoning
@@ -63,10 +65,15 @@ def think_tags(tokenizer: TextTokenizer) -> ThinkTags | None:
     return ThinkTags(open_id, close_id, tuple(tokenizer.eos_token_ids))
 
 
-def output_start(tags: ThinkTags | None, prompt: str) -> Start | None:
-    """Where the model's output starts, after `prompt` (the rendered chat)."""
+def output_start(tags: ThinkTags | None, prompt: str, continued: str | None = None) -> Start | None:
+    """Where the model's output starts, after `prompt` (the rendered chat). `continued`:
+    the text of the final (assistant) message the output continues (vLLM's
+    continue_final_message), whose own tags say it: inside an open thinking part, or in
+    the answer."""
     if tags is None:
         return None
+    if continued is not None:
+        return "thinking" if continued.rfind(OPEN) > continued.rfind(CLOSE) else None
     tail = prompt.rstrip()
     if tail.endswith(OPEN):
         return "thinking"
