@@ -2,16 +2,18 @@
 (Anthropic's on /v1/messages*).
 
     middleware  request id (x-request-id in and out; bound to every log line)
-                -> API key check on /v1/*
+                -> API key check on /v1/*, /tokenize and /detokenize
                 -> handler; ApiError / HTTP errors / anything else -> an error body
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/render (a chat
 request's prompt text, not run), POST /v1/responses, GET and DELETE /v1/responses/{id}
 (OpenAI's Responses API, requests/responses.py), POST /v1/messages and
 /v1/messages/count_tokens (Anthropic's Messages API, requests/messages.py: its errors in
 Anthropic's shape), POST/GET /v1/pins and DELETE /v1/pins/{id} (soft pins of prefixes in
-the KV pool, pins.py), GET /v1/models, GET /health, GET /metrics, GET /openapi.json. No
-response ever carries a traceback. An API key comes as `Authorization: Bearer <key>` or
-as `x-api-key: <key>` (Anthropic's header).
+the KV pool, pins.py), GET /v1/models and /v1/models/{id} (models.py), POST /tokenize and
+/detokenize (tokens.py), GET /version, GET /health, GET /metrics, GET /openapi.json. No
+response ever carries a traceback, and every error (an unknown path, a wrong method, a
+body too large included) has the error shape. An API key comes as
+`Authorization: Bearer <key>` or as `x-api-key: <key>` (Anthropic's header).
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.common.log import get_logger, request_context
-from services.router.api import openapi, pins, render
+from services.router.api import models, openapi, pins, render, tokens
 from services.router.errors import ApiError
 from services.router.formats.anthropic import shapes as anthropic
-from services.router.formats.openai import shapes as fmt
 from services.router.requests import lifecycle, messages, responses
 from services.router.requests.stored import ResponseStore
 from services.router.state import STATE, RouterState
@@ -40,6 +41,7 @@ log = get_logger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # must be safe inside a NATS subject
 MAX_BODY = 16 << 20
+_PROTECTED = re.compile(r"^/(v1/|tokenize$|detokenize$)")  # behind the API key
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -49,7 +51,8 @@ def build_app(state: RouterState) -> web.Application:
     app[STATE] = state
     app[responses.STORE] = ResponseStore(state.bus, state.config)
     for method, path, handler in routes():
-        app.router.add_route(method, path, handler)
+        # A model id may hold slashes (org/name): the route takes the rest of the path.
+        app.router.add_route(method, path.replace("{model_id}", "{model_id:.+}"), handler)
     return app
 
 
@@ -67,7 +70,11 @@ def routes() -> list[tuple[str, str, Handler]]:
         ("POST", "/v1/pins", pins.create_pin),
         ("GET", "/v1/pins", pins.list_pins),
         ("DELETE", "/v1/pins/{pin_id}", pins.delete_pin),
-        ("GET", "/v1/models", _models),
+        ("GET", "/v1/models", models.list_models),
+        ("GET", "/v1/models/{model_id}", models.retrieve_model),
+        ("POST", "/tokenize", tokens.tokenize),
+        ("POST", "/detokenize", tokens.detokenize),
+        ("GET", "/version", models.version),
         ("GET", "/health", _health),
         ("GET", "/metrics", _metrics),
         ("GET", "/openapi.json", _openapi),
@@ -95,8 +102,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            error = ApiError(e.status, e.reason or "error", code=str(e.status))
-            response = _error(request, error, state)
+            response = _error(request, _http_error(e, request), state)
         except ConnectionResetError:
             log.info("client disconnected")
             raise
@@ -122,8 +128,20 @@ def _error(request: web.Request, e: ApiError, state: RouterState) -> web.Respons
     return _json(body, e.status, e.headers)
 
 
+def _http_error(e: web.HTTPException, request: web.Request) -> ApiError:
+    """aiohttp's own errors (no route, wrong method, body too large) as ApiErrors."""
+    where = f"{request.method} {request.path}"
+    message = {
+        404: f"{where}: no such route",
+        405: f"{where}: method not allowed",
+        413: f"{where}: the request body is over {MAX_BODY} bytes",
+    }.get(e.status, f"{where}: {e.reason or 'error'}")
+    allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+    return ApiError(e.status, message, code=str(e.status), headers=allow)
+
+
 def _authorize(request: web.Request, state: RouterState) -> None:
-    if not state.api_keys or not request.path.startswith("/v1/"):
+    if not state.api_keys or not _PROTECTED.match(request.path):
         return
     auth = request.headers.get("Authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
@@ -137,11 +155,6 @@ def _authorize(request: web.Request, state: RouterState) -> None:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-
-
-async def _models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return _json(fmt.models_body(state.config.model_name, state.created, state.context_len()))
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -16,7 +16,7 @@ from libs.common.engine.core.sampling_params import (
     MAX_STOP_IDS,
     MAX_TOKEN_ID,
 )
-from services.router.api import pins
+from services.router.api import openapi_info, pins
 from services.router.formats.anthropic.request import COUNT_SPECS, MESSAGES_SPECS
 from services.router.formats.openai.messages import ROLES
 from services.router.formats.openai.validation import (
@@ -423,9 +423,10 @@ def document(model_name: str) -> dict[str, Any]:
                 }
             },
             **pins.PATHS,
+            **openapi_info.PATHS,
         },
         "components": {
-            "schemas": {**SCHEMAS, **pins.SCHEMAS},
+            "schemas": {**SCHEMAS, **pins.SCHEMAS, **openapi_info.SCHEMAS},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
