@@ -259,13 +259,14 @@ class WorkerCore:
 
     # --- the pool (L3) ---------------------------------------------------------------------
 
-    def page_keys(self, token_ids: list[int], num_tokens: int) -> list[str]:
-        """Keys of the full pages among the first `num_tokens` tokens (none without a cache)."""
+    def page_keys(self, token_ids: list[int], num_tokens: int, cache_salt: str) -> list[str]:
+        """Keys of the full pages among the first `num_tokens` tokens, salted with the
+        request's `cache_salt` ("": none) as the engine salts them (none without a cache)."""
         hasher = self.engine_core.hasher
         if hasher is None:
             return []
         n = num_tokens // self.config.page_size * self.config.page_size
-        return hasher.keys(token_ids[:n])
+        return hasher.keys(token_ids[:n], cache_salt=cache_salt)
 
     def reusable(
         self, token_ids: list[int], params: SamplingParams, generated: list[int] | tuple = ()
@@ -277,10 +278,10 @@ class WorkerCore:
             n = min(n, params.prompt_logits_from)
         return n
 
-    def write_back(self, token_ids: list[int], num_tokens: int) -> None:
+    def write_back(self, token_ids: list[int], num_tokens: int, cache_salt: str) -> None:
         """Copy computed full pages to the pool in the background (write-through)."""
         if self.pool is not None:
-            keys = self.page_keys(token_ids, num_tokens)
+            keys = self.page_keys(token_ids, num_tokens, cache_salt)
             if keys:
                 self.bus.spawn(self.pool.write_back(keys), name="pool-write-back")
 

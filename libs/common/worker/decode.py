@@ -149,7 +149,8 @@ class DecodeRole:
             pool_tokens = 0
             tokens = req.token_ids + req.generated
             if core.pool is not None:  # L1 first, then the pool
-                keys = core.page_keys(tokens, core.reusable(tokens, params, req.generated))
+                reusable = core.reusable(tokens, params, req.generated)
+                keys = core.page_keys(tokens, reusable, params.cache_salt)
                 _, from_pool = await core.pool.fetch_prefix(keys)
                 pool_tokens = from_pool * core.config.page_size
             key = request_key(req.router, req.request_id)
@@ -216,7 +217,7 @@ class DecodeRole:
                 # the next turn of this conversation starts with these pages: pool them
                 # (the last token was sampled, never computed, so it has no KV yet)
                 tokens = req.token_ids + generated
-                self.core.write_back(tokens, len(tokens) - 1)
+                self.core.write_back(tokens, len(tokens) - 1, req.sampling.cache_salt)
                 log.info("request finished", reason=out.finish_reason,
                          completion_tokens=out.num_output_tokens)  # fmt: skip
                 return

@@ -130,7 +130,8 @@ class PrefillRole:
         core = self.core
         pool_tokens = 0
         if core.pool is not None:  # L1 first, then the pool; at least 1 token is computed
-            keys = core.page_keys(req.token_ids, core.reusable(req.token_ids, params))
+            reusable = core.reusable(req.token_ids, params)
+            keys = core.page_keys(req.token_ids, reusable, params.cache_salt)
             _, from_pool = await core.pool.fetch_prefix(keys)
             pool_tokens = from_pool * core.config.page_size
         last = None
@@ -173,7 +174,7 @@ class PrefillRole:
             await sender.finish(page_table)  # ValueError unless it holds every prompt page
             local_pages = page_table[sender.skip : sender.num_pages]
             kv_mac = await vouch(core, req, first, local_pages)
-        core.write_back(req.token_ids, len(req.token_ids))
+        core.write_back(req.token_ids, len(req.token_ids), params.cache_salt)
         log.info("prefill done", prompt_tokens=len(req.token_ids), cached=cached,
                  finished=finished, pages_sent=len(sender.sent))  # fmt: skip
         return PrefillResult(

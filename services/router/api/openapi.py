@@ -11,6 +11,7 @@ from typing import Any
 
 from libs.common import __version__
 from libs.common.engine.core.sampling_params import (
+    MAX_CACHE_SALT_CHARS,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_IDS,
@@ -50,6 +51,7 @@ _KINDS: dict[str, dict[str, Any]] = {
     "number": {"type": "number"},
     "boolean": {"type": "boolean"},
     "string": {"type": "string"},
+    "salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS},
     "object": {"type": "object"},
     "schema": {"type": ["object", "boolean", "string"]},
     "choices": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},

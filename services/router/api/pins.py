@@ -1,6 +1,7 @@
 """/v1/pins: soft pins of prefixes in the KV pool (docs/pool.md, "Soft pinning").
 
-    POST   /v1/pins        {"prompt": "<text>"} or {"messages": [...]}, "ttl_s", "label"
+    POST   /v1/pins        {"prompt": "<text>"} or {"messages": [...]}, "ttl_s", "label",
+                           "cache_salt" (the salt the requests that reuse the prefix send)
                            -> {"object": "pin", "id", "pages", "present", "held", ...}
     GET    /v1/pins        -> {"object": "list", "data": [pin...], "held_bytes", "budget_bytes"}
     DELETE /v1/pins/{id}   -> {"object": "pin.deleted", "id", "deleted": true}
@@ -10,10 +11,12 @@ chat template as /v1/chat/completions renders messages (without the generation p
 default: a system prompt pinned alone is the start of every chat that begins with it).
 Its page keys are computed here (libs/common/engine/core/kv_hash.py) with the (model id,
 KV dtype, page size) of each live worker of this model, so they are the keys under which
-those workers put the prefix's pages into the pool; only full pages have keys. The cache
-master keeps the pin (services/cache_master/pins/endpoints.py): its refusals come back with their
-status (400 bad TTL, 409 over --max-pins or --max-pinned-fraction, 404 unknown id), and a
-master that cannot be reached is a 503.
+those workers put the prefix's pages into the pool; only full pages have keys. With a
+`cache_salt` the keys are that salt's (kv_hash.chain_root): a pin holds the pages of the
+requests that send the same salt, and no others. The cache master keeps the pin
+(services/cache_master/pins/endpoints.py): its refusals come back with their status (400
+bad TTL, 409 over --max-pins or --max-pinned-fraction, 404 unknown id), and a master that
+cannot be reached is a 503.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from aiohttp import web
 
 from libs.common.bus.connection import BusError, RemoteError
 from libs.common.engine.core.kv_hash import PageHasher
+from libs.common.engine.core.sampling_params import (
+    MAX_CACHE_SALT_CHARS,
+    SamplingError,
+    check_cache_salt,
+)
 from libs.common.messages.pins import (
     MAX_PIN_KEYS,
     MAX_PIN_LABEL,
@@ -41,7 +49,7 @@ from services.router.formats.openai.messages import parse_messages
 from services.router.requests.prompts import PromptTooLong, encode, render_chat
 from services.router.state import STATE, RouterState
 
-FIELDS = ("model", "prompt", "messages", "add_generation_prompt", "ttl_s", "label")
+FIELDS = ("model", "prompt", "messages", "add_generation_prompt", "ttl_s", "label", "cache_salt")
 PIN_ID = re.compile(r"^[0-9a-f]{16}$")
 MASTER_TIMEOUT = 5.0
 
@@ -55,8 +63,14 @@ async def create_pin(request: web.Request) -> web.Response:
     label = body.get("label", "")
     if not isinstance(label, str) or len(label) > MAX_PIN_LABEL:
         raise bad_request(f"'label' must be a string of at most {MAX_PIN_LABEL} chars", "label")
+    salt = ""
+    if body.get("cache_salt") is not None:
+        try:
+            salt = check_cache_salt("cache_salt", body["cache_salt"])
+        except SamplingError as e:
+            raise bad_request(str(e), "cache_salt") from None
     token_ids = await asyncio.to_thread(_tokens, state, body)
-    keys = page_keys(state, token_ids)
+    keys = page_keys(state, token_ids, salt)
     if not keys:
         raise bad_request(f"the prefix has {len(token_ids)} tokens: fewer than a page, so "
                           "nothing of it is stored in the pool", _source(body))  # fmt: skip
@@ -90,9 +104,10 @@ def pin_body(info: PoolPinInfo) -> dict[str, Any]:
             "created_at": info.created_at}  # fmt: skip
 
 
-def page_keys(state: RouterState, token_ids: list[int]) -> list[str]:
-    """The prefix's page keys for every (KV dtype, page size) the live workers of this
-    model use (one, in a uniform cluster); a 503 when none is live."""
+def page_keys(state: RouterState, token_ids: list[int], cache_salt: str = "") -> list[str]:
+    """The prefix's page keys, chained from `cache_salt`, for every (KV dtype, page size)
+    the live workers of this model use (one, in a uniform cluster); a 503 when none is
+    live."""
     salts = {(state.model_id, w.report.kv_dtype, w.report.page_size)
              for w in state.workers.live("prefill", "decode", "both")
              if w.report.model_id == state.model_id}  # fmt: skip
@@ -100,7 +115,7 @@ def page_keys(state: RouterState, token_ids: list[int]) -> list[str]:
         raise no_workers("no live worker of this model: its page keys are not known")
     keys: list[str] = []
     for salt in sorted(salts):
-        keys += PageHasher(*salt).keys(token_ids)
+        keys += PageHasher(*salt).keys(token_ids, cache_salt=cache_salt)
     return keys
 
 
@@ -240,6 +255,7 @@ SCHEMAS: dict[str, Any] = {
             "add_generation_prompt": {"type": "boolean", "default": False},
             "ttl_s": {"type": "number", "exclusiveMinimum": 0},
             "label": {"type": "string", "maxLength": MAX_PIN_LABEL},
+            "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS},
         },
     },
     "Pin": _PIN,

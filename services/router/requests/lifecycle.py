@@ -181,7 +181,7 @@ async def dispatch(state: RouterState, choices: list[Choice], on_delta: OnDelta)
 
 async def run_choice(state: RouterState, choice: Choice, on_delta: OnDelta) -> None:
     """One choice: route, dispatch, and hand its Deltas to `on_delta` until it finishes."""
-    route = state.selector.plan(choice.token_ids)
+    route = state.selector.plan(choice.token_ids, choice.sampling.cache_salt)
     deltas = ChoiceDeltas(state, choice, on_delta)
     timeout = state.config.generate_timeout
     await state.dispatcher.run(

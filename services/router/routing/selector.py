@@ -1,7 +1,9 @@
 """Glue between the live workers, the KV index and the policy: one route per attempt.
 
 The prompt's page keys are salted with the workers' own (model id, KV dtype, page size),
-taken from their load reports, so the router's keys equal the keys workers publish.
+taken from their load reports, and chained from the request's cache salt
+(libs/common/engine/core/kv_hash.py), so the router's keys equal the keys workers publish
+and a request of one salt is never routed for another salt's cached prefix.
 Workers whose model id differs from the router's are never chosen (their keys, their
 tokenizer and their outputs would not match this router's).
 """
@@ -22,7 +24,8 @@ log = get_logger(__name__)
 
 
 class RouteSelector:
-    """`plan(token_ids)` returns a function `exclude -> Route | None` for the dispatcher."""
+    """`plan(token_ids, cache_salt)` returns a function `exclude -> Route | None` for the
+    dispatcher."""
 
     def __init__(
         self,
@@ -47,7 +50,9 @@ class RouteSelector:
             if w.id not in exclude and w.report.model_id == self.model_id
         ]
 
-    def plan(self, token_ids: list[int]) -> Callable[[Set[str]], Route | None]:
+    def plan(
+        self, token_ids: list[int], cache_salt: str = ""
+    ) -> Callable[[Set[str]], Route | None]:
         keys_by_salt: dict[tuple[str, str, int], list[str]] = {}
 
         def route(exclude: Set[str]) -> Route | None:
@@ -66,7 +71,7 @@ class RouteSelector:
             decodes = [w for w in decodes if same(w)]
             prefills = [w for w in self.eligible("prefill", exclude) if same(w)]
             if salt not in keys_by_salt:
-                keys_by_salt[salt] = self._hasher(salt).keys(token_ids)
+                keys_by_salt[salt] = self._hasher(salt).keys(token_ids, cache_salt=cache_salt)
             match = self.index.match(keys_by_salt[salt], [w.id for w in decodes + prefills])
             chosen = choose(
                 len(token_ids), page_size, match, decodes, prefills, self.policy, rng=self.rng

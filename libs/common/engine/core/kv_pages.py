@@ -113,10 +113,12 @@ class KvPages:
         seq.num_committed_pages = 0
 
     def page_keys(self, seq: Sequence, n_pages: int) -> list[str]:
-        """Keys of the first n_pages full pages; each page is hashed once per sequence."""
+        """Keys of the first n_pages full pages, chained from the sequence's cache salt;
+        each page is hashed once per sequence."""
         if self.hasher is None:
             raise RuntimeError("page keys need a hasher (prefix caching is off)")
         if len(seq.page_keys) < n_pages:
             tokens = seq.token_ids[: n_pages * self.page_size]
-            seq.page_keys.extend(self.hasher.extend(tokens, seq.page_keys))
+            salt = seq.sampling_params.cache_salt
+            seq.page_keys.extend(self.hasher.extend(tokens, seq.page_keys, salt))
         return seq.page_keys[:n_pages]

@@ -27,6 +27,9 @@ MAX_STOP_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 # A grammar (libs/common/grammar) travels in the generate request: bounded like the stops.
 MAX_GRAMMAR_CHARS = 256 * 1024
+# A tenant's cache salt (kv_hash.chain_root): long enough for a random secret or a tenant
+# id with a key, bounded like every field that travels in the generate request.
+MAX_CACHE_SALT_CHARS = 256
 
 
 class SamplingError(ValueError):
@@ -131,7 +134,18 @@ def check_sampling(obj: Any) -> dict[str, Any]:
     out["prompt_logprobs_from"] = _PROMPT_FROM.check(
         "prompt_logprobs_from", obj.prompt_logprobs_from
     )
+    out["cache_salt"] = check_cache_salt("cache_salt", obj.cache_salt, allow_empty=True)
     return out
+
+
+def check_cache_salt(name: str, value: Any, allow_empty: bool = False) -> str:
+    """A string of 1..MAX_CACHE_SALT_CHARS chars ("" too with `allow_empty`: no salt, the
+    engine's default; an API request that sends the field must salt)."""
+    if not (isinstance(value, str) and (allow_empty or value)) or len(value) > MAX_CACHE_SALT_CHARS:
+        raise SamplingError(
+            name, f"'{name}' must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters"
+        )
+    return str(value)
 
 
 # Not in BOUNDS: the API sets them from `echo`, `logprobs` and `prompt_logprobs_from`
@@ -163,6 +177,8 @@ class SamplingParams:
       index `prompt_logprobs_from` on (token 0 has none: nothing precedes it) plus the
       top n alternatives at each. Those positions are computed, never read from the
       prefix cache: the cached prefix stops at the first one (`prompt_logits_from`).
+    - cache_salt: "" for none, else the request's pages are keyed apart from every other
+      salt's (kv_hash.chain_root): no cache tier shares a page across salts.
 
     `n` is deliberately absent: the router fans a request with n > 1 out into
     n engine requests. A bad value raises ValueError naming the field.
@@ -184,6 +200,7 @@ class SamplingParams:
     grammar: str = ""
     prompt_logprobs: int | None = None
     prompt_logprobs_from: int = 0
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         # frozen: normalized values go in through object.__setattr__.

@@ -17,8 +17,10 @@ from typing import Any
 
 from libs.common.engine.core.sampling_params import (
     BOUNDS,
+    MAX_CACHE_SALT_CHARS,
     Bound,
     SamplingError,
+    check_cache_salt,
     check_stop,
     check_token_ids,
 )
@@ -74,6 +76,12 @@ _SAMPLING = (
     Spec("guided_regex", "string", "the output matches this regex (vLLM's older name)"),
     Spec("guided_choice", "choices", "the output is one of these strings (vLLM's older name)"),
     Spec("guided_grammar", "string", "the output follows this grammar (vLLM's older name)"),
+    Spec(
+        "cache_salt",
+        "salt",
+        f"1 to {MAX_CACHE_SALT_CHARS} chars: cached KV is shared only between requests with "
+        "the same salt (vLLM's field; docs/security.md)",
+    ),
 )
 COMPLETION_SPECS = (
     Spec("prompt", "prompt", "string, list of strings, token ids or lists of ids", required=True),
@@ -195,6 +203,8 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
     sampling = {k: v[k] for k in _SAMPLING_KEYS if v[k] is not None}
     sampling["stop"] = [v["stop"]] if isinstance(v["stop"], str) else list(v["stop"] or [])
     sampling["stop_token_ids"] = list(v["stop_token_ids"] or [])
+    if v["cache_salt"] is not None:
+        sampling["cache_salt"] = v["cache_salt"]
     req.grammar = structured.from_body(body)
     if endpoint == "chat":
         req.tools = tools.parse_tools(body)
@@ -301,6 +311,8 @@ def _check(spec: Spec, value: Any) -> Any:
         raise bad_request(f"'{name}' must be an object, got {_show(value)}", name)
     elif kind == "stop":
         _sampling_check(check_stop, name, value)
+    elif kind == "salt":
+        _sampling_check(check_cache_salt, name, value)
     elif kind == "ids":
         value = _ids(value)
         if value is None:
