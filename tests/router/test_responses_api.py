@@ -212,3 +212,26 @@ async def test_a_conversation_continues_through_another_router_and_after_its_res
                 assert r.status == 404
     finally:
         routers.stop()
+
+
+async def test_the_sdk_stream_and_parse_helpers_accept_the_events_and_the_schema(c):
+    """`responses.stream` rebuilds the response from the events (it checks their indexes);
+    `responses.parse` sends a pydantic model as text.format and reads the answer into it."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(min_length=1, max_length=20)
+        population: int = Field(ge=0, le=50_000_000)
+
+    async with c.responses.stream(
+        model="default", instructions=INSTRUCTIONS, input="Say hello.", max_output_tokens=10,
+        temperature=0,
+    ) as stream:  # fmt: skip
+        texts = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert final.output_text == "".join(texts) and final.id.startswith("resp_")
+    parsed = await c.responses.parse(
+        model="default", instructions=INSTRUCTIONS, input="Describe Paris.",
+        text_format=City, max_output_tokens=150, temperature=1.0,
+    )  # fmt: skip
+    assert isinstance(parsed.output_parsed, City) and parsed.output_parsed.name
