@@ -235,3 +235,19 @@ async def test_the_sdk_stream_and_parse_helpers_accept_the_events_and_the_schema
         text_format=City, max_output_tokens=150, temperature=1.0,
     )  # fmt: skip
     assert isinstance(parsed.output_parsed, City) and parsed.output_parsed.name
+
+
+async def test_included_logprobs_cover_every_output_token_streamed_and_not(c):
+    ask = dict(model="default", instructions=INSTRUCTIONS, input="Name a fruit.",
+               max_output_tokens=8, temperature=0, top_logprobs=2,
+               include=["message.output_text.logprobs"])  # fmt: skip
+    r = await c.responses.create(**ask)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and all(len(x.top_logprobs) == 2 for x in lps)
+    assert "".join(x.token for x in lps) == r.output_text
+    stream = await c.responses.create(**ask, stream=True)
+    events = [e async for e in stream]
+    streamed = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    # Equal tokens; values to within the kernels' batch-dependent rounding.
+    assert [x.token for x in streamed] == [x.token for x in lps]
+    assert [x.logprob for x in streamed] == pytest.approx([x.logprob for x in lps], abs=1e-2)

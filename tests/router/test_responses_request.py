@@ -135,3 +135,15 @@ def test_stream_events_come_in_openai_order_with_sequence_numbers():
     assert [i["type"] for i in done] == ["message", "function_call"]
     assert done[0]["content"][0]["text"] == "Hello" and done[1]["name"] == "f"
     assert events[9]["output_index"] == 1 and events[12]["item"]["arguments"] == "{}"
+
+
+def test_logprobs_are_asked_through_include_and_refused_with_tools():
+    _, a = api(include=["message.output_text.logprobs"], top_logprobs=2)
+    assert a.logprobs == 2
+    _, a = api(include=["message.output_text.logprobs"])
+    assert a.logprobs == 0
+    assert api()[1].logprobs is None
+    assert refused({"top_logprobs": 2}).param == "top_logprobs"  # without include
+    assert refused({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}).param == (
+        "include"
+    )

@@ -27,7 +27,7 @@ from services.router.formats.openai.validation import (
     Spec,
     neutral_fields,
 )
-from services.router.formats.responses.request import RESPONSES_SPECS
+from services.router.formats.responses.request import LOGPROBS, RESPONSES_SPECS
 
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:
@@ -78,6 +78,7 @@ _KINDS: dict[str, dict[str, Any]] = {
             {"type": "array", "items": _IDS, "minItems": 1},
         ]
     },
+    "include": {"type": "array", "items": {"enum": [LOGPROBS]}},
     "input": {
         "oneOf": [
             {"type": "string"},

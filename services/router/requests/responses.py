@@ -111,7 +111,9 @@ class Run:
             content, calls = parse_tool_calls(c.text, tally.tools, cut=status == "incomplete")
         output = []
         if content or not calls:
-            output.append(shapes.message_item(shapes.new_id("msg"), content, status))
+            lp = tally.logprobs(0, c.logprobs, c.text)  # None unless asked (no tools then)
+            item_id = shapes.new_id("msg")
+            output.append(shapes.message_item(item_id, content, status, lp and lp["content"]))
         for i, call in enumerate(calls):
             output.append(shapes.call_item(shapes.new_id("fc"), call.delta(i), "completed"))
         body = shapes.response_body(self.id, self.created, self.req, output, status)
@@ -133,7 +135,8 @@ class Run:
             if calls is not None and d.finish_reason is not None:
                 rest, more = calls.finish(cut=d.finish_reason == "length")
                 content, deltas = content + rest, deltas + more
-            sent += events.text(content)
+            lp = tally.logprobs(0, d.logprobs, d.text)  # None unless asked (no tools then)
+            sent += events.text(content, lp and lp["content"])
             for delta in deltas:
                 sent += events.call(delta)
             out.send(encode(sent))

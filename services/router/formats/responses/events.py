@@ -41,6 +41,8 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []
         self._message: str | None = None  # the open message item's id
         self._text = ""
+        self._logprobs: list[dict[str, Any]] = []
+        self._held: list[dict[str, Any]] = []  # logprobs of tokens whose text is not out yet
 
     def event(self, kind: str, **fields: Any) -> Event:
         event = {"type": f"response.{kind}", "sequence_number": self.sequence, **fields}
@@ -51,21 +53,26 @@ class ResponseEvents:
         return [self.event("created", response=response),
                 self.event("in_progress", response=response)]  # fmt: skip
 
-    def text(self, delta: str) -> list[Event]:
-        """Text of the answer: opens a message item first when none is open."""
-        if not delta:
+    def text(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
+        """Text of the answer (and its tokens' logprobs, when asked): opens a message item
+        first when none is open."""
+        logprobs = self._held + (logprobs or [])
+        if not delta:  # tokens without text yet (a partial character): their logprobs wait
+            self._held = logprobs
             return []
+        self._held = []
         events = []
         if self._message is None:
-            self._message, self._text = shapes.new_id("msg"), ""
+            self._message, self._text, self._logprobs = shapes.new_id("msg"), "", []
             item = shapes.message_item(self._message, "", "in_progress")
             events.append(self.event("output_item.added", output_index=len(self.output),
                                      item=item))  # fmt: skip
             events.append(self.event("content_part.added", **self._where(),
                                      part=shapes.output_text("")))  # fmt: skip
         self._text += delta
+        self._logprobs += logprobs
         events.append(self.event("output_text.delta", **self._where(), delta=delta,
-                                 logprobs=[]))  # fmt: skip
+                                 logprobs=logprobs))  # fmt: skip
         return events
 
     def call(self, call: dict[str, Any]) -> list[Event]:
@@ -87,13 +94,14 @@ class ResponseEvents:
         """End the open message item, if any, with `status`."""
         if self._message is None:
             return []
-        where, text = self._where(), self._text
-        item = shapes.message_item(self._message, text, status)
+        where, text, lps = self._where(), self._text, self._logprobs + self._held
+        self._held = []
+        item = shapes.message_item(self._message, text, status, lps)
         self._message = None
         self.output.append(item)
         return [
-            self.event("output_text.done", **where, text=text, logprobs=[]),
-            self.event("content_part.done", **where, part=shapes.output_text(text)),
+            self.event("output_text.done", **where, text=text, logprobs=lps),
+            self.event("content_part.done", **where, part=shapes.output_text(text, lps)),
             self.event("output_item.done", output_index=where["output_index"], item=item),
         ]
 

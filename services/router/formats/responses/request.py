@@ -36,6 +36,7 @@ from services.router.formats.openai.validation import (
     parse_request,
 )
 
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
 RESPONSES_SPECS = (
     Spec("model", "string", "model name, as listed by GET /v1/models", required=True),
     Spec("input", "input", "a string or items (message, function_call, ...)", required=True),
@@ -55,16 +56,16 @@ RESPONSES_SPECS = (
     Spec("store", "boolean", "keep the response for GET and previous_response_id (default true)"),
     Spec("previous_response_id", "string", "continue the conversation of a stored response"),
     Spec("metadata", "object", "up to 16 string pairs, echoed and stored"),
+    Spec("include", "include", f"[] or [{LOGPROBS!r}]: each output token's logprobs"),
+    _sampling_spec("top_logprobs", "logprobs", "alternatives per token, with logprobs included"),
     Spec("user", "string", "end-user id (logged)"),
 )
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "include": (None, []),
     "truncation": (None, "disabled"),
     "background": (None, False),
     "reasoning": (None, {}),
     "service_tier": (None, "auto", "default"),
-    "top_logprobs": (None, 0),
     "max_tool_calls": (None,),
     "stream_options": (None,),
 }
@@ -109,6 +110,11 @@ class ResponsesRequest:
     def stream(self) -> bool:
         return bool(self.fields["stream"])
 
+    @property
+    def logprobs(self) -> bool:
+        """The output tokens' logprobs asked for (`include`)."""
+        return LOGPROBS in (self.fields["include"] or [])
+
 
 def valid_response_id(value: str) -> bool:
     return bool(_RESPONSE_ID.match(value))
@@ -151,6 +157,10 @@ def _check_field(spec: Spec, value: Any) -> Any:
         if value is None:
             raise bad_request("'input' is required", "input")
         return value
+    if spec.kind == "include":
+        if value is not None and (not isinstance(value, list) or set(value) - {LOGPROBS}):
+            raise bad_request(f"'include' may hold only {LOGPROBS!r}", "include")
+        return value
     if spec.kind in ("tools", "tool_choice"):
         return value  # checked when converted (to_api), then by the chat tool checks
     return _check(spec, value)
@@ -171,6 +181,11 @@ def to_api(req: ResponsesRequest, history: list[dict[str, Any]], max_n: int) -> 
     chat["parallel_tool_calls"] = v["parallel_tool_calls"]
     chat["response_format"] = _text_format(v["text"])
     chat["user"] = v["user"]
+    if v["top_logprobs"] and not req.logprobs:
+        raise bad_request(f"'top_logprobs' needs 'include': [{LOGPROBS!r}]", "top_logprobs")
+    if req.logprobs and chat["tools"] and chat["tool_choice"] != "none":
+        raise bad_request("output logprobs are not served with tools", "include")
+    chat["logprobs"], chat["top_logprobs"] = req.logprobs or None, v["top_logprobs"]
     req.chat = chat
     with renamed():
         return parse_request("chat", chat, max_n)

@@ -21,14 +21,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [] if status == "in_progress" else [output_text(text)]
+def message_item(
+    item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": content}  # fmt: skip
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A text part; `logprobs`: chat's per-token entries (token, logprob, bytes,
+    top_logprobs), the Responses shape too."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
@@ -77,6 +81,7 @@ def response_body(
         "tool_choice": v["tool_choice"] or "auto",
         "tools": v["tools"] or [],
         "top_p": v["top_p"],
+        "top_logprobs": v["top_logprobs"],
         "truncation": "disabled",
         "usage": None,
         "user": v["user"],
