@@ -14,7 +14,7 @@ from services.router.formats.openai.validation import (
     neutral_fields,
     parse_request,
 )
-from services.router.formats.responses.request import RESPONSES_SPECS
+from services.router.formats.responses.request import NEUTRAL, RESPONSES_SPECS, read_body
 from tests.router.conftest import Routers
 from tests.router.schema_check import check, response_schema
 
@@ -41,10 +41,16 @@ def test_request_schemas_list_every_accepted_field_and_no_other(name, endpoint, 
     assert schema["additionalProperties"] is False
 
 
-def test_the_responses_schema_lists_every_accepted_field():
+def test_the_responses_schema_lists_every_accepted_field_and_no_other():
     schema = DOC["components"]["schemas"]["ResponseRequest"]
-    assert set(schema["properties"]) == {s.name for s in RESPONSES_SPECS}
+    assert set(schema["properties"]) == {s.name for s in RESPONSES_SPECS} | set(NEUTRAL)
     assert set(schema["required"]) == {s.name for s in RESPONSES_SPECS if s.required}
+    assert schema["additionalProperties"] is False
+    body = {"model": "m", "input": "x", "include": [], "truncation": "disabled"}
+    read_body(body)  # what the parser accepts the document accepts
+    assert not check(body, {"$ref": "#/components/schemas/ResponseRequest"}, DOC)
+    refused = {**body, "truncation": "auto"}  # a neutral-only field at another value
+    assert check(refused, {"$ref": "#/components/schemas/ResponseRequest"}, DOC)
 
 
 def test_documented_bounds_are_the_enforced_bounds():

@@ -28,6 +28,7 @@ from services.router.formats.openai.validation import (
     neutral_fields,
 )
 from services.router.formats.responses.request import LOGPROBS, RESPONSES_SPECS
+from services.router.formats.responses.request import NEUTRAL as RESPONSES_NEUTRAL
 
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:
@@ -271,7 +272,7 @@ ANTHROPIC_ERROR = _obj(
 )
 SCHEMAS = {
     "CompletionRequest": _schema(COMPLETION_SPECS, neutral_fields("completions")),
-    "ResponseRequest": _schema(RESPONSES_SPECS),
+    "ResponseRequest": _schema(RESPONSES_SPECS, RESPONSES_NEUTRAL),
     "Response": RESPONSE,
     "ResponseDeleted": RESPONSE_DELETED,
     "ChatCompletionRequest": _schema(CHAT_SPECS, neutral_fields("chat")),

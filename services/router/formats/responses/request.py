@@ -5,7 +5,7 @@ chat-shaped body whose `ApiRequest` runs it (lifecycle.run_request, shared by ev
     api = to_api(req, history, max_n)            # history: the previous response's messages
 
 `RESPONSES_SPECS` is the one table of accepted fields (also /openapi.json's schema). A field
-outside it is refused with a 400 naming it; `_NEUTRAL` fields are accepted only at their
+outside it is refused with a 400 naming it; `NEUTRAL` fields are accepted only at their
 neutral value. Input items become chat messages:
 
     "text"                                     -> a user message
@@ -61,7 +61,7 @@ RESPONSES_SPECS = (
     Spec("user", "string", "end-user id (logged)"),
 )
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
+NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncation": (None, "disabled"),
     "background": (None, False),
     "reasoning": (None, {}),
@@ -69,7 +69,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "max_tool_calls": (None,),
     "stream_options": (None,),
 }
-FIELDS = frozenset(s.name for s in RESPONSES_SPECS) | frozenset(_NEUTRAL)
+FIELDS = frozenset(s.name for s in RESPONSES_SPECS) | frozenset(NEUTRAL)
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
@@ -127,7 +127,7 @@ def read_body(body: Any) -> ResponsesRequest:
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise bad_request(f"'{unknown[0]}' is not a field of /v1/responses", unknown[0])
-    for name, neutral in _NEUTRAL.items():
+    for name, neutral in NEUTRAL.items():
         if body.get(name) not in neutral:
             raise bad_request(f"'{name}' is not supported by this server", name)
     values = {s.name: _check_field(s, body.get(s.name)) for s in RESPONSES_SPECS}
