@@ -88,6 +88,38 @@ async def test_a_stop_sequence_ends_the_message_and_is_named(claude):
     assert m.content[0].text == text[: text.find(stop)]
 
 
+async def test_a_prefill_is_continued_not_repeated(claude):
+    ask = _ask("What is the capital of France?")
+    prefill = "The capital of France is"
+    history = [*ask["messages"], {"role": "assistant", "content": prefill}]
+    m = await claude.messages.create(
+        model="default", max_tokens=8, system=ask["system"], messages=history, **GREEDY
+    )
+    text = m.content[0].text
+    assert "Paris" in text and not text.startswith(prefill), text
+    plain = await claude.messages.count_tokens(model="default", **ask)
+    counted = await claude.messages.count_tokens(
+        model="default", system=ask["system"], messages=history
+    )
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted.input_tokens
+    assert counted.input_tokens > plain.input_tokens
+
+
+async def test_a_tool_call_cut_by_max_tokens_leaks_no_markup(claude):
+    ask = _ask("What is the weather in Madrid?")
+    m = await claude.messages.create(
+        model="default", max_tokens=6, **ask, **HOT, tools=[WEATHER], tool_choice={"type": "any"}
+    )
+    assert m.stop_reason == "max_tokens"
+    assert [b.type for b in m.content] == ["text"] and "<tool_call" not in m.content[0].text
+    async with claude.messages.stream(
+        model="default", max_tokens=6, **ask, **HOT, tools=[WEATHER], tool_choice={"type": "any"}
+    ) as s:
+        final = await s.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    assert all(b.type == "text" and "<tool_call" not in b.text for b in final.content)
+
+
 async def test_stream_events_come_in_anthropics_order_and_add_up_to_the_message(claude):
     ask = _ask("What is gravity?")
     whole = await claude.messages.create(model="default", max_tokens=30, **ask, **GREEDY)

@@ -71,6 +71,16 @@ def test_system_blocks_and_tool_round_trip_become_chat_messages():
     assert req.tools is not None and req.tools.choice == "auto" and req.grammar is None
 
 
+def test_a_last_assistant_turn_is_a_prefill_the_model_continues():
+    history = [{"role": "user", "content": "Capital of France?"},
+               {"role": "assistant", "content": [{"type": "text", "text": "It is"}]}]  # fmt: skip
+    req = messages.parse(_body(messages=history), "/v1/messages")
+    assert req.messages[-1] == {"role": "assistant", "content": "It is"}
+    assert req.template.continue_final_message and not req.template.add_generation_prompt
+    plain = messages.parse(_body(), "/v1/messages")
+    assert plain.template.add_generation_prompt and not plain.template.continue_final_message
+
+
 @pytest.mark.parametrize(
     ("choice", "chat_choice", "forced", "parallel"),
     [
@@ -119,7 +129,10 @@ def test_output_config_json_schema_becomes_the_grammar():
          "messages", "messages[0].content[0]"),
         (_body(messages=[{"role": "user", "content": "x", "name": "n"}]), "messages", "name"),
         (_body(messages=[{"role": "user", "content": "x"}, {"role": "assistant",
-                                                           "content": "The answer is"}]),
+                                                           "content": "The answer is "}]),
+         "messages", "trailing whitespace"),
+        (_body(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
          "messages", "prefill"),
         (_body(tools=[{**WEATHER, "input_examples": []}]), "tools", "input_examples"),
         (_body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools",

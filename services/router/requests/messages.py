@@ -53,7 +53,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     check_model(state, api.model)
 
     def count() -> int:  # template and tokenizer: CPU, off the loop
-        return len(encode(state.tokenizer, render_chat(state.tokenizer, api.messages, api.tools)))
+        text = render_chat(state.tokenizer, api.messages, api.tools, api.template)
+        return len(encode(state.tokenizer, text))
 
     return web.json_response({"input_tokens": await asyncio.to_thread(count)})
 

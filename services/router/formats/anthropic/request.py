@@ -15,8 +15,9 @@ The Messages API is another spelling of a chat request, so it becomes the same
 
 `MESSAGES_SPECS` and `COUNT_SPECS` are the closed field tables (also rendered into
 /openapi.json): any other field, and any other key of a content block, tool or
-tool_choice, is a 400 naming it. A conversation that ends with an assistant turn (a
-"prefill") is refused: the chat path always starts a new assistant turn.
+tool_choice, is a 400 naming it. A conversation that ends with an assistant turn of text
+is a prefill: the model continues that text (chat's continue_final_message), and the
+response holds only what it adds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from libs.common.engine.core.sampling_params import BOUNDS, Bound, SamplingError
 from libs.common.grammar import build
 from libs.common.grammar.build import GrammarError
 from services.router.errors import bad_request
+from services.router.formats.openai.chat_template import TemplateArgs
 from services.router.formats.openai.validation import ApiRequest, Spec
 from services.router.structured.output import Grammar
 from services.router.structured.tools import request as tools
@@ -85,6 +87,8 @@ def parse(body: Any, path: str) -> ApiRequest:
         raise bad_request("'thinking' is not supported by this server (only disabled)", "thinking")
     req = ApiRequest(endpoint="chat", model=v["model"])
     req.messages = _system(v["system"]) + _messages(v["messages"])
+    if req.messages[-1]["role"] == "assistant":  # a prefill: the model continues it
+        req.template = TemplateArgs(add_generation_prompt=False, continue_final_message=True)
     req.tools = _tool_request(v["tools"], v["tool_choice"])
     grammar = _output_format(v["output_config"])
     forced = tools.tool_grammar(req.tools) if req.tools is not None else None
@@ -209,12 +213,15 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             out += _user_turn(content, f"{where}.content")
         else:
             out.append(_assistant_turn(content, f"{where}.content"))
-    if value[-1]["role"] == "assistant":
+    last = out[-1]
+    if last["role"] == "assistant" and (last.get("tool_calls") or not last["content"].strip()):
         raise bad_request(
-            "the last message must be a user turn: continuing an assistant turn (prefill) "
-            "is not supported by this server",
+            "a last assistant turn (a prefill) must be text to continue, without tool_use",
             "messages",
         )
+    if last["role"] == "assistant" and last["content"] != last["content"].rstrip():
+        raise bad_request("final assistant content cannot end with trailing whitespace",
+                          "messages")  # fmt: skip
     return out
 
 
