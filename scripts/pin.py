@@ -3,6 +3,7 @@
     python -m scripts.pin add --system "You are ..." --ttl 86400 [--label support-bot]
     python -m scripts.pin add --file prompt.txt --ttl 3600        # a completion's prompt
     python -m scripts.pin add --messages-file chat.json --ttl 600 # chat messages (JSON list)
+    python -m scripts.pin add --system "..." --ttl 600 --cache-salt <salt>  # a tenant's pages
     python -m scripts.pin list [--json]
     python -m scripts.pin rm <pin id>
 
@@ -63,6 +64,8 @@ def pin_body(args: argparse.Namespace) -> dict[str, Any]:
     body["ttl_s"] = args.ttl
     if args.label:
         body["label"] = args.label
+    if args.cache_salt:
+        body["cache_salt"] = args.cache_salt
     return body
 
 
@@ -93,6 +96,7 @@ def parser() -> argparse.ArgumentParser:
     source.add_argument("--text", help="a completion's prompt")
     add.add_argument("--ttl", type=float, required=True, help="seconds the pin lasts")
     add.add_argument("--label", default="", help="a name shown in the list")
+    add.add_argument("--cache-salt", default="", help="the requests' cache_salt (docs/api.md)")
     listing = sub.add_parser("list", help="live pins")
     listing.add_argument("--json", action="store_true", help="the API's JSON, not a table")
     rm = sub.add_parser("rm", help="unpin")

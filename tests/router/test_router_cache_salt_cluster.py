@@ -11,12 +11,15 @@ salt A's keys only (a /v1/pins of the same prefix counts the pages present). Slo
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 
 import aiohttp
 import pytest
 
-from scripts.cluster import LocalCluster
+from scripts.cluster import REPO, LocalCluster
 from tests.router.conftest import router_env, router_port
 from tests.router.e2e_cluster import metric, openai_client, wait_healthy
 
@@ -114,6 +117,13 @@ async def test_the_pool_holds_salt_as_pages_under_salt_as_keys_only(cluster, c):
         for other in ("tenant-b", None):
             theirs = await pin(http, cluster, prompt, other)
             assert theirs["pages"] == mine["pages"] and theirs["present"] == 0, (other, theirs)
+    # The operator's command pins the salt's pages too.
+    cmd = [sys.executable, "-m", "scripts.pin", "--url", cluster, "add", "--text", prompt,
+           "--ttl", "5", "--cache-salt", "tenant-a"]  # fmt: skip
+    done = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, capture_output=True,
+                                   text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["present"] == mine["present"]
 
 
 async def test_a_bad_salt_is_refused_with_an_openai_error_naming_it(cluster):
