@@ -8,7 +8,6 @@ Not thread-safe: one caller at a time (the async Engine serializes calls).
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -32,22 +31,10 @@ from libs.common.engine.model.grammar_mask import GrammarMasks
 from libs.common.engine.model.kv_cache import KVCache
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.model.runner import ModelRunner
-from libs.common.engine.model.sampler import SamplingRow
+from libs.common.engine.request_state import RequestState
 from libs.common.grammar.compiler import GrammarCompiler
 
 log = structlog.get_logger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    seed: int
-    stop: StopChecker
-    penalized: bool
-    matcher: Any = None  # an llguidance matcher when the request has a grammar
-    grammar_done: bool = False  # the matcher is complete (or refused a token): stop
-    # prompt logprobs computed so far, by token index, until the first output carries them
-    scores: dict[int, TokenLogprobs] | None = None
 
 
 class EngineCore:
@@ -112,7 +99,7 @@ class EngineCore:
             hasher=hasher,
             eos_token_ids=c.eos_token_ids,
         )
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None
         self._masks: GrammarMasks | None = None
         log.info(
@@ -148,7 +135,7 @@ class EngineCore:
         replayed through the grammar and the stop checks first, their text withheld (the
         client has it). Returns a final output without tokens when they already end the
         request, else None."""
-        self._check_ids([*token_ids, *generated])
+        self._check_ids([*token_ids, *generated], params)
         matcher = matcher or self._matcher_for(params)
         seq = Sequence(
             request_id, token_ids, params, prefill_only=prefill_only, keep_pages=keep_pages
@@ -169,7 +156,7 @@ class EngineCore:
         """Pages for the prompt's KV, to be filled by a peer; None when the pool is full.
         With `reuse_prefix`, returns (pages, n): the first n pages are cached here already.
         `matcher` as for `add`: it replays the first token when the KV arrives."""
-        self._check_ids(token_ids)
+        self._check_ids(token_ids, params)
         matcher = matcher or self._matcher_for(params)
         seq = Sequence(request_id, token_ids, params)
         pages = self.scheduler.reserve(seq, reuse_prefix)
@@ -252,7 +239,7 @@ class EngineCore:
             return []
         sampling = [item for item in out.scheduled if item.sample]
         reqs = [self._requests[item.seq.request_id] for item in sampling]
-        rows = [self._row(req) for req in reqs]
+        rows = [req.row(self.scheduler.eos_token_ids) for req in reqs]
         allowed = None
         if any(req.matcher is not None for req in reqs):
             allowed = self._mask_maker().start([req.matcher for req in reqs])
@@ -288,18 +275,21 @@ class EngineCore:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _check_ids(self, token_ids: list[int]) -> None:
+    def _check_ids(self, token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
         if not token_ids:
             raise ValueError("token_ids must not be empty")
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"token_ids must be in [0, {vocab})")
+        for name, ids in params.token_ids_by_field().items():
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"'{name}': token ids must be in [0, {vocab})")
 
     def _track(self, seq: Sequence, matcher: Any) -> None:
         p = seq.sampling_params
         seed = p.seed if p.seed is not None else secrets.randbits(63)
         penalized = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) != (1, 0, 0)
-        self._requests[seq.request_id] = _Request(
+        self._requests[seq.request_id] = RequestState(
             seq, seed, StopChecker(p, self.tokenizer), penalized, matcher
         )
 
@@ -311,7 +301,7 @@ class EngineCore:
             self._masks = GrammarMasks(self.model.config.vocab_size, self.config.num_threads)
         return self._masks
 
-    def _advance_grammar(self, req: _Request, token: int) -> None:
+    def _advance_grammar(self, req: RequestState, token: int) -> None:
         """The grammar's matcher takes the sampled token; a complete grammar ends the
         request ("stop"). A token it refuses (never sampled under its mask) ends it too."""
         seq, matcher = req.seq, req.matcher
@@ -324,7 +314,7 @@ class EngineCore:
         elif matcher.is_stopped():
             req.grammar_done = True
 
-    def _replay(self, req: _Request, generated: list[int]) -> RequestOutput | None:
+    def _replay(self, req: RequestState, generated: list[int]) -> RequestOutput | None:
         """Bring a migrated request's grammar and stop state to where its first worker
         left them: each token as if just sampled. Only the last one can end the request
         (the client saw the others go by); its end is checked as a sampled token's."""
@@ -344,24 +334,12 @@ class EngineCore:
         out.token_ids, out.text = [], ""  # the client has the token and its text already
         return out
 
-    def _row(self, req: _Request) -> SamplingRow:
-        seq = req.seq
-        if req.penalized:
-            return SamplingRow(
-                seq.sampling_params,
-                req.seed,
-                seq.num_output_tokens,
-                seq.prompt_token_ids,
-                seq.output_token_ids,
-            )
-        return SamplingRow(seq.sampling_params, req.seed, seq.num_output_tokens)
-
-    def _output(self, req: _Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+    def _output(self, req: RequestState, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         seq = req.seq
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         by_grammar = req.grammar_done and reason is None
-        delta, hit = req.stop.step(token, reason, final=by_grammar)
-        hit = hit or by_grammar
+        delta, by_string = req.stop.step(token, reason, final=by_grammar)
+        hit = by_string or by_grammar
         if hit and not seq.is_finished:
             self.scheduler.finish(seq.request_id, FinishReason.STOP)
             reason = FinishReason.STOP.value
@@ -379,20 +357,12 @@ class EngineCore:
             seq.num_cached_tokens,
             seq.num_output_tokens,
         )
+        if finished and reason == FinishReason.STOP.value:
+            out.stop_reason = req.stop_reason(token, by_string)
         if req.scores is not None:
-            out.prompt_logprobs = self._prompt_logprobs(req)
+            out.prompt_logprobs = req.prompt_logprobs()
         if finished and seq.status == SequenceStatus.HELD:
             out.page_table = list(seq.page_table)
         elif finished:
             self._requests.pop(seq.request_id, None)
         return out
-
-    def _prompt_logprobs(self, req: _Request) -> list[TokenLogprobs]:
-        """The prompt's logprobs, for its first output; scoring ends there."""
-        seq, scores = req.seq, req.scores or {}
-        first = max(seq.sampling_params.prompt_logprobs_from, 1)
-        missing = [i for i in range(first, seq.num_prompt_tokens) if i not in scores]
-        if missing:  # a bug, never a silent gap: the client would misalign them
-            raise RuntimeError(f"{seq.request_id}: prompt tokens {missing[:4]} were not scored")
-        req.scores, seq.logits_from = None, None
-        return [scores[i] for i in range(first, seq.num_prompt_tokens)]

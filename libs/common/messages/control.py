@@ -236,7 +236,9 @@ class TokenChunk(Message, tag="token_chunk"):
     and `usage`; an error ends the stream with `finish_reason="error"` and `error` set.
     `logprobs[i]` (when asked) is `{"token": id, "logprob": x, "top": [[id, x], ...]}`.
     `prompt_logprobs` (sampling.prompt_logprobs set; on the chunk of token 0 only) are
-    entries of the same shape for the prompt tokens from max(prompt_logprobs_from, 1) on.
+    entries of the same shape for the prompt tokens from max(prompt_logprobs_from, 1) on,
+    each with its "rank" too. `stop_reason` (last chunk, finish_reason "stop"): the stop
+    string or stop token id that ended the request; None for EOS or a complete grammar.
     """
 
     request_id: str
@@ -249,6 +251,7 @@ class TokenChunk(Message, tag="token_chunk"):
     error: str | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: str | int | None = None
 
 
 class TokenChunkBatch(Message, tag="token_chunk_batch"):

@@ -213,7 +213,8 @@ class DecodeRole:
                     completion_tokens=out.num_output_tokens,
                     cached_tokens=cached,
                 )
-                await stream.finish(out.finish_reason or "stop", usage)
+                await stream.finish(out.finish_reason or "stop", usage,
+                                    stop_reason=out.stop_reason)  # fmt: skip
                 # the next turn of this conversation starts with these pages: pool them
                 # (the last token was sampled, never computed, so it has no KV yet)
                 tokens = req.token_ids + generated

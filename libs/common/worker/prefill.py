@@ -161,6 +161,7 @@ class PrefillRole:
                 logprobs=logprobs_wire(last.logprobs),
                 prompt_logprobs=logprobs_wire(last.prompt_logprobs),
                 finish_reason=last.finish_reason,
+                stop_reason=last.stop_reason,
                 usage=Usage(
                     prompt_tokens=len(req.token_ids), completion_tokens=1, cached_tokens=cached
                 )

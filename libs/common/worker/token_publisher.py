@@ -101,10 +101,16 @@ class TokenStream:
                 await self._send()
 
     async def finish(
-        self, finish_reason: str, usage: Usage | None, error: str | None = None
+        self,
+        finish_reason: str,
+        usage: Usage | None,
+        error: str | None = None,
+        stop_reason: str | int | None = None,
     ) -> None:
         async with self._lock:
-            await self._send(finish_reason=finish_reason, usage=usage, error=error)
+            await self._send(
+                finish_reason=finish_reason, usage=usage, error=error, stop_reason=stop_reason
+            )
 
     async def _send(self, **final) -> None:
         ids, text, lps = self._ids, "".join(self._text), self._logprobs

@@ -20,9 +20,13 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
 
 
 def logprobs_wire(items: Sequence[TokenLogprobs | None]) -> list[dict]:
-    """Engine logprobs -> TokenChunk.logprobs entries."""
-    return [
-        {"token": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-        for lp in items
-        if lp is not None
-    ]
+    """Engine logprobs -> TokenChunk.logprobs entries (with "rank" where it was computed:
+    a prompt token's)."""
+    out = []
+    for lp in items:
+        if lp is not None:
+            entry = {"token": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+            if lp.rank is not None:
+                entry["rank"] = lp.rank
+            out.append(entry)
+    return out

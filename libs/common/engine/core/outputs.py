@@ -7,11 +7,13 @@ import dataclasses
 
 @dataclasses.dataclass(slots=True)
 class TokenLogprobs:
-    """The sampled token's logprob and the top-n alternatives (id, logprob), best first."""
+    """The sampled token's logprob and the top-n alternatives (id, logprob), best first;
+    `rank`: 1 + the number of tokens likelier than it, where it was asked for."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,3 +47,6 @@ class RequestOutput:
     num_output_tokens: int = 0
     page_table: list[int] | None = None
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # finish_reason "stop": the stop string or stop token id that ended it, None for EOS
+    # or a complete grammar (vLLM's stop_reason)
+    stop_reason: str | int | None = None

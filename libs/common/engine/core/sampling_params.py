@@ -30,6 +30,9 @@ MAX_GRAMMAR_CHARS = 256 * 1024
 # A tenant's cache salt (kv_hash.chain_root): long enough for a random secret or a tenant
 # id with a key, bounded like every field that travels in the generate request.
 MAX_CACHE_SALT_CHARS = 256
+# logit_bias: OpenAI's range per token, and at most this many tokens biased per request.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS = 100.0
 
 
 class SamplingError(ValueError):
@@ -85,6 +88,7 @@ BOUNDS: dict[str, Bound] = {
     "frequency_penalty": Bound(float, "additive, per occurrence", lo=-2, hi=2),
     "presence_penalty": Bound(float, "additive, on generated tokens", lo=-2, hi=2),
     "logprobs": Bound(int, "log probabilities of the top n tokens", lo=0, hi=MAX_LOGPROBS),
+    "min_tokens": Bound(int, "no EOS or stop before this many tokens", lo=0),
 }
 _OPTIONAL = ("seed", "logprobs")  # None: not set
 
@@ -116,6 +120,36 @@ def check_token_ids(name: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+_BIAS = Bound(float, "added to the token's logit", lo=-LOGIT_BIAS, hi=LOGIT_BIAS)
+
+
+def check_logit_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{token_id: bias}` (ids as strings or integers) or (id, bias) pairs, as
+    pairs sorted by id: up to MAX_LOGIT_BIAS ids in [0, MAX_TOKEN_ID], each bias in
+    [-LOGIT_BIAS, LOGIT_BIAS]. Which ids the model has is the vocabulary's business."""
+    if value is None:
+        return ()
+    pairs = list(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(pairs, list | tuple) or not all(
+        isinstance(p, list | tuple) and len(p) == 2 for p in pairs
+    ):
+        raise SamplingError(name, f"'{name}' must be an object of token id -> bias")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise SamplingError(name, f"'{name}' takes at most {MAX_LOGIT_BIAS} token ids")
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+            raise SamplingError(name, f"'{name}': {key!r} is not a token id")
+        try:
+            out[token] = float(_BIAS.check(name, bias))
+        except SamplingError as e:
+            raise SamplingError(name, f"{e} (token {token})") from None
+    return tuple(sorted(out.items()))
+
+
 def check_sampling(obj: Any) -> dict[str, Any]:
     """Every sampling field of `obj` (attributes named as SamplingParams's fields) checked,
     as normalized values; SamplingError (a ValueError) naming the first bad field."""
@@ -135,6 +169,13 @@ def check_sampling(obj: Any) -> dict[str, Any]:
         "prompt_logprobs_from", obj.prompt_logprobs_from
     )
     out["cache_salt"] = check_cache_salt("cache_salt", obj.cache_salt, allow_empty=True)
+    out["logit_bias"] = check_logit_bias("logit_bias", obj.logit_bias)
+    if out["min_tokens"] > out["max_tokens"]:
+        raise SamplingError(
+            "min_tokens",
+            f"'min_tokens' ({out['min_tokens']}) must be at most 'max_tokens' "
+            f"({out['max_tokens']})",
+        )
     return out
 
 
@@ -176,9 +217,13 @@ class SamplingParams:
     - prompt_logprobs: None for none, n >= 0 for the logprob of every prompt token from
       index `prompt_logprobs_from` on (token 0 has none: nothing precedes it) plus the
       top n alternatives at each. Those positions are computed, never read from the
-      prefix cache: the cached prefix stops at the first one (`prompt_logits_from`).
+      prefix cache: the cached prefix stops at the first one (`prompt_logits_from`);
     - cache_salt: "" for none, else the request's pages are keyed apart from every other
-      salt's (kv_hash.chain_root): no cache tier shares a page across salts.
+      salt's (kv_hash.chain_root): no cache tier shares a page across salts;
+    - logit_bias: (token id, bias) pairs, the bias added to that token's logit before
+      sampling (and before logprobs), at every step including the first (a prefill worker's);
+    - min_tokens: EOS (unless ignore_eos), stop_token_ids and stop strings do not end
+      the completion before it has this many tokens (the sampler masks the tokens).
 
     `n` is deliberately absent: the router fans a request with n > 1 out into
     n engine requests. A bad value raises ValueError naming the field.
@@ -201,6 +246,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_from: int = 0
     cache_salt: str = ""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # frozen: normalized values go in through object.__setattr__.
@@ -212,6 +259,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def token_ids_by_field(self) -> dict[str, tuple[int, ...]]:
+        """The token ids this request names, by field: each must be in the vocabulary."""
+        return {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": tuple(token for token, _ in self.logit_bias),
+        }
 
     @property
     def prompt_logits_from(self) -> int | None:
@@ -235,4 +289,5 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return out

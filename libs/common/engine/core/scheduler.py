@@ -336,11 +336,14 @@ class Scheduler:
         log.info("preempted", request_id=seq.request_id, tokens=seq.num_tokens)
 
     def stop_reason(self, seq: Sequence) -> FinishReason | None:
-        """Why `seq` ends on its last token (stop id, EOS, max_tokens), or None."""
+        """Why `seq` ends on its last token (stop id, EOS, max_tokens), or None. Stop ids
+        and EOS end it only from output token `min_tokens` on (the sampler masks them
+        before; a migrated request's replayed tokens are checked here too)."""
         params, token = seq.sampling_params, seq.last_token_id
-        if token in params.stop_token_ids:
+        may_stop = seq.num_output_tokens > params.min_tokens
+        if may_stop and token in params.stop_token_ids:
             return FinishReason.STOP
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH

@@ -22,7 +22,8 @@ class StopChecker:
     can't, so a stream never shows part of a stop string. A stop token's own
     text (e.g. <|im_end|>) is not part of the output. `final` says the request
     ends on this token although it is text (a grammar just completed): it is
-    kept and everything held back goes out.
+    kept and everything held back goes out. Stop strings are looked for once the
+    request has `min_tokens` tokens (vLLM's rule); `matched` is the one that was hit.
     """
 
     def __init__(self, params: SamplingParams, tokenizer: TextTokenizer | None) -> None:
@@ -30,11 +31,14 @@ class StopChecker:
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._sent = 0
+        self._min_tokens, self._count = params.min_tokens, 0
         self.text = ""
+        self.matched: str | None = None
 
     def step(
         self, token_id: int, finish_reason: str | None, final: bool = False
     ) -> tuple[str, bool]:
+        self._count += 1
         if self._detok is None:
             return "", False
         if finish_reason != "stop":
@@ -43,11 +47,12 @@ class StopChecker:
             self._detok.flush()
         full = self._detok.text
         hit = False
-        if self._stops:
+        if self._stops and self._count >= self._min_tokens:
             start = max(0, self._sent - self._hold)
-            found = [i for s in self._stops if (i := full.find(s, start)) >= 0]
+            found = [(i, s) for s in self._stops if (i := full.find(s, start)) >= 0]
             if found:
-                full, hit = full[: min(found)], True
+                at, self.matched = min(found)
+                full, hit = full[:at], True
         done = hit or finish_reason is not None or final
         end = len(full) if done else max(self._sent, len(full) - self._hold)
         delta = full[self._sent : end]

@@ -109,5 +109,5 @@ class ModelRunner:
             logits = self.model.logits(self._rows(hidden, [w[1] for w in part]))
             lps = torch.log_softmax(logits.float(), dim=-1).cpu()
             for (rid, _, index, token, n), lp in zip(part, lps, strict=True):
-                out.setdefault(rid, []).append((index, token_logprobs(lp, token, n)))
+                out.setdefault(rid, []).append((index, token_logprobs(lp, token, n, rank=True)))
         return out

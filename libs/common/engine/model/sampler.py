@@ -1,6 +1,6 @@
 """Batched, vectorized token sampling over one step's logits.
 
-Per row: penalties -> grammar mask -> (logprobs) -> greedy argmax, or temperature -> top-k ->
+Per row: penalties -> logit bias and min_tokens' masked stops -> grammar mask -> (logprobs) -> greedy argmax, or temperature -> top-k ->
 top-p -> min-p -> a draw. The draw is Gumbel-max style: argmax(p / E) with E
 ~ Exp(1) drawn from a generator seeded by (request seed, output index), so a
 seeded request samples the same tokens whatever else is in the batch, after a
@@ -28,7 +28,8 @@ class SamplingRow:
 
     `seed` is the request's seed, or one the engine drew for it at arrival;
     `step` is the number of tokens it has generated so far. The token ids are
-    only read when a penalty is on.
+    only read when a penalty is on. `suppress`: token ids that must not be sampled at this
+    step (the stop tokens while the request has fewer than min_tokens).
     """
 
     params: SamplingParams
@@ -36,6 +37,7 @@ class SamplingRow:
     step: int
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    suppress: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,6 +68,8 @@ class Sampler:
         logits = logits.float()
         if any(_has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits.clone(), rows)
+        if any(r.params.logit_bias or r.suppress for r in rows):
+            logits = _apply_bias(logits.clone(), rows)
         if allowed is not None:
             logits = _apply_mask(logits, allowed)
         want_lp = [r.params.logprobs is not None for r in rows]
@@ -87,6 +91,22 @@ class Sampler:
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's logit_bias added to its tokens' logits, its suppressed tokens to -inf
+    (in place: `logits` is the sampler's own copy). Ids past the logits' width are
+    skipped: the engine refuses them when the request arrives."""
+    vocab = logits.shape[1]
+    entries: list[tuple[int, int, float]] = []
+    for i, r in enumerate(rows):
+        entries += [(i, t, bias) for t, bias in r.params.logit_bias if t < vocab]
+        entries += [(i, t, _MASK) for t in r.suppress if t < vocab]
+    if entries:
+        at_row, at_col, add = zip(*entries, strict=True)
+        index = (torch.tensor(at_row), torch.tensor(at_col))
+        logits.index_put_(index, torch.tensor(add, dtype=logits.dtype), accumulate=True)
+    return logits
 
 
 def _apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -159,10 +179,13 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.full_like(logits, _MASK).scatter_(1, order, values)
 
 
-def token_logprobs(lp: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
-    """The alternatives are the top n that can be sampled: a grammar may allow fewer."""
+def token_logprobs(lp: torch.Tensor, token_id: int, n: int, rank: bool = False) -> TokenLogprobs:
+    """The alternatives are the top n that can be sampled: a grammar may allow fewer.
+    `rank`: also the token's rank among all (1 for the likeliest)."""
     top: list[tuple[int, float]] = []
     if n:
         vals, ids = torch.topk(lp, n)
         top = [(i, v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True) if v > _MASK]
-    return TokenLogprobs(token_id, float(lp[token_id]), top)
+    own = lp[token_id]
+    place = int((lp > own).sum()) + 1 if rank else None
+    return TokenLogprobs(token_id, float(own), top, place)

@@ -1,0 +1,61 @@
+"""What the step loop (step_loop.py) keeps per request besides its Sequence: seed, stop
+checker, grammar matcher, prompt scores; and what a request asks of the sampler at each
+step (`row`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from typing import Any
+
+from libs.common.engine.core.outputs import TokenLogprobs
+from libs.common.engine.core.sequence import Sequence
+from libs.common.engine.core.stop import StopChecker
+from libs.common.engine.model.sampler import SamplingRow
+
+
+@dataclasses.dataclass(slots=True)
+class RequestState:
+    seq: Sequence
+    seed: int
+    stop: StopChecker
+    penalized: bool
+    matcher: Any = None  # an llguidance matcher when the request has a grammar
+    grammar_done: bool = False  # the matcher is complete (or refused a token): stop
+    # prompt logprobs computed so far, by token index, until the first output carries them
+    scores: dict[int, TokenLogprobs] | None = None
+
+    def row(self, eos_token_ids: Collection[int]) -> SamplingRow:
+        """This step's sampling row. Below min_tokens the tokens that would end the
+        request (its stop ids, EOS unless ignore_eos) cannot be sampled."""
+        seq, params = self.seq, self.seq.sampling_params
+        step = seq.num_output_tokens
+        suppress: tuple[int, ...] = ()
+        if step < params.min_tokens:
+            eos = () if params.ignore_eos else tuple(eos_token_ids)
+            suppress = (*params.stop_token_ids, *eos)
+        if self.penalized:
+            return SamplingRow(
+                params, self.seed, step, seq.prompt_token_ids, seq.output_token_ids, suppress
+            )
+        return SamplingRow(params, self.seed, step, suppress=suppress)
+
+    def stop_reason(self, token: int, hit: bool) -> str | int | None:
+        """What ended a request that finished "stop" on `token`: the stop string it hit,
+        else the stop token id, else None (EOS, a complete grammar): vLLM's stop_reason."""
+        if hit and self.stop.matched is not None:
+            return self.stop.matched
+        if token in self.seq.sampling_params.stop_token_ids:
+            return token
+        return None
+
+    def prompt_logprobs(self) -> list[TokenLogprobs]:
+        """The prompt's logprobs, for its first output; scoring ends there."""
+        seq, scores = self.seq, self.scores or {}
+        first = max(seq.sampling_params.prompt_logprobs_from, 1)
+        missing = [i for i in range(first, seq.num_prompt_tokens) if i not in scores]
+        if missing:  # a bug, never a silent gap: the client would misalign them
+            raise RuntimeError(f"{seq.request_id}: prompt tokens {missing[:4]} were not scored")
+        self.scores, seq.logits_from = None, None
+        return [scores[i] for i in range(first, seq.num_prompt_tokens)]
