@@ -28,7 +28,7 @@ def bad(endpoint, body, param):
         ("stop", 3), ("stop", [""]), ("stop", ["a"] * 17), ("presence_penalty", 3),
         ("frequency_penalty", "x"), ("repetition_penalty", 0), ("stream", "yes"),
         ("logprobs", 21), ("echo", 1), ("stop_token_ids", [-1]), ("model", 7),
-        ("logit_bias", {"1": 2}), ("best_of", 3), ("suffix", "x"), ("user", 5),
+        ("logit_bias", {"1": 101}), ("best_of", 3), ("suffix", "x"), ("user", 5),
     ],
 )  # fmt: skip
 def test_completions_bad_value_is_400_naming_the_field(field, value):

@@ -27,6 +27,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from services.router.errors import ApiError
 from services.router.formats.bodies import check_model, json_body
 from services.router.formats.openai import shapes as fmt
 from services.router.formats.openai.validation import ApiRequest, parse_request
+from services.router.formats.openai.vllm_fields import VllmOutput
 from services.router.formats.sse import DONE, SseStream, sse
 from services.router.requests.chat_text import ChatText
 from services.router.requests.prompts import Prompt, prepare
@@ -168,6 +170,7 @@ class Delta:
     completion_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: list[dict] = field(default_factory=list)  # the first delta's
+    stop_reason: str | int | None = None  # the last one's: the stop string or id hit
 
 
 OnDelta = Callable[[Delta], None]
@@ -233,7 +236,7 @@ class ChoiceDeltas:
         delta = Delta(self.index, self.prompt, chunk.text, chunk.token_ids, chunk.logprobs)
         delta.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
-            delta.finish_reason = chunk.finish_reason
+            delta.finish_reason, delta.stop_reason = chunk.finish_reason, chunk.stop_reason
             usage = chunk.usage
             delta.completion_tokens = usage.completion_tokens if usage else self.produced
             delta.cached = dict(usage.cached_tokens) if usage else {}
@@ -262,6 +265,9 @@ class Tally:
         self.tools = api.tools if api.tools is not None and api.tools.choice != "none" else None
         chat = api.endpoint == "chat"  # and a reasoning model's thinking (prompt.thinks)
         self.texts = [ChatText(self.tools, prompts[i // api.n].thinks) for i in range(n) if chat]
+        ids = [prompts[i // api.n].token_ids for i in range(n)]  # vLLM's fields (vllm_fields.py)
+        self.vllm = VllmOutput(api.vllm, chat, ids, state.tokenizer.eos_token_ids,
+                               state.token_text)  # fmt: skip
 
     def add(self, d: Delta) -> None:
         if self.echo_only:
@@ -269,12 +275,13 @@ class Tally:
             d.finish_reason = d.finish_reason and "length"
         if self.scored and d.index not in self.prompt_lps:
             self.prompt_lps[d.index] = self.echoed_logprobs(d)
+        self.vllm.add_prompt_logprobs(d.index, d.prompt_logprobs)
         c = self.choices[d.index]
         c.text += d.text
         c.token_ids += d.token_ids
         c.logprobs += d.logprobs
         if d.finish_reason is not None:
-            c.finish_reason = d.finish_reason
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
             self.totals.completion_tokens += d.completion_tokens
             prompt_len = len(self.prompts[d.prompt].token_ids)
             if d.index % self.api.n == 0:  # a prompt counts once, as OpenAI bills it
@@ -289,6 +296,12 @@ class Tally:
             entries.insert(0, {"token": prompt.token_ids[0], "logprob": None, "top": []})
         starts = prompt.offsets[prompt.score_from :] if prompt.offsets is not None else None
         return fmt.completion_logprobs(entries, self.state.token_text, 0, starts)
+
+    def running_totals(self) -> fmt.Totals:
+        """Usage so far, for continuous_usage_stats: cached tokens count once known."""
+        done = self.totals.completion_tokens
+        running = sum(len(c.token_ids) for c in self.choices if c.finish_reason is None)
+        return dataclasses.replace(self.totals, completion_tokens=done + running)
 
     def logprobs(self, index: int, entries: list[dict[str, Any]], text: str) -> Any:
         if self.api.logprobs is None:
@@ -308,9 +321,10 @@ async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> 
     if api.endpoint == "chat":
         out = [
             tally.texts[c.index].choice(c, tally.logprobs(c.index, c.logprobs, c.text))
+            | tally.vllm.choice(c)
             for c in tally.choices
         ]
-        body = fmt.chat_body(tally.rid, created, model, out, tally.totals)
+        body = fmt.chat_body(tally.rid, created, model, out, tally.totals) | tally.vllm.body()
     else:
         out = []
         for c in tally.choices:
@@ -319,9 +333,8 @@ async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> 
                 tally.offsets[c.index] = len(echoed)
                 c.text = echoed + c.text
             lp = tally.logprobs(c.index, c.logprobs, c.text)
-            out.append(
-                fmt.completion_choice(c, fmt.joined_logprobs(tally.prompt_lps.get(c.index), lp))
-            )
+            lp = fmt.joined_logprobs(tally.prompt_lps.get(c.index), lp)
+            out.append(fmt.completion_choice(c, lp) | tally.vllm.choice(c))
         body = fmt.completion_body(tally.rid, created, model, out, tally.totals)
     return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
 
@@ -337,8 +350,9 @@ async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> w
     def on_delta(d: Delta) -> None:  # in the bus's callback: formats and writes, never awaits
         tally.add(d)
         events = _events(d, tally, started)
+        usage = tally.running_totals() if api.vllm.continuous_usage else None
         # One write per delta (a send is a syscall that wakes the client).
-        out.send(b"".join(sse(chunk(rid, created, api.model, [e], None)) for e in events))
+        out.send(b"".join(sse(chunk(rid, created, api.model, [e], usage)) for e in events))
 
     tail = [DONE]  # the last events go out with the end of the body: one send
     try:
@@ -377,4 +391,6 @@ def _events(d: Delta, tally: Tally, started: set[int]) -> list:
         events += [event] if event is not None else []
     else:
         events.append(fmt.completion_delta(d.index, d.text, lp, d.finish_reason))
-    return events
+    done = tally.choices[d.index] if d.finish_reason is not None else None
+    extra = tally.vllm.chunk_choice(d.index, d.token_ids, bool(events), done)
+    return [*events[:-1], events[-1] | extra] if events else events

@@ -23,6 +23,7 @@ from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
 from services.router.defaults import NO_DEFAULTS, SamplingDefaults
 from services.router.errors import bad_request
+from services.router.formats.openai import vllm_fields
 from services.router.formats.openai.chat_template import (
     DEFAULT_TEMPLATE,
     TemplateArgs,
@@ -65,6 +66,7 @@ def prepare(
         ]
     else:
         sources = api.prompts
+    vllm_fields.check_vocabulary(api.sampling, tokenizer.vocab_size)
     prompts = []
     for source in sources:
         if isinstance(source, str):
@@ -85,6 +87,8 @@ def prepare(
             _thinking(prompt, tokenizer, final)
         if api.echo and api.logprobs is not None:
             _score(api, api.logprobs, tokenizer, prompt, isinstance(source, str))
+        elif api.vllm.prompt_logprobs is not None:  # vLLM's: the whole prompt, no offsets
+            _score_from(prompt, api.vllm.prompt_logprobs, "prompt_logprobs")
         prompts.append(prompt)
     return prompts
 
@@ -116,13 +120,19 @@ def _score(
             )
     elif char_from is not None:
         raise bad_request("'prompt_logprobs_from' needs a text prompt", "prompt_logprobs_from")
+    _score_from(prompt, logprobs, "logprobs")
+
+
+def _score_from(prompt: Prompt, logprobs: int, param: str) -> None:
+    """Score `prompt` from token `score_from` on with the top `logprobs` at each; a 400
+    naming `param` when the values would not fit one message."""
     values = (len(prompt.token_ids) - max(prompt.score_from, 1)) * (1 + logprobs)
     if values > MAX_PROMPT_LOGPROB_VALUES:
         raise bad_request(
-            f"scoring this prompt takes {values} logprob values (tokens x (1 + logprobs)); "
-            f"at most {MAX_PROMPT_LOGPROB_VALUES}: lower 'logprobs' or score from later "
+            f"scoring this prompt takes {values} logprob values (tokens x (1 + {param})); "
+            f"at most {MAX_PROMPT_LOGPROB_VALUES}: lower '{param}' or score from later "
             "with 'prompt_logprobs_from'",
-            "logprobs",
+            param,
         )
     prompt.sampling = msgspec.structs.replace(
         prompt.sampling, prompt_logprobs=logprobs, prompt_logprobs_from=prompt.score_from

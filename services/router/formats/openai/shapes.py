@@ -23,6 +23,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or id that ended it (vLLM's)
 
 
 @dataclass

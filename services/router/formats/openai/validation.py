@@ -27,6 +27,8 @@ from libs.common.engine.core.sampling_params import (
 from services.router.errors import bad_request
 from services.router.formats.openai.chat_template import TemplateArgs, template_args
 from services.router.formats.openai.messages import parse_messages
+from services.router.formats.openai import vllm_fields
+from services.router.formats.openai.vllm_fields import VllmFields
 from services.router.structured import output as structured
 from services.router.structured.output import Grammar
 from services.router.structured.tools import request as tools
@@ -54,7 +56,11 @@ _SAMPLING = (
     Spec("model", "string", "model name, as listed by GET /v1/models", required=True),
     Spec("n", "integer", "choices per prompt", bound=Bound(int, "choices per prompt", lo=1)),
     Spec("stream", "boolean", "stream Server-Sent Events"),
-    Spec("stream_options", "object", "`{include_usage: bool}` for streams"),
+    Spec(
+        "stream_options",
+        "object",
+        "`{include_usage: bool, continuous_usage_stats: bool}` for streams",
+    ),
     _sampling_spec("max_tokens"),
     _sampling_spec("temperature"),
     _sampling_spec("top_p"),
@@ -82,6 +88,11 @@ _SAMPLING = (
         f"1 to {MAX_CACHE_SALT_CHARS} chars: cached KV is shared only between requests with "
         "the same salt (vLLM's field; docs/security.md)",
     ),
+    # vLLM's and SGLang's extensions, checked in vllm_fields.py
+    _sampling_spec("min_tokens"),
+    Spec("logit_bias", "object", "{token id: bias in [-100, 100]}, at most 300 ids"),
+    Spec("return_token_ids", "boolean", "the prompt's and each choice's token ids"),
+    _sampling_spec("prompt_logprobs", "logprobs", "logprob, rank and top n of each prompt token"),
 )
 COMPLETION_SPECS = (
     Spec("prompt", "prompt", "string, list of strings, token ids or lists of ids", required=True),
@@ -123,7 +134,6 @@ CHAT_SPECS = (
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),  # beam search's
@@ -146,8 +156,8 @@ _CHAT_ONLY: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
 }
-# stream_options' keys (include_usage is the only one enforced).
-STREAM_OPTIONS = ("include_usage",)
+# stream_options' keys (continuous_usage_stats: vllm_fields.py).
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # The sampling fields copied from the body as they are (max_tokens and logprobs have API
 # aliases and defaults of their own, set per endpoint below).
 _SAMPLING_KEYS = (*(k for k in BOUNDS if k not in ("max_tokens", "logprobs")), "ignore_eos")
@@ -174,6 +184,7 @@ class ApiRequest:
     grammar: Grammar | None = None  # what the output must follow (structured/output.py)
     tools: ToolRequest | None = None  # chat's tools and tool_choice (structured/tools/request.py)
     template: TemplateArgs = field(default_factory=TemplateArgs)  # chat: how it is rendered
+    vllm: VllmFields = field(default_factory=VllmFields)  # vLLM's extensions (vllm_fields.py)
 
 
 def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
@@ -193,18 +204,17 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
         if key not in STREAM_OPTIONS:
             raise bad_request(f"'stream_options.{key}' is not supported by this server",
                               f"stream_options.{key}")  # fmt: skip
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
-    if options and not req.stream:
-        raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
-    req.include_usage = include
+    echo_scored = bool(v.get("echo")) and v.get("logprobs") is not None
+    req.vllm = vllm_fields.parse(v, req.stream, echo_scored)
+    req.include_usage = req.vllm.include_usage
     req.user = v["user"] or ""
     sampling = {k: v[k] for k in _SAMPLING_KEYS if v[k] is not None}
     sampling["stop"] = [v["stop"]] if isinstance(v["stop"], str) else list(v["stop"] or [])
     sampling["stop_token_ids"] = list(v["stop_token_ids"] or [])
     if v["cache_salt"] is not None:
         sampling["cache_salt"] = v["cache_salt"]
+    if v["logit_bias"] is not None:
+        sampling["logit_bias"] = vllm_fields.logit_bias(v["logit_bias"])
     req.grammar = structured.from_body(body)
     if endpoint == "chat":
         req.tools = tools.parse_tools(body)
