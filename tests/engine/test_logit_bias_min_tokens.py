@@ -152,3 +152,17 @@ def test_stop_reason_names_the_stop_string_that_ended_the_text(make_core, tokeni
     assert word not in "".join(o.text for o in outs)
     length = _run(core, "c", ids, SamplingParams(temperature=0, max_tokens=2))
     assert length[-1].finish_reason == "length" and length[-1].stop_reason is None
+
+
+def test_a_migrated_request_keeps_its_bias_and_min_tokens(make_core, tokenizer):
+    """The continuation on another worker (`generated`) samples under the same bias and
+    counts the generated tokens toward min_tokens: the same tokens as the whole run."""
+    from tests.engine.test_continuation import _check_continuations
+
+    eos = make_core().model.config.eos_token_ids[0]
+    ids = tokenizer.encode(PROMPT_TEXT)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6,
+                            logit_bias={eos: 30, 42: 3})  # fmt: skip
+    whole = _tokens(_run(make_core(), "whole", ids, params))
+    assert len(whole) == 7 and whole[-1] == eos  # EOS as soon as min_tokens allows it
+    _check_continuations(make_core, ids, params, (2, 5))

@@ -24,10 +24,10 @@ still running, and each sends `CancelRequest` to the workers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, Callable
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 

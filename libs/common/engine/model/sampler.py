@@ -1,10 +1,10 @@
 """Batched, vectorized token sampling over one step's logits.
 
-Per row: penalties -> logit bias and min_tokens' masked stops -> grammar mask -> (logprobs) -> greedy argmax, or temperature -> top-k ->
-top-p -> min-p -> a draw. The draw is Gumbel-max style: argmax(p / E) with E
-~ Exp(1) drawn from a generator seeded by (request seed, output index), so a
-seeded request samples the same tokens whatever else is in the batch, after a
-preemption, and on any worker.
+Per row: penalties -> logit bias (and the stop tokens masked below min_tokens) -> grammar
+mask -> (logprobs) -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> a draw.
+The draw is Gumbel-max style: argmax(p / E) with E ~ Exp(1) drawn from a generator seeded
+by (request seed, output index), so a seeded request samples the same tokens whatever else
+is in the batch, after a preemption, and on any worker.
 """
 
 from __future__ import annotations
