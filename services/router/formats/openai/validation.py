@@ -25,9 +25,9 @@ from libs.common.engine.core.sampling_params import (
     check_token_ids,
 )
 from services.router.errors import bad_request
+from services.router.formats.openai import vllm_fields
 from services.router.formats.openai.chat_template import TemplateArgs, template_args
 from services.router.formats.openai.messages import parse_messages
-from services.router.formats.openai import vllm_fields
 from services.router.formats.openai.vllm_fields import VllmFields
 from services.router.structured import output as structured
 from services.router.structured.output import Grammar

@@ -30,6 +30,7 @@ from libs.common.engine.core.sampling_params import SamplingError, check_logit_b
 from services.router.errors import bad_request
 from services.router.formats.openai import shapes as fmt
 
+
 @dataclass(frozen=True)
 class VllmFields:
     """The extension fields of one request, checked."""
