@@ -9,8 +9,9 @@ import random
 import pytest
 
 from libs.common.engine.core.kv_hash import PageHasher
-from libs.common.engine.core.sampling_params import MAX_CACHE_SALT_CHARS
-from libs.common.messages.control import KvEvent, LoadReport
+from libs.common.engine.core.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
+from libs.common.messages.control import KvEvent, LoadReport, SamplingSpec
+from services.router.dispatch.migration import Generation
 from services.router.errors import ApiError
 from services.router.formats.openai.validation import parse_request
 from services.router.metrics import RouterMetrics
@@ -72,3 +73,10 @@ def test_a_good_cache_salt_reaches_the_sampling(endpoint, body, value):
     req = parse_request(endpoint, {**body, "cache_salt": value}, max_n=4)
     assert req.sampling["cache_salt"] == value
     assert "cache_salt" not in parse_request(endpoint, body, max_n=4).sampling
+
+
+def test_a_migrated_generation_keeps_its_salt():
+    spec = SamplingSpec(**SamplingParams(temperature=1.0, cache_salt="tenant-a").to_dict())
+    gen = Generation([1, 2, 3], spec, lambda chunk: None)
+    assert gen.sampling.seed is not None  # replaced for its continuations...
+    assert gen.sampling.cache_salt == "tenant-a"  # ...and still salted
