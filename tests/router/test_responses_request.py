@@ -43,7 +43,8 @@ def test_a_field_outside_the_table_is_refused_naming_it(field):
 @pytest.mark.parametrize(
     ("field", "value"),
     [("include", ["reasoning.encrypted_content"]), ("truncation", "auto"),
-     ("background", True), ("reasoning", {"effort": "low"}), ("top_logprobs", 3)],
+     ("background", True), ("background", 0), ("reasoning", {"effort": "low"}),
+     ("top_logprobs", 3)],
 )  # fmt: skip
 def test_a_neutral_only_field_is_refused_at_another_value(field, value):
     assert refused({field: value}).param == field

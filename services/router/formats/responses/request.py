@@ -32,6 +32,7 @@ from services.router.formats.openai.validation import (
     ApiRequest,
     Spec,
     _check,
+    _neutral,
     _sampling_spec,
     parse_request,
 )
@@ -128,7 +129,7 @@ def read_body(body: Any) -> ResponsesRequest:
     if unknown:
         raise bad_request(f"'{unknown[0]}' is not a field of /v1/responses", unknown[0])
     for name, neutral in NEUTRAL.items():
-        if body.get(name) not in neutral:
+        if not _neutral(body.get(name), neutral):  # of the same JSON type: 0 is not false
             raise bad_request(f"'{name}' is not supported by this server", name)
     values = {s.name: _check_field(s, body.get(s.name)) for s in RESPONSES_SPECS}
     metadata = values["metadata"] or {}
