@@ -28,10 +28,13 @@ pytestmark = pytest.mark.slow
 DOC = openapi.document("default")
 SCHEMA = schemathesis.openapi.from_dict(DOC)
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 100}
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# How a stream of each endpoint ends: OpenAI's chat and completions with [DONE]; the
+# Responses API with its terminal event (and no [DONE]).
+STREAM_ENDS = {"/v1/responses": ("response.completed", "response.incomplete", "response.failed")}
 
 
-def _bounded(body: object, positive: bool) -> object:
+def _bounded(body: object, positive: bool, path: str) -> object:
     """Keep every case cheap: at most 2 generated tokens and 2 choices (a valid chat request
     without max_tokens would otherwise generate up to the context length)."""
     if not isinstance(body, dict):
@@ -41,7 +44,12 @@ def _bounded(body: object, positive: bool) -> object:
         body["model"] = "default"
         if isinstance(body.get("n"), int):
             body["n"] = min(body["n"], 2)
-    for name in ("max_tokens", "max_completion_tokens"):
+    limits = (
+        ("max_output_tokens",)
+        if path == "/v1/responses"
+        else ("max_tokens", "max_completion_tokens")
+    )
+    for name in limits:
         value = body.get(name)
         if name not in body or (isinstance(value, int) and not isinstance(value, bool)
                                 and value > 2):  # fmt: skip
@@ -64,8 +72,12 @@ def problems_of(response: requests.Response, path: str, positive: bool) -> list[
         except (ValueError, KeyError, TypeError, AssertionError):
             out.append(f"{status} without an OpenAI error body: {response.text[:300]}")
     elif response.headers.get("content-type", "").startswith("text/event-stream"):
-        if not response.text.rstrip().endswith("data: [DONE]"):
+        ends = STREAM_ENDS.get(path)
+        if ends is None and not response.text.rstrip().endswith("data: [DONE]"):
             out.append(f"stream without [DONE]: {response.text[-300:]}")
+        last = response.text.rstrip().rsplit("\n\n", 1)[-1]
+        if ends is not None and not any(f"event: {end}\n" in last for end in ends):
+            out.append(f"stream without its terminal event: {response.text[-300:]}")
     else:
         schema = response_schema(DOC, path, "POST", 200)
         out += check(response.json(), schema, DOC)
@@ -87,7 +99,7 @@ def test_fuzzed_bodies_get_2xx_or_openai_4xx_never_5xx(hostile: Hostile, path, m
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(SCHEMA[path]["POST"].as_strategy(generation_mode=mode))
     def fuzz(case):
-        case.body = _bounded(case.body, positive)
+        case.body = _bounded(case.body, positive, path)
         headers = {**hostile.headers, **(case.headers or {})}
         # requests, not case.call(): schemathesis stops reading an SSE stream after a few
         # events, and a stream must be read to its end to check it ends with [DONE].

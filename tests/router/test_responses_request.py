@@ -44,9 +44,9 @@ def test_a_field_outside_the_table_is_refused_naming_it(field):
     ("field", "value"),
     [("include", ["reasoning.encrypted_content"]), ("truncation", "auto"),
      ("background", True), ("background", 0), ("reasoning", {"effort": "low"}),
-     ("top_logprobs", 3)],
+     ("top_logprobs", 3), ("include", [{}]), ("input", [{"type": ["message"]}])],
 )  # fmt: skip
-def test_a_neutral_only_field_is_refused_at_another_value(field, value):
+def test_a_neutral_only_or_malformed_value_is_refused_naming_its_field(field, value):
     assert refused({field: value}).param == field
     assert field in FIELDS
 

@@ -159,7 +159,7 @@ def _check_field(spec: Spec, value: Any) -> Any:
             raise bad_request("'input' is required", "input")
         return value
     if spec.kind == "include":
-        if value is not None and (not isinstance(value, list) or set(value) - {LOGPROBS}):
+        if value is not None and (not isinstance(value, list) or any(v != LOGPROBS for v in value)):
             raise bad_request(f"'include' may hold only {LOGPROBS!r}", "include")
         return value
     if spec.kind in ("tools", "tool_choice"):
@@ -222,7 +222,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise bad_request(f"'{where}' must be an object", "input")
         kind = item.get("type", "message")
-        if kind not in _ITEM_KEYS:
+        if not isinstance(kind, str) or kind not in _ITEM_KEYS:
             raise bad_request(
                 f"'{where}.type' {kind!r} is not supported: message, function_call and "
                 "function_call_output are",
