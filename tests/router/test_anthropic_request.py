@@ -79,6 +79,14 @@ def test_a_last_assistant_turn_is_a_prefill_the_model_continues():
     assert req.template.continue_final_message and not req.template.add_generation_prompt
     plain = messages.parse(_body(), "/v1/messages")
     assert plain.template.add_generation_prompt and not plain.template.continue_final_message
+    assert plain.template.kwargs == {}
+
+
+def test_thinking_disabled_renders_the_template_without_thinking():
+    req = messages.parse(_body(thinking={"type": "disabled"}), "/v1/messages")
+    assert req.template.kwargs == {"enable_thinking": False}
+    adaptive = messages.parse(_body(thinking={"type": "adaptive"}), "/v1/messages")
+    assert adaptive.template.kwargs == {}
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,11 @@ through lifecycle.run_request like /v1/chat/completions (admission, routing, PD,
 migration, grammars are the same); only the response is written in Anthropic's shape
 (formats/anthropic/shapes.py): one message (`collect`) or its events (`stream`):
 
-    message_start, then per content block (text, or tool_use read out of the text as
-    the chat path reads tool calls): content_block_start, content_block_delta
-    (text_delta / input_json_delta), content_block_stop; then message_delta (stop_reason,
-    stop_sequence, usage) and message_stop. An error after the stream started is an
+    message_start, then per content block (thinking for a reasoning model's thinking,
+    text, or tool_use read out of the text as the chat path reads tool calls):
+    content_block_start, content_block_delta (thinking_delta / text_delta /
+    input_json_delta), content_block_stop; then message_delta (stop_reason, stop_sequence,
+    usage) and message_stop. An error after the stream started is an
     `error` event.
 
 Errors on these paths have Anthropic's shape (api/app.py asks shapes.error_body).
@@ -33,6 +34,7 @@ from services.router.requests import lifecycle
 from services.router.requests.lifecycle import Choice, Delta, Tally
 from services.router.requests.prompts import encode, render_chat
 from services.router.state import STATE
+from services.router.structured.reasoning import ReasoningStream, split_reasoning
 from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
 
 log = get_logger(__name__)
@@ -63,16 +65,19 @@ async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> 
     """Run the one choice, then answer with the message."""
     await lifecycle.dispatch(tally.state, choices, tally.add)
     c = tally.choices[0]
-    text, blocks = c.text, []
+    cut, start = c.finish_reason == "length", tally.prompts[0].thinks
+    reasoning, text = split_reasoning(c.text, start, cut) if start is not None else ("", c.text)
+    calls = []
     if tally.tools is not None:
-        text, calls = parse_tool_calls(c.text, tally.tools)
-        blocks = [_tool_use(call.name, call.arguments) for call in calls]
-    if text or not blocks:
-        blocks.insert(0, shapes.text_block(text))
+        text, found = parse_tool_calls(text, tally.tools, cut)
+        calls = [_tool_use(call.name, call.arguments) for call in found]
+    blocks = [shapes.thinking_block(reasoning)] if reasoning else []
+    if text or not calls:
+        blocks.append(shapes.text_block(text))
     sequence = await _stop_sequence(tally, c)
-    called = any(b["type"] == "tool_use" for b in blocks)
-    reason = shapes.stop_reason(c.finish_reason, called, sequence)
-    body = shapes.message(tally.rid, tally.api.model, blocks, reason, sequence, _usage(tally))
+    reason = shapes.stop_reason(c.finish_reason, bool(calls), sequence)
+    message = blocks + calls
+    body = shapes.message(tally.rid, tally.api.model, message, reason, sequence, _usage(tally))
     return web.json_response(body)
 
 
@@ -108,17 +113,21 @@ async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> w
 
 
 class StreamedBlocks:
-    """The content blocks of one streamed message: each delta's text -> its events. Text
-    goes into a text block; a tool call (whole, when its block closes in the output) is a
-    tool_use block of its own, its input in one input_json_delta."""
+    """The content blocks of one streamed message: each delta's text -> its events. A
+    reasoning model's thinking goes into a thinking block, the answer's text into a text
+    block; a tool call (whole, when its block closes in the output) is a tool_use block of
+    its own, its input in one input_json_delta."""
 
     def __init__(self, tally: Tally) -> None:
         self.tally = tally
         self.calls = ToolCallStream(tally.tools) if tally.tools is not None else None
+        start = tally.prompts[0].thinks
+        self.thinking = ReasoningStream(start) if start is not None else None
         self.started = False  # message_start sent
         self.next = 0  # the index of the next block
-        self.text_open = False
+        self.open: str | None = None  # the kind of the open block: thinking or text
         self.called = False
+        self.texted = False  # a text block was opened
 
     def events(self, d: Delta) -> bytes:
         out = []
@@ -127,22 +136,26 @@ class StreamedBlocks:
             usage = shapes.Usage(self.tally.totals.prompt_tokens)
             start = shapes.message(self.tally.rid, self.tally.api.model, [], None, None, usage)
             out.append(shapes.event("message_start", {"message": start}))
-        text, calls = d.text, list[dict[str, Any]]()
-        if self.calls is not None:
-            text, calls = self.calls.feed(d.text)
+        cut, text, reasoning = d.finish_reason == "length", d.text, ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.feed(text)
             if d.finish_reason is not None:
-                rest, more = self.calls.finish()
-                text, calls = text + rest, calls + more
+                more, rest = self.thinking.finish(cut)
+                reasoning, text = reasoning + more, text + rest
+        calls = list[dict[str, Any]]()
+        if self.calls is not None:
+            text, calls = self.calls.feed(text)
+            if d.finish_reason is not None:
+                rest, more_calls = self.calls.finish(cut)
+                text, calls = text + rest, calls + more_calls
+        if reasoning:
+            out.append(self._piece("thinking", reasoning))
         if text:
-            if not self.text_open:
-                out.append(self._start(shapes.text_block("")))
-                self.text_open = True
-            out.append(self._delta({"type": "text_delta", "text": text}))
+            out.append(self._piece("text", text))
         for call in calls:
-            out.append(self._stop_text())
+            out.append(self._close())
             function = call["function"]
-            block = _tool_use(function["name"], "{}")
-            out.append(self._start(block))
+            out.append(self._start(_tool_use(function["name"], "{}")))
             arguments = function["arguments"]
             out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
             out.append(shapes.event("content_block_stop", {"index": self.next - 1}))
@@ -150,11 +163,26 @@ class StreamedBlocks:
         return b"".join(out)
 
     def close(self) -> bytes:
-        """The events that end the content: the open text block's stop (an empty text
-        block when the message has none, as the whole message would hold)."""
-        if self.next == 0:
-            return self._start(shapes.text_block("")) + self._stop_text(force=True)
-        return self._stop_text()
+        """The events that end the content: the open block's stop (an empty text block
+        when the message has no text and no call, as the whole message would hold)."""
+        if not (self.called or self.texted):
+            return self._close() + self._piece("text", "") + self._close()
+        return self._close()
+
+    def _piece(self, kind: str, text: str) -> bytes:
+        """`text` into an open block of `kind` (thinking or text), opened here if need be."""
+        out = b""
+        if self.open != kind:
+            out += self._close()
+            empty = shapes.thinking_block("") if kind == "thinking" else shapes.text_block("")
+            out += self._start(empty)
+            self.open = kind
+        self.texted = self.texted or kind == "text"
+        if not text:
+            return out
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {
+            "type": "text_delta", "text": text}  # fmt: skip
+        return out + self._delta(delta)
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return shapes.event("content_block_delta", {"index": self.next - 1, "delta": delta})
@@ -163,10 +191,11 @@ class StreamedBlocks:
         self.next += 1
         return shapes.event("content_block_start", {"index": self.next - 1, "content_block": block})
 
-    def _stop_text(self, force: bool = False) -> bytes:
-        if not (self.text_open or force):
+    def _close(self) -> bytes:
+        """The open block's stop, if one is open."""
+        if self.open is None:
             return b""
-        self.text_open = False
+        self.open = None
         return shapes.event("content_block_stop", {"index": self.next - 1})
 
 

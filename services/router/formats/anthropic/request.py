@@ -45,7 +45,7 @@ _COMMON = (
     Spec("tool_choice", "object", "{type: auto | any | tool (with name) | none}"),
     Spec("output_config", "object", "{format: {type: json_schema, schema}}: output enforced"),
     Spec("cache_control", "object", "{type: ephemeral}: accepted; every prefix is cached"),
-    Spec("thinking", "object", "{type: disabled} only"),
+    Spec("thinking", "object", "{type: disabled} (no thinking) or {type: adaptive}"),
 )
 MESSAGES_SPECS = (
     *_COMMON[:2],
@@ -83,12 +83,20 @@ def parse(body: Any, path: str) -> ApiRequest:
         raise bad_request(f"'{unknown[0]}' is not a field of {path}", unknown[0])
     v = {s.name: _check(s, body.get(s.name)) for s in specs}
     _cache_control(v["cache_control"], "cache_control")
-    if v["thinking"] is not None and v["thinking"] != {"type": "disabled"}:
-        raise bad_request("'thinking' is not supported by this server (only disabled)", "thinking")
+    thinking = v["thinking"]
+    if thinking is not None and thinking not in ({"type": "disabled"}, {"type": "adaptive"}):
+        raise bad_request(
+            "'thinking' is {type: disabled} or {type: adaptive} here: a thinking budget is "
+            "not enforced by this server",
+            "thinking",
+        )
     req = ApiRequest(endpoint="chat", model=v["model"])
     req.messages = _system(v["system"]) + _messages(v["messages"])
-    if req.messages[-1]["role"] == "assistant":  # a prefill: the model continues it
-        req.template = TemplateArgs(add_generation_prompt=False, continue_final_message=True)
+    # "disabled" renders the template without thinking (Qwen3's enable_thinking; other
+    # templates ignore it); a last assistant turn is a prefill: the model continues it.
+    kwargs = {"enable_thinking": False} if thinking == {"type": "disabled"} else {}
+    prefill = req.messages[-1]["role"] == "assistant"
+    req.template = TemplateArgs(not prefill, prefill, kwargs)
     req.tools = _tool_request(v["tools"], v["tool_choice"])
     grammar = _output_format(v["output_config"])
     forced = tools.tool_grammar(req.tools) if req.tools is not None else None

@@ -84,6 +84,12 @@ def text_block(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """A reasoning model's thinking; `signature` (Anthropic's proof that the thinking is
+    its own, for a later turn) is empty: this server does not sign, nor check one."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 def tool_use_block(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
     return {"type": "tool_use", "id": call_id, "name": name, "input": arguments}
 
