@@ -56,7 +56,7 @@ ENDPOINTS = {"chat": (VLLM_CHAT, CHAT_SPECS), "completions": (VLLM_COMPLETION, C
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 # Fields being brought in by other work now (see the module docstring).
-PENDING = ("logit_bias", "min_tokens", "prompt_logprobs", "return_token_ids", "cache_salt")
+PENDING = ("logit_bias", "min_tokens", "prompt_logprobs", "return_token_ids")
 PENDING_STREAM_OPTIONS = ("continuous_usage_stats",)
 
 # A value for each field that is not its neutral one: what a refusal is tested with, and
@@ -90,6 +90,9 @@ POINTERS = {
     "test_tools_required_without_parallel_calls_gives_exactly_one",
     "top_logprobs": "tests/router/test_router_e2e.py::"
     "test_chat_sync_and_stream_with_logprobs_n_and_stop",
+    # Salt B gets 0 cached tokens of salt A's prompt, through PD and the pool.
+    "cache_salt": "tests/router/test_router_cache_salt_cluster.py::"
+    "test_salt_b_gets_no_cached_token_of_a_prompt_salt_a_cached",
     # The default model's template reads no extra variable; a thinking model's does.
     "chat_template_kwargs": "tests/router/test_reasoning_e2e.py::"
     "test_enable_thinking_false_closes_the_thinking_in_the_prompt_and_splits_nothing",
