@@ -56,8 +56,8 @@ ENDPOINTS = {"chat": (VLLM_CHAT, CHAT_SPECS), "completions": (VLLM_COMPLETION, C
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 # Fields being brought in by other work now (see the module docstring).
-PENDING = ("logit_bias", "min_tokens", "prompt_logprobs", "return_token_ids")
-PENDING_STREAM_OPTIONS = ("continuous_usage_stats",)
+PENDING: tuple[str, ...] = ()
+PENDING_STREAM_OPTIONS: tuple[str, ...] = ()
 
 # A value for each field that is not its neutral one: what a refusal is tested with, and
 # what an accepted PENDING field is sent with.
@@ -255,6 +255,33 @@ async def _template_field(api: Api, e: str, **field: Any) -> None:
     assert out["usage"]["prompt_tokens"] == expected != await api.tokens(messages=messages)
 
 
+async def _logit_bias(api: Api, e: str) -> None:
+    out = await api.ok(e, max_tokens=3, logit_bias={"42": 100}, return_token_ids=True)
+    assert out["choices"][0]["token_ids"] == [42, 42, 42]  # token 0 at the prefill worker
+
+
+async def _min_tokens(api: Api, e: str) -> None:
+    body = {"logit_bias": {"42": 100}, "stop_token_ids": [42], "return_token_ids": True}
+    out = await api.ok(e, **body, min_tokens=2)
+    ids, choice = out["choices"][0]["token_ids"], out["choices"][0]
+    assert len(ids) == 3 and 42 not in ids[:2] and choice["stop_reason"] == 42
+    assert (await api.ok(e, **body))["choices"][0]["token_ids"] == [42]
+
+
+async def _prompt_logprobs(api: Api, e: str) -> None:
+    out = await api.ok(e, prompt_logprobs=1, max_tokens=1)
+    scored = out["prompt_logprobs"] if e == "chat" else out["choices"][0]["prompt_logprobs"]
+    assert len(scored) == out["usage"]["prompt_tokens"] and scored[0] is None
+    assert all(1 <= len(entry) <= 2 for entry in scored[1:])
+
+
+async def _return_token_ids(api: Api, e: str) -> None:
+    out = await api.ok(e, return_token_ids=True)
+    prompt_ids = out["prompt_token_ids"] if e == "chat" else out["choices"][0]["prompt_token_ids"]
+    assert len(out["choices"][0]["token_ids"]) == out["usage"]["completion_tokens"]
+    assert len(prompt_ids) == out["usage"]["prompt_tokens"]
+
+
 EFFECTS: dict[str, Effect] = {
     "model": _model, "prompt": _prompt, "messages": _prompt, "max_tokens": _max_tokens,
     "max_completion_tokens": _max_completion_tokens, "n": _n, "stream": _stream,
@@ -269,6 +296,8 @@ EFFECTS: dict[str, Effect] = {
     "continue_final_message": lambda a, e: _template_field(
         a, e, continue_final_message=True, add_generation_prompt=False
     ),
+    "logit_bias": _logit_bias, "min_tokens": _min_tokens, "prompt_logprobs": _prompt_logprobs,
+    "return_token_ids": _return_token_ids,
 }  # fmt: skip
 
 
@@ -337,6 +366,9 @@ async def test_each_vllm_stream_option_is_honoured_or_refused(api, endpoint, key
     status, out = await api.ask(endpoint, stream=True, stream_options=options)
     if key == "include_usage":
         assert status == 200 and any('"usage"' in ev for ev in out["events"])
+    elif key == "continuous_usage_stats":  # usage in every chunk
+        chunks = [ev for ev in out["events"] if ev.startswith("data: {")]
+        assert status == 200 and chunks and all('"usage":{' in ev for ev in chunks), out
     elif status != 200:  # pending: refused until our table has it
         assert key in PENDING_STREAM_OPTIONS
         assert status == 400 and out["error"]["param"] == f"stream_options.{key}", out
