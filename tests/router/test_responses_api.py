@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.router.conftest import Routers
-from tests.router.e2e_cluster import cluster_fixture, openai_client, wait_healthy
+from tests.router.e2e_cluster import cluster_fixture, metric, openai_client, wait_healthy
 from tests.router.structured_cluster import PERSON, RULES
 
 pytestmark = pytest.mark.slow
@@ -44,10 +44,13 @@ async def c(cluster):
         yield client
 
 
-async def test_a_response_has_text_exact_usage_and_cached_tokens_on_a_repeat(c):
+async def test_a_response_has_text_exact_usage_and_cached_tokens_on_a_repeat(cluster, c):
     ask = dict(model="default", instructions=INSTRUCTIONS, input="Name a colour.",
                max_output_tokens=12, temperature=0)  # fmt: skip
+    routed = await metric(cluster.url, "tandem:router_decisions_total", role="prefill")
     r = await c.responses.create(**ask)
+    # The prompt went through a prefill worker, then the decode worker (disaggregated).
+    assert await metric(cluster.url, "tandem:router_decisions_total", role="prefill") > routed
     chat = await c.chat.completions.create(
         model="default", max_tokens=12, temperature=0,
         messages=[{"role": "system", "content": INSTRUCTIONS},

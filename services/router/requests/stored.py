@@ -74,12 +74,12 @@ class ResponseStore:
         """Store `record`; False (logged) when it cannot be: too big, the bucket full or
         JetStream unreachable. The response itself still goes to the client."""
         data = record.encode()
-        limit = self.bus.nc.max_payload
-        if len(data) > limit:
-            log.warning("response not stored: larger than a NATS message",
-                        response_id=record.id, bytes=len(data), max_payload=limit)  # fmt: skip
-            return False
         try:
+            limit = self.bus.nc.max_payload  # BusError when not connected
+            if len(data) > limit:
+                log.warning("response not stored: larger than a NATS message",
+                            response_id=record.id, bytes=len(data), max_payload=limit)  # fmt: skip
+                return False
             await (await self._open()).put(record.id, data)
         except Exception as e:
             self._kv = None
