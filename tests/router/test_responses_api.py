@@ -197,6 +197,12 @@ async def test_a_conversation_continues_through_another_router_and_after_its_res
             # The stored conversation was the prompt: more input tokens than the new turn.
             assert second.usage.input_tokens > first.usage.input_tokens
             assert (await c2.responses.retrieve(first.id)).output_text == first.output_text
+            items = [i async for i in c2.responses.input_items.list(second.id, limit=1)]
+            assert [(i.type, i.role, i.content[0].text) for i in items] == [
+                ("message", "user", "What is my name?")
+            ]  # this response's input only
+            with pytest.raises(openai.BadRequestError):
+                await c2.responses.input_items.list(second.id, extra_query={"limit": 0})
             with pytest.raises(openai.NotFoundError):
                 await c2.responses.retrieve(not_stored.id)
         routers.stop()  # a fresh process: the bucket is JetStream's, not the router's

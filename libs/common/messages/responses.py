@@ -8,7 +8,9 @@ continues through any router and after a restart:
 `messages` is the conversation through this response's output in chat form (roles
 system, user, assistant with `tool_calls`, tool), the request's `instructions` left out:
 a request that names it as `previous_response_id` continues from there. `body` is the
-response object as the client got it, for GET /v1/responses/{id}. Both are plain JSON,
+response object as the client got it, for GET /v1/responses/{id}; `input_items` this
+request's input as Responses items (ids given when stored), for GET
+/v1/responses/{id}/input_items. Both are plain JSON,
 decoded by msgspec like every message (nothing is evaluated).
 """
 
@@ -29,3 +31,4 @@ class StoredResponse(Message, tag="stored_response"):
     created_at: float
     messages: list[dict[str, Any]] = field(default_factory=list)
     body: dict[str, Any] = field(default_factory=dict)
+    input_items: list[dict[str, Any]] = field(default_factory=list)

@@ -64,6 +64,7 @@ def routes() -> list[tuple[str, str, Handler]]:
         ("POST", "/v1/chat/render", render.chat_render),
         ("POST", "/v1/responses", responses.create),
         ("GET", "/v1/responses/{response_id}", responses.retrieve),
+        ("GET", "/v1/responses/{response_id}/input_items", responses.list_input_items),
         ("DELETE", "/v1/responses/{response_id}", responses.delete),
         ("POST", "/v1/messages", messages.messages),
         ("POST", "/v1/messages/count_tokens", messages.count_tokens),

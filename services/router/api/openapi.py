@@ -17,7 +17,7 @@ from libs.common.engine.core.sampling_params import (
     MAX_STOP_IDS,
     MAX_TOKEN_ID,
 )
-from services.router.api import openapi_info, pins
+from services.router.api import openapi_info, pins, responses_openapi
 from services.router.formats.anthropic.request import COUNT_SPECS, MESSAGES_SPECS
 from services.router.formats.openai.messages import ROLES
 from services.router.formats.openai.validation import (
@@ -225,28 +225,6 @@ RENDER = _obj(
     prompt=_STR,
     prompt_tokens=_INT,
 )
-RESPONSE = _obj(
-    ["id", "object", "created_at", "status", "model", "output"],
-    id=_STR,
-    object={"const": "response"},
-    created_at=_INT,
-    status={"enum": ["completed", "incomplete", "in_progress", "failed"]},
-    model=_STR,
-    output={
-        "type": "array",
-        "items": _obj(["id", "type"], type={"enum": ["message", "function_call"]}),
-    },
-    usage=_obj(
-        ["input_tokens", "input_tokens_details", "output_tokens", "total_tokens"],
-        input_tokens=_INT,
-        input_tokens_details=_obj(["cached_tokens"], cached_tokens=_INT),
-        output_tokens=_INT,
-        total_tokens=_INT,
-    ),
-)
-RESPONSE_DELETED = _obj(
-    ["id", "object", "deleted"], id=_STR, object={"const": "response"}, deleted={"const": True}
-)
 ANTHROPIC_USAGE = _obj(
     ["input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"],
     input_tokens=_INT,
@@ -273,8 +251,6 @@ ANTHROPIC_ERROR = _obj(
 SCHEMAS = {
     "CompletionRequest": _schema(COMPLETION_SPECS, neutral_fields("completions")),
     "ResponseRequest": _schema(RESPONSES_SPECS, RESPONSES_NEUTRAL),
-    "Response": RESPONSE,
-    "ResponseDeleted": RESPONSE_DELETED,
     "ChatCompletionRequest": _schema(CHAT_SPECS, neutral_fields("chat")),
     "Completion": COMPLETION,
     "ChatCompletion": CHAT,
@@ -330,25 +306,6 @@ def _generate(request: str, response: str, summary: str) -> dict[str, Any]:
     }
 
 
-def _stored_response() -> dict[str, Any]:
-    """GET and DELETE of a stored response (POST /v1/responses with `store`)."""
-    param = {"name": "response_id", "in": "path", "required": True, "schema": _STR}
-    missing = _json("Error", "no stored response of this id (never stored, expired, deleted)")
-    errors = {"401": _ERRORS["401"], "404": missing, "503": _ERRORS["503"]}
-    return {
-        "get": {
-            "summary": "A stored response",
-            "parameters": [param],
-            "responses": {"200": _json("Response", "the response object"), **errors},
-        },
-        "delete": {
-            "summary": "Delete a stored response",
-            "parameters": [param],
-            "responses": {"200": _json("ResponseDeleted", "deleted"), **errors},
-        },
-    }
-
-
 def _anthropic(request: str, response: str, summary: str, stream: bool) -> dict[str, Any]:
     """A Messages API path: its errors in Anthropic's shape."""
     ok = _json(response, summary)
@@ -389,7 +346,7 @@ def document(model_name: str) -> dict[str, Any]:
                 }
             },
             "/v1/responses": _generate("ResponseRequest", "Response", "OpenAI Responses API"),
-            "/v1/responses/{response_id}": _stored_response(),
+            **responses_openapi.PATHS,
             "/v1/messages": _anthropic(
                 "MessagesRequest", "Message", "Anthropic's Messages API", stream=True
             ),
@@ -430,7 +387,12 @@ def document(model_name: str) -> dict[str, Any]:
             **openapi_info.PATHS,
         },
         "components": {
-            "schemas": {**SCHEMAS, **pins.SCHEMAS, **openapi_info.SCHEMAS},
+            "schemas": {
+                **SCHEMAS,
+                **pins.SCHEMAS,
+                **openapi_info.SCHEMAS,
+                **responses_openapi.SCHEMAS,
+            },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

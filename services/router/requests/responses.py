@@ -1,6 +1,6 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API on the
-request life every format shares (lifecycle.run_request: admit, prompts, choices,
-dispatch through PD, migration and grammars).
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET .../{id}/input_items:
+OpenAI's Responses API on the request life every format shares (lifecycle.run_request:
+admit, prompts, choices, dispatch through PD, migration and grammars).
 
   1. parse     the body against the closed table (formats/responses/request.py); the
                conversation of `previous_response_id` read from the store (stored.py);
@@ -24,7 +24,7 @@ from aiohttp import web
 
 from libs.common.log import get_logger
 from libs.common.messages.responses import StoredResponse
-from services.router.errors import ApiError
+from services.router.errors import ApiError, bad_request
 from services.router.formats.bodies import json_body
 from services.router.formats.responses import shapes
 from services.router.formats.responses.events import ResponseEvents, encode
@@ -68,6 +68,32 @@ async def create(request: web.Request) -> web.StreamResponse:
 async def retrieve(request: web.Request) -> web.Response:
     stored = await _stored(request)
     return web.json_response(stored.body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """A stored response's input items, OpenAI's list page: `order` (desc, the default, or
+    asc), `limit` (1 to 100, 20), `after` (an item id); any other query key is a 400."""
+    query = request.query
+    unknown = sorted(set(query) - {"order", "limit", "after"})
+    if unknown:
+        raise bad_request(f"'{unknown[0]}' is not a parameter of input_items", unknown[0])
+    order, limit = query.get("order", "desc"), query.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise bad_request("'order' must be 'asc' or 'desc'", "order")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise bad_request("'limit' must be an integer from 1 to 100", "limit")
+    items = (await _stored(request)).input_items
+    items = items if order == "asc" else items[::-1]
+    ids = [i["id"] for i in items]
+    after = query.get("after")
+    if after is not None and after not in ids:
+        raise bad_request(f"'after': no input item {after!r} in this response", "after")
+    start = ids.index(after) + 1 if after is not None else 0
+    page = items[start : start + int(limit)]
+    body = {"object": "list", "data": page, "has_more": start + len(page) < len(items),
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}  # fmt: skip
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
 
 
 async def delete(request: web.Request) -> web.Response:
@@ -166,7 +192,8 @@ class Run:
         if not self.req.store:
             return
         messages = [*self.history, *self.req.input, *shapes.chat_output(body["output"])]
-        record = StoredResponse(self.id, float(self.created), messages, body)
+        items = shapes.input_items(self.req.input)
+        record = StoredResponse(self.id, float(self.created), messages, body, items)
         body["store"] = await self.store.put(record)
 
 

@@ -89,6 +89,26 @@ def response_body(
     }
 
 
+def input_items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input (chat messages, request.py's `input_messages`) as the Responses
+    items GET /v1/responses/{id}/input_items lists, each with a new id."""
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            items.append({"id": new_id("fco"), "type": "function_call_output",
+                          "call_id": m["tool_call_id"], "output": m["content"],
+                          "status": "completed"})  # fmt: skip
+            continue
+        if m["content"] or not m.get("tool_calls"):
+            part = "output_text" if m["role"] == "assistant" else "input_text"
+            items.append({"id": new_id("msg"), "type": "message", "role": m["role"],
+                          "status": "completed",
+                          "content": [{"type": part, "text": m["content"]}]})  # fmt: skip
+        for call in m.get("tool_calls", []):
+            items.append(call_item(new_id("fc"), call, "completed"))
+    return items
+
+
 def chat_output(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat messages a next response continues from: one
     assistant message with its text and tool calls."""
