@@ -43,6 +43,8 @@ def test_system_blocks_and_tool_round_trip_become_chat_messages():
         {"role": "user", "content": [{"type": "text", "text": "Weather"},
                                      {"type": "text", "text": "in Paris?"}]},
         {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "The user wants weather.", "signature": "s"},
+            {"type": "redacted_thinking", "data": "opaque"},
             {"type": "text", "text": "Let me look."},
             {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
              "input": {"city": "Paris"}},

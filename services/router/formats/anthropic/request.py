@@ -67,7 +67,12 @@ _BLOCK_KEYS = {
     "text": {"type", "text", "cache_control", "citations"},
     "tool_use": {"type", "id", "name", "input", "cache_control"},
     "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+    "thinking": {"type", "thinking", "signature"},
+    "redacted_thinking": {"type", "data"},
 }
+# An assistant turn's past thinking: accepted and left out of the prompt (a reasoning
+# model's template drops past thinking; chat's `reasoning_content` likewise).
+_THINKING = ("thinking", "redacted_thinking")
 _TOOL_KEYS = {"name", "description", "input_schema", "cache_control", "type", "strict"}
 _CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
@@ -188,6 +193,10 @@ def _block(block: Any, where: str, param: str, kinds: tuple[str, ...]) -> dict[s
             raise bad_request(f"'{where}.text' must be a string", param)
         if block.get("citations") not in (None, []):
             raise bad_request(f"'{where}.citations' is not supported by this server", param)
+    elif kind in _THINKING:
+        text = block.get("thinking" if kind == "thinking" else "data")
+        if not isinstance(text, str) or not isinstance(block.get("signature", ""), str):
+            raise bad_request(f"'{where}': a {kind} block holds strings", param)
     elif kind == "tool_use":
         if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
             raise bad_request(f"'{where}' needs a string 'id' and 'name'", param)
@@ -254,7 +263,9 @@ def _user_turn(blocks: list, where: str) -> list[dict[str, Any]]:
 def _assistant_turn(blocks: list, where: str) -> dict[str, Any]:
     texts, calls = [], []
     for j, b in enumerate(blocks):
-        block = _block(b, f"{where}[{j}]", "messages", ("text", "tool_use"))
+        block = _block(b, f"{where}[{j}]", "messages", ("text", "tool_use", *_THINKING))
+        if block["type"] in _THINKING:
+            continue
         if block["type"] == "text":
             texts.append(block["text"])
         else:
