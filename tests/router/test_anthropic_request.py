@@ -5,6 +5,8 @@ bodies (the SDK against a real cluster: test_anthropic_messages.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 import anthropic
 import pytest
@@ -272,3 +274,63 @@ async def test_errors_on_messages_paths_are_anthropic_shaped(router):
             openai_body = await r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert set(openai_body["error"]) == {"message", "type", "param", "code"}  # unchanged
+
+
+# --- every field of the SDK's request types: in the table with a test, or refused --------
+
+# Each accepted field -> the test that shows its effect (module, function).
+EFFECTS = {
+    "model": ("test_anthropic_request", "test_errors_on_messages_paths_are_anthropic_shaped"),
+    "messages": ("test_anthropic_messages", "test_tool_use_and_tool_result_round_trip"),
+    "max_tokens": ("test_anthropic_messages",
+                   "test_max_tokens_ends_the_message_with_stop_reason_max_tokens"),
+    "system": ("test_anthropic_messages", "test_a_prefill_is_continued_not_repeated"),
+    "tools": ("test_anthropic_messages", "test_tool_use_and_tool_result_round_trip"),
+    "tool_choice": ("test_anthropic_messages",
+                    "test_a_streamed_tool_call_is_a_tool_use_block_with_input_json_deltas"),
+    "output_config": ("test_anthropic_messages", "test_output_config_json_schema_is_enforced"),
+    "cache_control": ("test_anthropic_request",
+                      "test_system_blocks_and_tool_round_trip_become_chat_messages"),
+    "thinking": ("test_anthropic_thinking",
+                 "test_thinking_disabled_closes_the_thinking_in_the_prompt"),
+    "stop_sequences": ("test_anthropic_messages",
+                       "test_a_stop_sequence_ends_the_message_and_is_named"),
+    "stream": ("test_anthropic_messages",
+               "test_stream_events_come_in_anthropics_order_and_add_up_to_the_message"),
+    "temperature": ("test_anthropic_messages",
+                    "test_stream_events_come_in_anthropics_order_and_add_up_to_the_message"),
+    # Carried into the chat request's sampling, which the engine enforces as chat's.
+    "top_p": ("test_anthropic_request", "test_sampling_fields_stop_sequences_and_user_are_carried"),
+    "top_k": ("test_anthropic_request", "test_sampling_fields_stop_sequences_and_user_are_carried"),
+    "metadata": ("test_anthropic_request",
+                 "test_sampling_fields_stop_sequences_and_user_are_carried"),
+}  # fmt: skip
+
+
+def _sdk_fields(typed_dict) -> set[str]:
+    return set(typed_dict.__required_keys__ | typed_dict.__optional_keys__)
+
+
+@pytest.mark.parametrize(
+    ("path", "specs", "sdk"),
+    [
+        ("/v1/messages", messages.MESSAGES_SPECS,
+         anthropic.types.message_create_params.MessageCreateParamsStreaming),
+        ("/v1/messages/count_tokens", messages.COUNT_SPECS,
+         anthropic.types.message_count_tokens_params.MessageCountTokensParams),
+    ],
+)  # fmt: skip
+def test_every_sdk_field_is_accepted_with_a_test_or_refused_naming_it(path, specs, sdk):
+    accepted = {s.name for s in specs}
+    for name in sorted(_sdk_fields(sdk) - accepted):
+        body = _body(**{name: "x"})
+        if path.endswith("count_tokens"):
+            del body["max_tokens"]
+        e = _refused(body, path)
+        assert e.param == name, (name, e.message)
+    for name in sorted(accepted):
+        module, test = EFFECTS[name]
+        source = (Path(__file__).parent / f"{module}.py").read_text()
+        assert f"def {test}(" in source, (name, module, test)
+    # The sampling fields the SDK no longer lists (newer models fix them) stay accepted.
+    assert accepted - _sdk_fields(sdk) <= {"temperature", "top_p", "top_k"}
