@@ -36,7 +36,8 @@ STREAM_ENDS = {"/v1/responses": ("response.completed", "response.incomplete", "r
 
 def _bounded(body: object, positive: bool, path: str) -> object:
     """Keep every case cheap: at most 2 generated tokens and 2 choices (a valid chat request
-    without max_tokens would otherwise generate up to the context length)."""
+    without max_tokens would otherwise generate up to the context length). Only the
+    endpoint's own fields are set: any other is refused."""
     if not isinstance(body, dict):
         return body
     body = dict(body)
@@ -44,11 +45,10 @@ def _bounded(body: object, positive: bool, path: str) -> object:
         body["model"] = "default"
         if isinstance(body.get("n"), int):
             body["n"] = min(body["n"], 2)
-    limits = (
-        ("max_output_tokens",)
-        if path == "/v1/responses"
-        else ("max_tokens", "max_completion_tokens")
-    )
+    limits = {
+        "/v1/responses": ("max_output_tokens",),
+        "/v1/completions": ("max_tokens",),
+    }.get(path, ("max_tokens", "max_completion_tokens"))
     for name in limits:
         value = body.get(name)
         if name not in body or (isinstance(value, int) and not isinstance(value, bool)

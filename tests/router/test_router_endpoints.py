@@ -123,3 +123,14 @@ async def test_aiohttp_errors_are_openai_shaped(router):
         async with http.post(f"{router}/tokenize", data=b"x" * (MAX_BODY + 1)) as r:
             assert r.status == 413
             assert four_keys(await r.json())["type"] == "invalid_request_error"
+
+
+async def test_chat_render_takes_the_chat_template_fields(router):
+    messages = [*MESSAGES, {"role": "assistant", "content": "Hello, I am"}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    status, out = await post(router, "/v1/chat/render", body)
+    assert status == 200 and out["prompt"].endswith("Hello, I am")
+    _, tokens = await post(router, "/tokenize", body)
+    assert out["prompt_tokens"] == tokens["count"]
+    status, out = await post(router, "/v1/chat/render", {**body, "chat_template_kwargs": 3})
+    assert status == 400 and four_keys(out)["param"] == "chat_template_kwargs"
