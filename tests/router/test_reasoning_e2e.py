@@ -100,3 +100,17 @@ async def test_enable_thinking_false_closes_the_thinking_in_the_prompt_and_split
     message = reply["choices"][0]["message"]
     assert "reasoning_content" not in message
     assert message["content"] == f"<think>{tiny_qwen3.REASONING}</think>{tiny_qwen3.CONTENT}"
+
+
+async def post(url: str, path: str, body: dict) -> dict:
+    async with aiohttp.ClientSession() as http, http.post(f"{url}{path}", json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def test_responses_leave_the_thinking_out_of_the_answer(url):
+    # No reasoning item yet: the thinking is not shown, and never leaks into the text.
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 16, "store": False}
+    response = await post(url, "/v1/responses", body)
+    texts = [p["text"] for item in response["output"] for p in item.get("content", [])]
+    assert texts == [tiny_qwen3.CONTENT]

@@ -41,7 +41,6 @@ from services.router.requests import lifecycle
 from services.router.requests.lifecycle import Choice, Delta, Tally
 from services.router.requests.stored import ResponseStore
 from services.router.state import STATE
-from services.router.structured.tools.parse import ToolCall, ToolCallStream, parse_tool_calls
 
 log = get_logger(__name__)
 
@@ -132,16 +131,17 @@ class Run:
         await lifecycle.dispatch(tally.state, choices, tally.add)
         c = tally.choices[0]
         status = _status(c.finish_reason)
-        content, calls = c.text, list[ToolCall]()
-        if tally.tools is not None:  # a call cut by max_output_tokens is dropped, markup too
-            content, calls = parse_tool_calls(c.text, tally.tools, cut=status == "incomplete")
+        # The text's parts as chat reads them (chat_text.py): a call cut by
+        # max_output_tokens is dropped, markup too; a reasoning model's thinking is left out.
+        parts = tally.texts[0].whole(c.text, c.finish_reason)
+        content, calls = parts.content, parts.calls
         output = []
         if content or not calls:
             lp = tally.logprobs(0, c.logprobs, c.text)  # None unless asked (no tools then)
             item_id = shapes.new_id("msg")
             output.append(shapes.message_item(item_id, content, status, lp and lp["content"]))
-        for i, call in enumerate(calls):
-            output.append(shapes.call_item(shapes.new_id("fc"), call.delta(i), "completed"))
+        for call in calls:
+            output.append(shapes.call_item(shapes.new_id("fc"), call, "completed"))
         body = shapes.response_body(self.id, self.created, self.req, output, status)
         body["usage"] = shapes.usage(tally.totals)
         await self.save(body)
@@ -152,18 +152,15 @@ class Run:
     ) -> web.StreamResponse:
         out = SseStream(request, {"x-request-id": request["request_id"]})
         events = ResponseEvents()
-        calls = ToolCallStream(tally.tools) if tally.tools is not None else None
+        text = tally.texts[0]  # the output's parts, as chat reads them (chat_text.py)
 
         def on_delta(d: Delta) -> None:  # in the bus's callback: formats and writes
             tally.add(d)
             sent = [] if out.started else events.start(self.body([], "in_progress"))
-            content, deltas = calls.feed(d.text) if calls is not None else (d.text, [])
-            if calls is not None and d.finish_reason is not None:
-                rest, more = calls.finish(cut=d.finish_reason == "length")
-                content, deltas = content + rest, deltas + more
+            parts = text.feed(d.text, d.finish_reason)
             lp = tally.logprobs(0, d.logprobs, d.text)  # None unless asked (no tools then)
-            sent += events.text(content, lp and lp["content"])
-            for delta in deltas:
+            sent += events.text(parts.content, lp and lp["content"])
+            for delta in parts.calls:
                 sent += events.call(delta)
             out.send(encode(sent))
 
