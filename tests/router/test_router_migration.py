@@ -163,3 +163,21 @@ async def test_a_busy_worker_after_a_failure_is_waited_for_not_counted_as_a_migr
         async with kept_alive(w, "d2"):
             out = await collect(dispatcher, route_to("d1", "d2"))
     assert ids(out) == [10, 11] and len(resp[1].seen) == 5 and migrated == [1]
+
+
+async def test_a_continuation_carries_the_logit_bias_and_min_tokens(nats_url):
+    """The next worker samples under the same bias and min_tokens (the engine counts the
+    generated tokens toward min_tokens: tests/engine/test_logit_bias_min_tokens.py)."""
+
+    def dies(rid):
+        return [chunk(rid, 0, [10]), chunk(rid, 1, [], "error")]
+
+    def continues(rid):
+        return [chunk(rid, 1, [11], "stop")]
+
+    sampling = SamplingSpec(temperature=0, logit_bias=[[42, 5.5]], min_tokens=3, max_tokens=8)
+    async with setup(nats_url, {"d1": dies, "d2": continues}) as (dispatcher, resp, _, _):
+        out = [c async for c in dispatcher.generate("r1", [1], sampling, route_to("d1", "d2"), 10)]
+    second = resp[1].requests[0]
+    assert ids(out) == [10, 11] and second.generated == [10]
+    assert second.sampling.logit_bias == ((42, 5.5),) and second.sampling.min_tokens == 3
