@@ -186,3 +186,23 @@ async def test_streamed_token_ids_and_continuous_usage_add_up_to_the_whole(clust
     async with aiohttp.ClientSession() as s, s.post(cluster.url + "/v1/completions",
                                                     json=bad) as r:  # fmt: skip
         assert r.status == 400 and (await r.json())["error"]["param"] == "stream_options"
+
+
+async def test_a_streamed_chat_has_the_token_ids_and_stop_fields_of_the_whole(cluster):
+    body = {"model": "default", "messages": [{"role": "user", "content": "Count to five."}],
+            "temperature": 0, "max_tokens": 12, "logit_bias": {"42": 8},
+            "extra_body": {"return_token_ids": True, "stop_token_ids": [42]}}  # fmt: skip
+    async with openai_client(cluster.url) as c:
+        whole = await c.chat.completions.create(**body)
+        stream = await c.chat.completions.create(**body, stream=True)
+        chunks = [chunk async for chunk in stream]
+    prompt_ids = [ch.model_extra["prompt_token_ids"] for ch in chunks
+                  if ch.model_extra.get("prompt_token_ids")]  # fmt: skip
+    assert prompt_ids == [whole.model_extra["prompt_token_ids"]]  # the first chunk's only
+    choices = [choice for ch in chunks for choice in ch.choices]
+    streamed = [t for choice in choices for t in choice.model_extra.get("token_ids", [])]
+    assert streamed == whole.choices[0].model_extra["token_ids"]
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == whole.choices[0].finish_reason
+    for key in ("stop_reason", "matched_stop"):
+        assert last.model_extra[key] == whole.choices[0].model_extra[key]

@@ -267,7 +267,8 @@ async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> w
         events = _events(d, tally, started)
         usage = tally.running_totals() if api.vllm.continuous_usage else None
         # One write per delta (a send is a syscall that wakes the client).
-        out.send(b"".join(sse(chunk(rid, created, api.model, [e], usage)) for e in events))
+        bodies = (tally.vllm.lift(chunk(rid, created, api.model, [e], usage)) for e in events)
+        out.send(b"".join(sse(body) for body in bodies))
 
     tail = [DONE]  # the last events go out with the end of the body: one send
     try:

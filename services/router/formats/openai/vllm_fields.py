@@ -159,6 +159,15 @@ class VllmOutput:
             out["prompt_logprobs"] = self.prompt_lps.get(0, [None])
         return out
 
+    def lift(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """A streamed chat chunk with its choice's `prompt_token_ids` at the chunk's top,
+        where vLLM puts them (completions keep them in the choice)."""
+        if self.chat and self.fields.return_token_ids:
+            for choice in chunk["choices"]:
+                if "prompt_token_ids" in choice:
+                    chunk["prompt_token_ids"] = choice.pop("prompt_token_ids")
+        return chunk
+
     def chunk_choice(
         self, index: int, token_ids: list[int], emitted: bool, done: fmt.Choice | None
     ) -> dict[str, Any]:
