@@ -9,9 +9,11 @@ from __future__ import annotations
 import llguidance
 import pytest
 
+from libs.common.engine.core.sampling_params import MAX_GRAMMAR_CHARS
 from libs.common.engine.load.source import default_model_path, load_tokenizer
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.grammar import build
+from services.router.errors import ApiError
 from services.router.formats.openai import shapes as fmt
 from services.router.formats.openai.validation import parse_request
 from services.router.requests.chat_text import ChatText, chat_choice
@@ -206,3 +208,12 @@ def test_the_chat_fields_decide_the_thinking_and_where_the_grammar_starts(extra,
     answer = "<think>x</think>Yo" if thinks == "maybe" else "x</think>Yo" if thinks else "Yo"
     assert _accepts(qwen(), prompt.sampling.grammar, answer)
     assert (prompt.sampling.grammar == api.grammar.text) == (thinks is None)
+
+
+def test_a_grammar_too_long_after_the_thinking_is_a_400_naming_its_field():
+    overhead = len(build.regex("a")) - 1
+    pattern = "a" * (MAX_GRAMMAR_CHARS - overhead - 10)  # fits alone, not with the thinking
+    api = parse_request("chat", {"model": "m", "messages": USER, "regex": pattern}, 4)
+    with pytest.raises(ApiError) as e:
+        prepare(api, qwen(), 1024)
+    assert e.value.status == 400 and e.value.param == "regex"

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 
 import msgspec
 
-from libs.common.engine.core.sampling_params import SamplingError, SamplingParams
+from libs.common.engine.core.sampling_params import (
+    MAX_GRAMMAR_CHARS,
+    SamplingError,
+    SamplingParams,
+)
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.messages.control import SamplingSpec
 from services.router.defaults import NO_DEFAULTS, SamplingDefaults
@@ -84,7 +88,7 @@ def prepare(
         prompt = Prompt(ids, text, _sampling(api, len(ids), max_model_len, defaults))
         if api.endpoint == "chat":
             final = api.messages[-1]["content"] if api.template.continue_final_message else None
-            _thinking(prompt, tokenizer, final)
+            _thinking(prompt, tokenizer, final, api.grammar.param if api.grammar else "")
         if api.echo and api.logprobs is not None:
             _score(api, api.logprobs, tokenizer, prompt, isinstance(source, str))
         elif api.vllm.prompt_logprobs is not None:  # vLLM's: the whole prompt, no offsets
@@ -93,14 +97,21 @@ def prepare(
     return prompts
 
 
-def _thinking(prompt: Prompt, tokenizer: TextTokenizer, continued: str | None) -> None:
+def _thinking(prompt: Prompt, tokenizer: TextTokenizer, continued: str | None, param: str) -> None:
     """A reasoning model's chat prompt: where its output starts (`continued`: the final
-    message's text it continues), and the request's grammar moved after the thinking."""
+    message's text it continues), and the request's grammar (asked by `param`) moved after
+    the thinking; a 400 naming `param` when that makes it too long to send."""
     tags = reasoning.think_tags(tokenizer)
     prompt.thinks = reasoning.output_start(tags, prompt.text, continued)
     grammar = prompt.sampling.grammar
     if tags is not None and prompt.thinks is not None and grammar:
         wrapped = reasoning.after_thinking(grammar, tags, prompt.thinks)
+        if len(wrapped) > MAX_GRAMMAR_CHARS:
+            raise bad_request(
+                f"'{param}' is over {MAX_GRAMMAR_CHARS} characters as a grammar after the "
+                "model's thinking part",
+                param,
+            )
         prompt.sampling = msgspec.structs.replace(prompt.sampling, grammar=wrapped)
 
 
