@@ -153,8 +153,16 @@ async def test_prompt_logprobs_equal_echo_scoring_in_vllms_shape(cluster, tokeni
         )  # fmt: skip
     lps = chat.model_extra["prompt_logprobs"]
     assert lps[0] is None and all(len(e) == 1 for e in lps[1:]) and len(lps) > 3
+    async with openai_client(cluster.url) as c:  # streamed: in the first chunk
+        stream = await c.completions.create(model="default", prompt=PROMPT, max_tokens=3,
+                                            temperature=0, stream=True,
+                                            extra_body={"prompt_logprobs": 2})  # fmt: skip
+        chunks = [ch async for ch in stream]
+    firsts = [ch.choices[0].model_extra.get("prompt_logprobs") for ch in chunks if ch.choices]
+    assert firsts[0] == scored and not any(firsts[1:])
     with pytest.raises(openai.BadRequestError) as e:
-        await complete(cluster.url, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
+        await complete(cluster.url, max_tokens=0, echo=True, logprobs=1,
+                       extra_body={"prompt_logprobs": 1})  # fmt: skip
     assert e.value.body["param"] == "prompt_logprobs"
 
 

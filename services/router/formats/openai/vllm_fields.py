@@ -8,7 +8,8 @@ Request:
   (libs/common/engine/model/sampler.py). `min_tokens` is a plain sampling bound (BOUNDS).
 - `stop_token_ids` and `logit_bias` ids outside the vocabulary: 400 naming the field.
 - `prompt_logprobs` n: every prompt token's logprob, rank and the top n (the prompt
-  scoring path of echo with logprobs); refused with `stream` and with echo's own scoring.
+  scoring path of echo with logprobs; streamed: in a choice's first chunk); refused with
+  echo's own scoring.
 - `return_token_ids`: the output's token ids per choice and the prompt's.
 - `stream_options.continuous_usage_stats` (with `include_usage`): usage in every chunk.
 
@@ -29,6 +30,8 @@ from typing import Any
 from libs.common.engine.core.sampling_params import SamplingError, check_logit_bias
 from services.router.errors import bad_request
 from services.router.formats.openai import shapes as fmt
+
+_PROMPT_FIELDS = ("prompt_token_ids", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,6 @@ def parse(v: dict[str, Any], stream: bool, echo_scored: bool) -> VllmFields:
             "stream_options",
         )
     prompt_logprobs = v["prompt_logprobs"]
-    if prompt_logprobs is not None and stream:
-        raise bad_request("'prompt_logprobs' is not supported with 'stream'", "prompt_logprobs")
     if prompt_logprobs is not None and echo_scored:
         raise bad_request(
             "'prompt_logprobs' and 'echo' with 'logprobs' both score the prompt: use one",
@@ -160,30 +161,35 @@ class VllmOutput:
         return out
 
     def lift(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """A streamed chat chunk with its choice's `prompt_token_ids` at the chunk's top,
-        where vLLM puts them (completions keep them in the choice)."""
-        if self.chat and self.fields.return_token_ids:
+        """A streamed chat chunk with its choice's prompt fields (`prompt_token_ids`,
+        `prompt_logprobs`) at the chunk's top, as vLLM's chat bodies have them
+        (completions keep them in the choice)."""
+        if self.chat and (self.fields.return_token_ids or self.fields.prompt_logprobs is not None):
             for choice in chunk["choices"]:
-                if "prompt_token_ids" in choice:
-                    chunk["prompt_token_ids"] = choice.pop("prompt_token_ids")
+                for key in _PROMPT_FIELDS:
+                    if key in choice:
+                        chunk[key] = choice.pop(key)
         return chunk
 
     def chunk_choice(
         self, index: int, token_ids: list[int], emitted: bool, done: fmt.Choice | None
     ) -> dict[str, Any]:
         """The fields a streamed event of choice `index` gets: the ids of its tokens since
-        its last event (and the prompt's on its first); on its last, the stop fields.
-        `emitted`: this delta has an event (a held-back text has none: its ids wait)."""
+        its last event (and the prompt's fields on its first); on its last, the stop
+        fields. `emitted`: this delta has an event (a held-back text has none: its ids
+        wait for the next one)."""
         out: dict[str, Any] = {}
         if self.fields.return_token_ids:
             pending = self.pending.setdefault(index, [])
             pending += token_ids
-            if not emitted:
-                return out
-            out["token_ids"], self.pending[index] = pending, []
-            if index not in self.started:
-                self.started.add(index)
+            if emitted:
+                out["token_ids"], self.pending[index] = pending, []
+        if emitted and index not in self.started:
+            self.started.add(index)
+            if self.fields.return_token_ids:
                 out["prompt_token_ids"] = self.prompt_ids[index]
+            if self.fields.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self.prompt_lps.get(index, [None])
         if done is not None:
             out["stop_reason"] = done.stop_reason
             out["matched_stop"] = matched_stop(done, self.eos_token_ids)
