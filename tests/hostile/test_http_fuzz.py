@@ -1,5 +1,6 @@
 """The HTTP API fuzzed from its own OpenAPI document (schemathesis): every generated body,
-valid or not, gets a 2xx that matches the document or a 4xx with an OpenAI error body;
+valid or not, gets a 2xx that matches the document or a 4xx with an OpenAI error body
+(Anthropic's on /v1/messages);
 never a 5xx, and the workers behind the router still serve afterwards.
 
 Positive cases (bodies the document allows) reach the real workers: their `model` is set
@@ -28,10 +29,13 @@ pytestmark = pytest.mark.slow
 DOC = openapi.document("default")
 SCHEMA = schemathesis.openapi.from_dict(DOC)
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 100}
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 # How a stream of each endpoint ends: OpenAI's chat and completions with [DONE]; the
 # Responses API with its terminal event (and no [DONE]).
-STREAM_ENDS = {"/v1/responses": ("response.completed", "response.incomplete", "response.failed")}
+STREAM_ENDS = {
+    "/v1/responses": ("response.completed", "response.incomplete", "response.failed"),
+    "/v1/messages": ("message_stop", "error"),
+}
 
 
 def _bounded(body: object, positive: bool, path: str) -> object:
@@ -48,6 +52,7 @@ def _bounded(body: object, positive: bool, path: str) -> object:
     limits = {
         "/v1/responses": ("max_output_tokens",),
         "/v1/completions": ("max_tokens",),
+        "/v1/messages": ("max_tokens",),
     }.get(path, ("max_tokens", "max_completion_tokens"))
     for name in limits:
         value = body.get(name)
@@ -66,11 +71,15 @@ def problems_of(response: requests.Response, path: str, positive: bool) -> list[
         out.append(f"a body the document forbids was accepted ({status})")
     if status >= 400:
         try:
-            error = response.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"}
+            body = response.json()
+            error = body["error"]
+            if path == "/v1/messages":  # Anthropic's shape
+                assert body["type"] == "error" and set(error) == {"type", "message"}
+            else:
+                assert set(error) == {"message", "type", "param", "code"}
             assert isinstance(error["message"], str) and isinstance(error["type"], str)
         except (ValueError, KeyError, TypeError, AssertionError):
-            out.append(f"{status} without an OpenAI error body: {response.text[:300]}")
+            out.append(f"{status} without its API's error body: {response.text[:300]}")
     elif response.headers.get("content-type", "").startswith("text/event-stream"):
         ends = STREAM_ENDS.get(path)
         if ends is None and not response.text.rstrip().endswith("data: [DONE]"):

@@ -17,7 +17,7 @@ from libs.common.engine.core.sampling_params import (
     MAX_STOP_IDS,
     MAX_TOKEN_ID,
 )
-from services.router.api import openapi_info, pins, responses_openapi
+from services.router.api import messages_openapi, openapi_info, pins, responses_openapi
 from services.router.formats.anthropic.request import COUNT_SPECS, MESSAGES_SPECS
 from services.router.formats.openai.messages import ROLES
 from services.router.formats.openai.validation import (
@@ -46,8 +46,8 @@ _TEXT_PARTS = {
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     },
 }
-_BLOCKS = {"type": "array", "items": {"type": "object", "required": ["type"]}}
 _KINDS: dict[str, dict[str, Any]] = {
+    **messages_openapi.KINDS,
     "integer": {"type": "integer"},
     "number": {"type": "number"},
     "boolean": {"type": "boolean"},
@@ -60,17 +60,6 @@ _KINDS: dict[str, dict[str, Any]] = {
     "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
     "ids": {"type": "array", "items": _ID, "maxItems": MAX_STOP_IDS},
     "stop": {"oneOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP}]},
-    "strings": {"type": "array", "items": _STOP, "maxItems": MAX_STOP},
-    "system": {"oneOf": [{"type": "string"}, _TEXT_PARTS]},
-    "anthropic_messages": {
-        "type": "array",
-        "minItems": 1,
-        "items": _obj(
-            ["role", "content"],
-            role={"enum": ["user", "assistant", "system"]},
-            content={"oneOf": [{"type": "string"}, _BLOCKS]},
-        ),
-    },
     "prompt": {
         "oneOf": [
             {"type": "string", "minLength": 1},
@@ -225,29 +214,6 @@ RENDER = _obj(
     prompt=_STR,
     prompt_tokens=_INT,
 )
-ANTHROPIC_USAGE = _obj(
-    ["input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"],
-    input_tokens=_INT,
-    output_tokens=_INT,
-    cache_creation_input_tokens=_INT,
-    cache_read_input_tokens=_INT,
-)
-MESSAGE = _obj(
-    ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
-    id=_STR,
-    type={"const": "message"},
-    role={"const": "assistant"},
-    model=_STR,
-    content={"type": "array", "items": _obj(["type"], type={"enum": ["text", "tool_use"]})},
-    stop_reason={"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
-    stop_sequence=_NULL_STR,
-    usage=ANTHROPIC_USAGE,
-)
-ANTHROPIC_ERROR = _obj(
-    ["type", "error"],
-    type={"const": "error"},
-    error=_obj(["type", "message"], type=_STR, message=_STR),
-)
 SCHEMAS = {
     "CompletionRequest": _schema(COMPLETION_SPECS, neutral_fields("completions")),
     "ResponseRequest": _schema(RESPONSES_SPECS, RESPONSES_NEUTRAL),
@@ -256,11 +222,8 @@ SCHEMAS = {
     "ChatCompletion": CHAT,
     "ChatRenderRequest": RENDER_REQUEST,
     "ChatPrompt": RENDER,
-    "MessagesRequest": _schema(MESSAGES_SPECS),
-    "CountTokensRequest": _schema(COUNT_SPECS),
-    "Message": MESSAGE,
-    "MessageTokens": _obj(["input_tokens"], input_tokens=_INT),
-    "AnthropicError": ANTHROPIC_ERROR,
+    "MessagesRequest": _schema(MESSAGES_SPECS, {}),  # closed: no neutral-only fields
+    "CountTokensRequest": _schema(COUNT_SPECS, {}),
     "ModelList": MODELS,
     "Health": HEALTH,
     "Error": ERROR,
@@ -306,18 +269,6 @@ def _generate(request: str, response: str, summary: str) -> dict[str, Any]:
     }
 
 
-def _anthropic(request: str, response: str, summary: str, stream: bool) -> dict[str, Any]:
-    """A Messages API path: its errors in Anthropic's shape."""
-    ok = _json(response, summary)
-    if stream:
-        ok["content"]["text/event-stream"] = {
-            "schema": {"type": "string", "description": "Anthropic's events (stream: true)"}
-        }
-    errors = {k: _json("AnthropicError", v["description"]) for k, v in _ERRORS.items()}
-    body = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
-    return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok, **errors}}}
-
-
 def document(model_name: str) -> dict[str, Any]:
     """The whole document; `model_name` is the one value of `model` this router serves."""
     return {
@@ -347,12 +298,7 @@ def document(model_name: str) -> dict[str, Any]:
             },
             "/v1/responses": _generate("ResponseRequest", "Response", "OpenAI Responses API"),
             **responses_openapi.PATHS,
-            "/v1/messages": _anthropic(
-                "MessagesRequest", "Message", "Anthropic's Messages API", stream=True
-            ),
-            "/v1/messages/count_tokens": _anthropic(
-                "CountTokensRequest", "MessageTokens", "The prompt's tokens (not run)", False
-            ),
+            **messages_openapi.paths({k: v["description"] for k, v in _ERRORS.items()}),
             "/v1/models": {
                 "get": {
                     "summary": "Served models",
@@ -392,6 +338,7 @@ def document(model_name: str) -> dict[str, Any]:
                 **pins.SCHEMAS,
                 **openapi_info.SCHEMAS,
                 **responses_openapi.SCHEMAS,
+                **messages_openapi.SCHEMAS,
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },

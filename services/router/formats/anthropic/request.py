@@ -41,11 +41,11 @@ _COMMON = (
     Spec("model", "string", "model name, as listed by GET /v1/models", required=True),
     Spec("messages", "anthropic_messages", "the conversation: [{role, content}]", required=True),
     Spec("system", "system", "system prompt: a string or text blocks"),
-    Spec("tools", "tools", "client tools: [{name, description, input_schema}]"),
-    Spec("tool_choice", "object", "{type: auto | any | tool (with name) | none}"),
-    Spec("output_config", "object", "{format: {type: json_schema, schema}}: output enforced"),
-    Spec("cache_control", "object", "{type: ephemeral}: accepted; every prefix is cached"),
-    Spec("thinking", "object", "{type: disabled} (no thinking) or {type: adaptive}"),
+    Spec("tools", "anthropic_tools", "client tools: [{name, description, input_schema}]"),
+    Spec("tool_choice", "anthropic_tool_choice", "{type: auto | any | tool (with name) | none}"),
+    Spec("output_config", "output_config", "{format: {type: json_schema, schema}}: enforced"),
+    Spec("cache_control", "cache_control", "{type: ephemeral}: accepted; every prefix is cached"),
+    Spec("thinking", "thinking", "{type: disabled} (no thinking) or {type: adaptive}"),
 )
 MESSAGES_SPECS = (
     *_COMMON[:2],
@@ -56,10 +56,17 @@ MESSAGES_SPECS = (
     Spec("temperature", "number", _TEMPERATURE.help, _TEMPERATURE),
     Spec("top_p", "number", BOUNDS["top_p"].help, BOUNDS["top_p"]),
     Spec("top_k", "integer", BOUNDS["top_k"].help, BOUNDS["top_k"]),
-    Spec("metadata", "object", "{user_id}: the end user, logged"),
+    Spec("metadata", "metadata", "{user_id}: the end user, logged"),
 )
 COUNT_SPECS = _COMMON
 
+# The JSON type of each kind (None: checked where it is read); the others are objects.
+_TYPES: dict[str, type | None] = {
+    "string": str, "boolean": bool, "anthropic_tools": list,
+    "anthropic_messages": None, "system": None, "strings": None, "integer": None,
+    "number": None,
+}  # fmt: skip
+_TYPE_NAMES = {str: "string", bool: "boolean", list: "list", dict: "object"}
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _CACHE_TTLS = ("5m", "1h")
 # The keys each kind of block may hold; a block with another key is refused.
@@ -145,10 +152,9 @@ def _check(spec: Spec, value: Any) -> Any:
             return list(check_stop(name, value))
     except SamplingError as e:
         raise bad_request(str(e), name) from None
-    types = {"string": str, "boolean": bool, "object": dict, "tools": list}
-    expected = types.get(spec.kind)
+    expected = _TYPES.get(spec.kind, dict)  # the other kinds are objects
     if expected is not None and not isinstance(value, expected):
-        raise bad_request(f"'{name}' must be a {spec.kind.rstrip('s')}", name)
+        raise bad_request(f"'{name}' must be a {_TYPE_NAMES[expected]}", name)
     return value
 
 
@@ -296,7 +302,8 @@ def _tool_request(value: Any, choice_value: Any) -> ToolRequest | None:
         if not isinstance(schema, dict) or schema.get("type") != "object":
             raise bad_request(f"'{where}.input_schema' must be a JSON schema of type object",
                               "tools")  # fmt: skip
-        description = t.get("description") or ""
+        description = t.get("description")
+        description = "" if description is None else description
         if not isinstance(description, str) or not isinstance(t.get("strict", False), bool):
             raise bad_request(f"'{where}': 'description' is a string, 'strict' a boolean", "tools")
         _cache_control(t.get("cache_control"), f"{where}.cache_control")
