@@ -166,3 +166,16 @@ def test_a_migrated_request_keeps_its_bias_and_min_tokens(make_core, tokenizer):
     whole = _tokens(_run(make_core(), "whole", ids, params))
     assert len(whole) == 7 and whole[-1] == eos  # EOS as soon as min_tokens allows it
     _check_continuations(make_core, ids, params, (2, 5))
+
+
+def test_a_stop_string_is_not_looked_for_before_min_tokens(make_core, tokenizer):
+    core, ids = make_core(), tokenizer.encode(PROMPT_TEXT)
+    free = _run(core, "a", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    word = free[0].text.strip()  # the first token's text: a stop string at once
+    assert word
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[word])
+    assert "".join(o.text for o in _run(core, "b", ids, params)).strip() == ""
+    held = _run(core, "c", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                               stop=[word], min_tokens=3))  # fmt: skip
+    text = "".join(o.text for o in held)
+    assert text.strip().startswith(word) and len(_tokens(held)) >= 3

@@ -23,7 +23,8 @@ class StopChecker:
     text (e.g. <|im_end|>) is not part of the output. `final` says the request
     ends on this token although it is text (a grammar just completed): it is
     kept and everything held back goes out. Stop strings are looked for once the
-    request has `min_tokens` tokens (vLLM's rule); `matched` is the one that was hit.
+    request has `min_tokens` tokens, and only where they end in text that came after
+    (vLLM's rule); `matched` is the one that was hit.
     """
 
     def __init__(self, params: SamplingParams, tokenizer: TextTokenizer | None) -> None:
@@ -32,6 +33,7 @@ class StopChecker:
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._sent = 0
         self._min_tokens, self._count = params.min_tokens, 0
+        self._floor = 0  # text made before min_tokens: no stop string may end in it
         self.text = ""
         self.matched: str | None = None
 
@@ -47,9 +49,12 @@ class StopChecker:
             self._detok.flush()
         full = self._detok.text
         hit = False
-        if self._stops and self._count >= self._min_tokens:
+        if self._count < self._min_tokens:
+            self._floor = len(full)
+        elif self._stops:
             start = max(0, self._sent - self._hold)
-            found = [(i, s) for s in self._stops if (i := full.find(s, start)) >= 0]
+            found = [(i, s) for s in self._stops
+                     if (i := full.find(s, max(start, self._floor - len(s) + 1))) >= 0]  # fmt: skip
             if found:
                 at, self.matched = min(found)
                 full, hit = full[:at], True
