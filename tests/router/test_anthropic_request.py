@@ -188,12 +188,6 @@ def test_stop_reason(finish, called, sequence, reason):
     assert shapes.stop_reason(finish, called, sequence) == reason
 
 
-def test_matched_stop_is_the_sequence_where_the_sent_text_ends():
-    assert shapes.matched_stop("one, two END three", "one, two ", ["three", "END"]) == "END"
-    assert shapes.matched_stop("one.<|im_end|>", "one.", ["END"]) is None
-    assert shapes.matched_stop("abc", "abc", []) is None
-
-
 def test_events_use_anthropics_framing_and_usage_splits_the_cached_prompt():
     raw = shapes.event("message_delta", {"delta": {"stop_reason": "end_turn"}})
     assert raw.startswith(b"event: message_delta\ndata: ")

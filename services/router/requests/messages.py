@@ -76,7 +76,7 @@ async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> 
     blocks = [shapes.thinking_block(reasoning)] if reasoning else []
     if text or not calls:
         blocks.append(shapes.text_block(text))
-    sequence = await _stop_sequence(tally, c)
+    sequence = _stop_sequence(c)
     reason = shapes.stop_reason(c.finish_reason, bool(calls), sequence)
     message = blocks + calls
     body = shapes.message(tally.rid, tally.api.model, message, reason, sequence, _usage(tally))
@@ -95,7 +95,7 @@ async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> w
     try:
         await lifecycle.dispatch(tally.state, choices, on_delta)
         c = tally.choices[0]
-        sequence = await _stop_sequence(tally, c)
+        sequence = _stop_sequence(c)
         delta = {
             "stop_reason": shapes.stop_reason(c.finish_reason, blocks.called, sequence),
             "stop_sequence": sequence,
@@ -210,11 +210,9 @@ def _usage(tally: Tally) -> shapes.Usage:
     return shapes.Usage(t.prompt_tokens, t.completion_tokens, t.cached_tokens)
 
 
-async def _stop_sequence(tally: Tally, c: fmt.Choice) -> str | None:
-    """The stop sequence that ended choice `c`, read from its decoded tokens (the text
-    sent never shows it); None when it ended otherwise."""
-    stops = tally.api.sampling.get("stop") or []
-    if c.finish_reason != "stop" or not stops:
+def _stop_sequence(c: fmt.Choice) -> str | None:
+    """The stop sequence that ended choice `c`: the stop string the engine reported
+    (TokenChunk.stop_reason; a stop token id is not a sequence); None otherwise."""
+    if c.finish_reason != "stop" or not isinstance(c.stop_reason, str):
         return None
-    full = await asyncio.to_thread(tally.state.tokenizer.decode, c.token_ids)
-    return shapes.matched_stop(full, c.text, stops)
+    return c.stop_reason

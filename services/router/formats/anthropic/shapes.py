@@ -66,20 +66,6 @@ def stop_reason(finish_reason: str | None, called: bool, stop_sequence: str | No
     return _STOP_REASONS.get(finish_reason or "stop", "end_turn")
 
 
-def matched_stop(full_text: str, sent: str, stops: list[str]) -> str | None:
-    """The stop sequence that ended the output: the one the decoded output (`full_text`,
-    stop string included) holds where the text sent (`sent`, which never shows one)
-    ends; else the first one it holds after that; None when none (EOS ended it)."""
-    if not stops:
-        return None
-    at = len(sent)
-    for s in stops:
-        if full_text.startswith(s, at):
-            return s
-    found = [(i, s) for s in stops if (i := full_text.find(s, max(0, at - len(s)))) >= 0]
-    return min(found)[1] if found else None
-
-
 def text_block(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
