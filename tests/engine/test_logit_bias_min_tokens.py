@@ -179,3 +179,17 @@ def test_a_stop_string_is_not_looked_for_before_min_tokens(make_core, tokenizer)
                                                stop=[word], min_tokens=3))  # fmt: skip
     text = "".join(o.text for o in held)
     assert text.strip().startswith(word) and len(_tokens(held)) >= 3
+
+
+def test_a_grammar_that_can_only_end_ends_before_min_tokens():
+    """min_tokens suppresses EOS, but a complete grammar allows nothing else: it ends."""
+    logits = _logits(2)
+    eos = int(logits[0].argmin())
+    allowed = torch.zeros(2, VOCAB, dtype=torch.bool)
+    allowed[0, eos] = True  # row 0: the grammar can only end
+    allowed[1, :] = True
+    allowed[1, eos] = True
+    params = SamplingParams(temperature=0, logit_bias={eos: 100})
+    rows = [SamplingRow(params, 0, 0, suppress=(eos,)) for _ in range(2)]
+    out = Sampler()(logits, rows, allowed).token_ids
+    assert out[0] == eos and out[1] != eos  # row 1 still has other tokens: EOS held back

@@ -68,10 +68,13 @@ class Sampler:
         logits = logits.float()
         if any(_has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits.clone(), rows)
+        unbiased = logits
         if any(r.params.logit_bias or r.suppress for r in rows):
             logits = _apply_bias(logits.clone(), rows)
         if allowed is not None:
             logits = _apply_mask(logits, allowed)
+            if any(r.suppress for r in rows):
+                logits = _grammar_ends_first(logits, unbiased, rows, allowed)
         want_lp = [r.params.logprobs is not None for r in rows]
         logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         tokens = argmax(logits)
@@ -106,6 +109,19 @@ def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         at_row, at_col, add = zip(*entries, strict=True)
         index = (torch.tensor(at_row), torch.tensor(at_col))
         logits.index_put_(index, torch.tensor(add, dtype=logits.dtype), accumulate=True)
+    return logits
+
+
+def _grammar_ends_first(
+    logits: torch.Tensor, unbiased: torch.Tensor, rows: list[SamplingRow], allowed: torch.Tensor
+) -> torch.Tensor:
+    """A row whose grammar allows only the tokens min_tokens suppresses (it can only end)
+    samples them anyway: a complete grammar ends the request before min_tokens."""
+    for i in torch.isinf(logits).all(dim=1).nonzero().flatten().tolist():
+        if rows[i].suppress:
+            row = dataclasses.replace(rows[i], suppress=())
+            again = _apply_bias(unbiased[i : i + 1].clone(), [row])
+            logits[i] = _apply_mask(again, allowed[i : i + 1])[0]
     return logits
 
 
