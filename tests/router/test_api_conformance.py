@@ -15,6 +15,7 @@ whoever lands one moves it to EFFECTS or POINTERS.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -107,8 +108,8 @@ cluster = cluster_fixture("conformance-logs", ["--disagg-threshold", "0"])  # ev
 class Api:
     """Raw HTTP on the cluster's router; `ask` returns (status, JSON body)."""
 
-    def __init__(self, url: str, http: aiohttp.ClientSession):
-        self.url, self.http = url, http
+    def __init__(self, url: str, http: aiohttp.ClientSession, logs: Path):
+        self.url, self.http, self.logs = url, http, logs
 
     async def ask(self, endpoint: str, **body: Any) -> tuple[int, dict]:
         base: dict[str, Any] = {"model": "default", "temperature": 0, "max_tokens": 8}
@@ -135,7 +136,7 @@ class Api:
 @pytest.fixture
 async def api(cluster):
     async with aiohttp.ClientSession() as http:
-        yield Api(cluster.url, http)
+        yield Api(cluster.url, http, cluster.logs)
 
 
 # --- effects: one small check per accepted field, on both endpoints where it is -------------
@@ -226,7 +227,10 @@ async def _ignore_eos(api: Api, e: str) -> None:
 
 
 async def _user(api: Api, e: str) -> None:
-    await api.ok(e, user="someone")  # logged only: accepted, and a non-string refused
+    user = f"end-user-{e}-{time.monotonic_ns()}"  # logged by the router, with the request
+    await api.ok(e, user=user)
+    logged = (api.logs / "router.log").read_text().splitlines()
+    assert any(f'"user": "{user}"' in line and "request_id" in line for line in logged)
     status, out = await api.ask(e, user=5)
     assert status == 400 and out["error"]["param"] == "user"
 

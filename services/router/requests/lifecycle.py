@@ -83,6 +83,8 @@ async def run_request(
     arrived, label, rid = request["arrived"], request["request_id"], state.new_request_id()
     try:
         with request_context(label, wire_id=rid):
+            if api.user:  # user (OpenAI), metadata.user_id (Anthropic): for the operator
+                log.info("request from end user", user=api.user[:256])
             prompts = await asyncio.to_thread(
                 prepare, api, state.tokenizer, state.context_len(), state.sampling_defaults
             )

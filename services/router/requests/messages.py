@@ -43,8 +43,6 @@ log = get_logger(__name__)
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     api = anthropic.parse(await json_body(request), "/v1/messages")
-    if api.user:  # metadata.user_id: the end user, for the operator's logs
-        log.info("messages request", user_id=api.user)
     await lifecycle.check(api, state)
     return await lifecycle.run_request(request, api, "msg_", stream if api.stream else collect)
 

@@ -46,7 +46,7 @@ class Spec:
     required: bool = False
 
 
-def _sampling_spec(name: str, bound: str | None = None, help: str = "") -> Spec:
+def sampling_spec(name: str, bound: str | None = None, help: str = "") -> Spec:
     """A number bounded by the sampling table (`bound`: its entry, when named otherwise)."""
     b = BOUNDS[bound or name]
     return Spec(name, "integer" if b.kind is int else "number", help or b.help, bound=b)
@@ -61,18 +61,18 @@ _SAMPLING = (
         "object",
         "`{include_usage: bool, continuous_usage_stats: bool}` for streams",
     ),
-    _sampling_spec("max_tokens"),
-    _sampling_spec("temperature"),
-    _sampling_spec("top_p"),
-    _sampling_spec("top_k"),
-    _sampling_spec("min_p"),
-    _sampling_spec("seed"),
+    sampling_spec("max_tokens"),
+    sampling_spec("temperature"),
+    sampling_spec("top_p"),
+    sampling_spec("top_k"),
+    sampling_spec("min_p"),
+    sampling_spec("seed"),
     Spec("stop", "stop", "string or list of strings that end the completion"),
     Spec("stop_token_ids", "ids", "token ids that end the completion"),
     Spec("ignore_eos", "boolean", "keep generating past end-of-sequence"),
-    _sampling_spec("presence_penalty"),
-    _sampling_spec("frequency_penalty"),
-    _sampling_spec("repetition_penalty"),
+    sampling_spec("presence_penalty"),
+    sampling_spec("frequency_penalty"),
+    sampling_spec("repetition_penalty"),
     Spec("user", "string", "end-user id (logged)"),
     Spec("response_format", "object", "text, json_object or json_schema: output enforced"),
     Spec("regex", "string", "the output fully matches this regular expression"),
@@ -89,10 +89,10 @@ _SAMPLING = (
         "the same salt (vLLM's field; docs/security.md)",
     ),
     # vLLM's and SGLang's extensions, checked in vllm_fields.py
-    _sampling_spec("min_tokens"),
+    sampling_spec("min_tokens"),
     Spec("logit_bias", "object", "{token id: bias in [-100, 100]}, at most 300 ids"),
     Spec("return_token_ids", "boolean", "the prompt's and each choice's token ids"),
-    _sampling_spec("prompt_logprobs", "logprobs", "logprob, rank and top n of each prompt token"),
+    sampling_spec("prompt_logprobs", "logprobs", "logprob, rank and top n of each prompt token"),
 )
 COMPLETION_SPECS = (
     Spec("prompt", "prompt", "string, list of strings, token ids or lists of ids", required=True),
@@ -104,7 +104,7 @@ COMPLETION_SPECS = (
         BOUNDS["max_tokens"].help + " (0: with echo only)",
         bound=Bound(int, BOUNDS["max_tokens"].help, lo=0),
     ),
-    _sampling_spec("logprobs"),
+    sampling_spec("logprobs"),
     Spec("echo", "boolean", "prepend the prompt to the completion (with logprobs: scored)"),
     Spec(
         "prompt_logprobs_from",
@@ -117,9 +117,9 @@ COMPLETION_SPECS = (
 CHAT_SPECS = (
     Spec("messages", "messages", "the conversation: [{role, content}]", required=True),
     *_SAMPLING,
-    _sampling_spec("max_completion_tokens", "max_tokens"),
+    sampling_spec("max_completion_tokens", "max_tokens"),
     Spec("logprobs", "boolean", "return log probabilities of the output tokens"),
-    _sampling_spec("top_logprobs", "logprobs", "alternatives per token"),
+    sampling_spec("top_logprobs", "logprobs", "alternatives per token"),
     Spec("tools", "tools", "functions the model may call: [{type: function, function}]"),
     Spec("tool_choice", "tool_choice", "none, auto, required or {type: function, function}"),
     Spec("parallel_tool_calls", "boolean", "more than one call per answer (default true)"),
@@ -193,7 +193,7 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
         raise bad_request("the request body must be a JSON object")
     specs = COMPLETION_SPECS if endpoint == "completions" else CHAT_SPECS
     _closed(endpoint, body, specs)
-    v = {s.name: _check(s, body.get(s.name)) for s in specs}
+    v = {s.name: check_field(s, body.get(s.name)) for s in specs}
     req = ApiRequest(endpoint=endpoint, model=v["model"])
     req.n = 1 if v["n"] is None else v["n"]
     if req.n > max_n:
@@ -275,15 +275,15 @@ def _closed(endpoint: str, body: dict[str, Any], specs: tuple[Spec, ...]) -> Non
         if name not in known:
             raise bad_request(f"'{name}' is not a field of {path} on this server", name)
     for name, values in neutral.items():
-        if not _neutral(body.get(name), values):
+        if not is_neutral(body.get(name), values):
             raise bad_request(f"'{name}' is not supported by this server", name)
     if endpoint == "completions":
         for name, values in _CHAT_ONLY.items():
-            if not _neutral(body.get(name), values):
+            if not is_neutral(body.get(name), values):
                 raise bad_request(f"'{name}' is for /v1/chat/completions only", name)
 
 
-def _neutral(value: Any, values: tuple[Any, ...]) -> bool:
+def is_neutral(value: Any, values: tuple[Any, ...]) -> bool:
     """`value` is one of `values`, of the same JSON type (1 is not true, nor 1.0 false)."""
     return any(value == n and _json_type(value) == _json_type(n) for n in values)
 
@@ -294,7 +294,7 @@ def _json_type(value: Any) -> str:
     return "number" if isinstance(value, int | float) else type(value).__name__
 
 
-def _check(spec: Spec, value: Any) -> Any:
+def check_field(spec: Spec, value: Any) -> Any:
     name = spec.name
     if value is None:
         if spec.required:

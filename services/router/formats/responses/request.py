@@ -31,10 +31,10 @@ from services.router.errors import ApiError, bad_request
 from services.router.formats.openai.validation import (
     ApiRequest,
     Spec,
-    _check,
-    _neutral,
-    _sampling_spec,
+    check_field,
+    is_neutral,
     parse_request,
+    sampling_spec,
 )
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
@@ -42,13 +42,13 @@ RESPONSES_SPECS = (
     Spec("model", "string", "model name, as listed by GET /v1/models", required=True),
     Spec("input", "input", "a string or items (message, function_call, ...)", required=True),
     Spec("instructions", "string", "a system message first (not carried to a next response)"),
-    _sampling_spec("max_output_tokens", "max_tokens"),
-    _sampling_spec("temperature"),
-    _sampling_spec("top_p"),
-    _sampling_spec("top_k"),
-    _sampling_spec("min_p"),
-    _sampling_spec("repetition_penalty"),
-    _sampling_spec("seed"),
+    sampling_spec("max_output_tokens", "max_tokens"),
+    sampling_spec("temperature"),
+    sampling_spec("top_p"),
+    sampling_spec("top_k"),
+    sampling_spec("min_p"),
+    sampling_spec("repetition_penalty"),
+    sampling_spec("seed"),
     Spec("stream", "boolean", "stream the typed Server-Sent Events"),
     Spec("tools", "tools", "functions the model may call: [{type: function, name, parameters}]"),
     Spec("tool_choice", "tool_choice", "none, auto, required or {type: function, name}"),
@@ -58,7 +58,7 @@ RESPONSES_SPECS = (
     Spec("previous_response_id", "string", "continue the conversation of a stored response"),
     Spec("metadata", "object", "up to 16 string pairs, echoed and stored"),
     Spec("include", "include", f"[] or [{LOGPROBS!r}]: each output token's logprobs"),
-    _sampling_spec("top_logprobs", "logprobs", "alternatives per token, with logprobs included"),
+    sampling_spec("top_logprobs", "logprobs", "alternatives per token, with logprobs included"),
     Spec("user", "string", "end-user id (logged)"),
 )
 # Accepted only at their neutral value: anything else is refused, never silently ignored.
@@ -129,7 +129,7 @@ def read_body(body: Any) -> ResponsesRequest:
     if unknown:
         raise bad_request(f"'{unknown[0]}' is not a field of /v1/responses", unknown[0])
     for name, neutral in NEUTRAL.items():
-        if not _neutral(body.get(name), neutral):  # of the same JSON type: 0 is not false
+        if not is_neutral(body.get(name), neutral):  # of the same JSON type: 0 is not false
             raise bad_request(f"'{name}' is not supported by this server", name)
     values = {s.name: _check_field(s, body.get(s.name)) for s in RESPONSES_SPECS}
     metadata = values["metadata"] or {}
@@ -164,7 +164,7 @@ def _check_field(spec: Spec, value: Any) -> Any:
         return value
     if spec.kind in ("tools", "tool_choice"):
         return value  # checked when converted (to_api), then by the chat tool checks
-    return _check(spec, value)
+    return check_field(spec, value)
 
 
 def to_api(req: ResponsesRequest, history: list[dict[str, Any]], max_n: int) -> ApiRequest:
