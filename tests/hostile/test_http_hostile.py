@@ -65,6 +65,7 @@ CASES = [
     ("model is a list", COMP, json.dumps({"model": ["default"], "prompt": "hi"}).encode(), 400,
      "model"),
     ("prompt is an object", COMP, _body(prompt={"a": 1}), 400, "prompt"),
+    ("stop id out of vocab", COMP, _body(stop_token_ids=[2**31 - 1]), 400, "stop_token_ids"),
     ("stream is a string", COMP, _body(stream="yes"), 400, "stream"),
     ("messages is a string", CHAT, json.dumps({"model": "default", "messages": "hi"}).encode(),
      400, "messages"),
@@ -76,7 +77,6 @@ CASES = [
         {"role": "user", "content": "hi"}] * 20_000}).encode(), 400, None),
     # Odd but valid: served, with a correct body.
     ("16 stop strings of 4096 chars", COMP, _body(stop=["x" * 4096] * 16), 200, None),
-    ("stop id out of vocab", COMP, _body(stop_token_ids=[2**31 - 1]), 200, None),
     ("NUL in the prompt", COMP, _body(prompt="a\u0000b"), 200, None),
     ("1 MB user field", COMP, _body(user="u" * 1_000_000), 200, None),
 ]  # fmt: skip

@@ -5,41 +5,23 @@ a grammar that applies only after `</think>`. Marked `slow` (the processes start
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import aiohttp
 import pytest
 
-from scripts.cluster import LocalCluster
 from tests.router import tiny_qwen3
-from tests.router.conftest import router_env, router_port
-from tests.router.e2e_cluster import WORKER_ARGS, wait_healthy
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 
-MODEL = "tiny-qwen3"
+MODEL = tiny_qwen3.MODEL
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
 def url(module_nats, tmp_path_factory):
-    folder = tiny_qwen3.write_model(tmp_path_factory.mktemp("tiny-qwen3"))
-    logs = tmp_path_factory.mktemp("reasoning-logs")
-    cluster = LocalCluster(module_nats.url, env=router_env(), capture=logs)
-    try:
-        for role, sid in (("prefill", "p1"), ("decode", "d1")):
-            cluster.start_one(role, "--service-id", sid, *WORKER_ARGS, "--model", str(folder),
-                              label=sid)  # fmt: skip
-        cluster.start_one("router", "--service-id", "router-think", "--port", "0",
-                          "--model", str(folder), "--served-model-name", MODEL)  # fmt: skip
-        port = asyncio.run(router_port(module_nats.url, "router-think", 240))
-        base = f"http://127.0.0.1:{port}"
-        asyncio.run(wait_healthy(base, {"prefill": 1, "decode": 1}, 240, cluster.procs))
-        yield base
-    finally:
-        cluster.stop()
+    yield from tiny_qwen3.serve(module_nats.url, tmp_path_factory, "router-think")
 
 
 async def chat(url: str, **fields) -> dict:

@@ -11,9 +11,17 @@ and the head maps each to the token that follows it. After a prompt that ends wi
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
+
+from scripts.cluster import LocalCluster
+from tests.router.conftest import router_env, router_port
+from tests.router.e2e_cluster import WORKER_ARGS, wait_healthy
+
+MODEL = "tiny-qwen3"  # the name the router serves it under
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added tokens that are not special: decoded into the text, as in Qwen3's tokenizer.
@@ -84,3 +92,24 @@ def write_model(folder: Path) -> Path:
             head[after, k] = 10.0
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+def serve(nats_url: str, tmp_path_factory, service_id: str) -> Iterator[str]:
+    """The tiny model (as MODEL) on a real cluster, one prefill and one decode worker
+    and a router: yields the router's base URL, stops the processes after (a generator for
+    a module-scoped fixture)."""
+    folder = write_model(tmp_path_factory.mktemp("tiny-qwen3"))
+    logs = tmp_path_factory.mktemp(f"{service_id}-logs")
+    cluster = LocalCluster(nats_url, env=router_env(), capture=logs)
+    try:
+        for role, sid in (("prefill", "p1"), ("decode", "d1")):
+            cluster.start_one(role, "--service-id", sid, *WORKER_ARGS, "--model", str(folder),
+                              label=sid)  # fmt: skip
+        cluster.start_one("router", "--service-id", service_id, "--port", "0",
+                          "--model", str(folder), "--served-model-name", MODEL)  # fmt: skip
+        port = asyncio.run(router_port(nats_url, service_id, 240))
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_healthy(base, {"prefill": 1, "decode": 1}, 240, cluster.procs))
+        yield base
+    finally:
+        cluster.stop()

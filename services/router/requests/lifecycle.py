@@ -278,15 +278,21 @@ async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> w
         if api.include_usage:
             tail.insert(0, sse(chunk(rid, created, api.model, [], tally.totals)))
     except ApiError as e:
-        # Until the first output the HTTP status is still free: an error there (no room,
-        # no worker) is a plain 429/503 response, not an event inside a 200 stream.
-        if not out.started:
-            raise
-        log.warning("stream ended by an error", status=e.status, error=e.message)
-        metrics = tally.state.metrics
-        metrics.failure.labels(metrics.model, str(e.status)).inc()
+        stream_failed(tally, out.started, e)
         tail.insert(0, sse(e.body()))
     return await out.finish(b"".join(tail))
+
+
+def stream_failed(tally: Tally, started: bool, e: ApiError) -> None:
+    """An error while a response streams, in any API format. Until the first output the
+    HTTP status is still free: an error there (no room, no worker) is raised again, a plain
+    429/503 response rather than an event inside a 200 stream. After it: logged and
+    counted here, and the caller ends the stream with it in its own format."""
+    if not started:
+        raise e
+    log.warning("stream ended by an error", status=e.status, error=e.message)
+    metrics = tally.state.metrics
+    metrics.failure.labels(metrics.model, str(e.status)).inc()
 
 
 def _events(d: Delta, tally: Tally, started: set[int]) -> list:

@@ -23,7 +23,6 @@ from typing import Any
 
 from aiohttp import web
 
-from libs.common.log import get_logger
 from services.router.errors import ApiError
 from services.router.formats.anthropic import request as anthropic
 from services.router.formats.anthropic import shapes
@@ -36,8 +35,6 @@ from services.router.requests.prompts import encode, render_chat
 from services.router.state import STATE
 from services.router.structured.reasoning import ReasoningStream, split_reasoning
 from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
-
-log = get_logger(__name__)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -102,12 +99,7 @@ async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> w
         tail = blocks.close() + shapes.event("message_delta", end)
         tail += shapes.event("message_stop", {})
     except ApiError as e:
-        # Before the first output the HTTP status is still free: a plain error response.
-        if not out.started:
-            raise
-        log.warning("stream ended by an error", status=e.status, error=e.message)
-        metrics = tally.state.metrics
-        metrics.failure.labels(metrics.model, str(e.status)).inc()
+        lifecycle.stream_failed(tally, out.started, e)
         tail = shapes.event("error", shapes.error_body(e))
     return await out.finish(tail)
 

@@ -22,7 +22,6 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from libs.common.log import get_logger
 from libs.common.messages.responses import StoredResponse
 from services.router.errors import ApiError, bad_request
 from services.router.formats.bodies import json_body
@@ -41,8 +40,6 @@ from services.router.requests import lifecycle
 from services.router.requests.lifecycle import Choice, Delta, Tally
 from services.router.requests.stored import ResponseStore
 from services.router.state import STATE
-
-log = get_logger(__name__)
 
 STORE: web.AppKey[ResponseStore] = web.AppKey("responses_store", ResponseStore)
 
@@ -171,11 +168,7 @@ class Run:
             tail = events.finish(body)
             await self.save(body)
         except ApiError as e:
-            if not out.started:  # the HTTP status is still free: a plain error response
-                raise
-            log.warning("stream ended by an error", status=e.status, error=e.message)
-            metrics = tally.state.metrics
-            metrics.failure.labels(metrics.model, str(e.status)).inc()
+            lifecycle.stream_failed(tally, out.started, e)
             error = {"code": e.code or str(e.status), "message": e.message}
             tail = events.failed(self.body([], "in_progress"), error)
         return await out.finish(encode(tail))
