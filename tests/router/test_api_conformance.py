@@ -6,10 +6,6 @@ The field lists are vLLM's, copied by name from vllm/entrypoints/openai/protocol
 vllm-project/vllm commit ec3b890c14b00f6670515d9df8d503b5270e95ca (the classes'
 declared fields, in their order). vLLM's older `guided_*` names are no longer fields
 there; tests/router/test_request_fields.py checks them.
-
-PENDING holds the fields other work is bringing in now: each is tested as accepted when
-our table has it and as refused otherwise, so the test holds before and after it lands;
-whoever lands one moves it to EFFECTS or POINTERS.
 """
 
 from __future__ import annotations
@@ -56,12 +52,7 @@ VLLM_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 ENDPOINTS = {"chat": (VLLM_CHAT, CHAT_SPECS), "completions": (VLLM_COMPLETION, COMPLETION_SPECS)}
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
-# Fields being brought in by other work now (see the module docstring).
-PENDING: tuple[str, ...] = ()
-PENDING_STREAM_OPTIONS: tuple[str, ...] = ()
-
-# A value for each field that is not its neutral one: what a refusal is tested with, and
-# what an accepted PENDING field is sent with.
+# A value for each field that is not its neutral one: what a refusal is tested with.
 VALUES: dict[str, Any] = {
     "logit_bias": {"1": 5}, "min_tokens": 2, "prompt_logprobs": 1, "return_token_ids": True,
     "cache_salt": "salt-a", "reasoning_effort": "low", "include_reasoning": False,
@@ -316,9 +307,7 @@ def _cases(kind: str) -> list[tuple[str, str]]:
             accepted = name in _accepted(endpoint)
             if kind == "effect" and accepted and name in EFFECTS:
                 out.append((endpoint, name))
-            if kind == "refused" and not accepted and name not in PENDING:
-                out.append((endpoint, name))
-            if kind == "pending" and name in PENDING:
+            if kind == "refused" and not accepted:
                 out.append((endpoint, name))
     return out
 
@@ -328,9 +317,7 @@ def _cases(kind: str) -> list[tuple[str, str]]:
 )
 def test_every_vllm_field_is_accounted_for(endpoint, name):
     """In our table: an effect here or a pointer; otherwise refused (with a value to send)."""
-    if name in PENDING:
-        assert name in VALUES
-    elif name in _accepted(endpoint):
+    if name in _accepted(endpoint):
         assert name in EFFECTS or name in POINTERS, f"{name}: accepted without an effect test"
     else:
         assert name in VALUES, f"{name}: refused, but no value to send it with"
@@ -354,17 +341,8 @@ async def test_an_accepted_field_has_its_effect(api, endpoint, name):
     await EFFECTS[name](api, endpoint)
 
 
-@pytest.mark.parametrize(("endpoint", "name"), _cases("pending"))
-async def test_a_pending_field_is_accepted_or_refused_by_the_table(api, endpoint, name):
-    status, out = await api.ask(endpoint, **{name: VALUES[name]})
-    if name in _accepted(endpoint):
-        assert status == 200, out
-    else:
-        assert status == 400 and out["error"]["param"] == name, out
-
-
 @pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
-@pytest.mark.parametrize("key", VLLM_STREAM_OPTIONS)
+@pytest.mark.parametrize("key", [*VLLM_STREAM_OPTIONS, "no_such_option"])
 async def test_each_vllm_stream_option_is_honoured_or_refused(api, endpoint, key):
     options = {"include_usage": True, key: True}
     status, out = await api.ask(endpoint, stream=True, stream_options=options)
@@ -373,6 +351,5 @@ async def test_each_vllm_stream_option_is_honoured_or_refused(api, endpoint, key
     elif key == "continuous_usage_stats":  # usage in every chunk
         chunks = [ev for ev in out["events"] if ev.startswith("data: {")]
         assert status == 200 and chunks and all('"usage":{' in ev for ev in chunks), out
-    elif status != 200:  # pending: refused until our table has it
-        assert key in PENDING_STREAM_OPTIONS
+    else:  # an option we do not have: refused, naming it
         assert status == 400 and out["error"]["param"] == f"stream_options.{key}", out
