@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from libs.common.engine.core.sampling_params import MAX_STOP, MAX_STOP_CHARS
+from services.router.api.openapi_parts import json_response, post
 
 _STR, _INT, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 _NULL_STR = {"type": ["string", "null"]}
@@ -26,10 +27,6 @@ def _closed(required: list[str], **props: Any) -> dict[str, Any]:
         "properties": props,
         "additionalProperties": False,
     }
-
-
-def _ref(name: str) -> dict[str, Any]:
-    return {"$ref": f"#/components/schemas/{name}"}
 
 
 _CACHE = _closed(["type"], type={"const": "ephemeral"}, ttl={"enum": ["5m", "1h"]})
@@ -149,21 +146,9 @@ SCHEMAS: dict[str, Any] = {
 
 
 def _post(request: str, response: str, summary: str, stream: bool, errors: dict) -> dict:
-    ok: dict[str, Any] = {
-        "description": summary,
-        "content": {"application/json": {"schema": _ref(response)}},
-    }
-    if stream:
-        ok["content"]["text/event-stream"] = {
-            "schema": {"type": "string", "description": "Anthropic's events (stream: true)"}
-        }
-    shaped = {
-        code: {"description": text, "content": {"application/json": {"schema": _ref(
-            "AnthropicError")}}}
-        for code, text in errors.items()
-    }  # fmt: skip
-    body = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
-    return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok, **shaped}}}
+    shaped = {code: json_response("AnthropicError", text) for code, text in errors.items()}
+    events = "Anthropic's events (stream: true)" if stream else None
+    return post(request, response, summary, summary, shaped, events)
 
 
 def paths(errors: dict[str, str]) -> dict[str, Any]:

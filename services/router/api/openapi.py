@@ -18,6 +18,7 @@ from libs.common.engine.core.sampling_params import (
     MAX_TOKEN_ID,
 )
 from services.router.api import messages_openapi, openapi_info, pins, responses_openapi
+from services.router.api.openapi_parts import json_response, post, ref
 from services.router.formats.anthropic.request import COUNT_SPECS, MESSAGES_SPECS
 from services.router.formats.openai.messages import ROLES
 from services.router.formats.openai.validation import (
@@ -230,16 +231,8 @@ SCHEMAS = {
 }
 
 
-def _ref(name: str) -> dict[str, Any]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _json(name: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
-
-
 _ERRORS = {
-    str(code): _json("Error", text)
+    str(code): json_response("Error", text)
     for code, text in (
         (400, "malformed or out-of-range request, prompt longer than the context"),
         (401, "missing or wrong API key (when the router has keys)"),
@@ -253,20 +246,8 @@ _ERRORS = {
 
 
 def _generate(request: str, response: str, summary: str) -> dict[str, Any]:
-    ok = _json(response, "the completion (stream: false)")
-    ok["content"]["text/event-stream"] = {
-        "schema": {"type": "string", "description": "SSE chunks, then `data: [DONE]`"}
-    }
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref(request)}},
-            },
-            "responses": {"200": ok, **_ERRORS},
-        }
-    }
+    ok, stream = "the completion (stream: false)", "SSE chunks, then `data: [DONE]`"
+    return post(request, response, summary, ok, _ERRORS, stream)
 
 
 def document(model_name: str) -> dict[str, Any]:
@@ -288,10 +269,12 @@ def document(model_name: str) -> dict[str, Any]:
                     "summary": "The prompt text a chat request would become (not run)",
                     "requestBody": {
                         "required": True,
-                        "content": {"application/json": {"schema": _ref("ChatRenderRequest")}},
+                        "content": {"application/json": {"schema": ref("ChatRenderRequest")}},
                     },
                     "responses": {
-                        "200": _json("ChatPrompt", "the rendered prompt and its token count"),
+                        "200": json_response(
+                            "ChatPrompt", "the rendered prompt and its token count"
+                        ),
                         **{k: _ERRORS[k] for k in ("400", "401", "404")},
                     },
                 }
@@ -303,7 +286,7 @@ def document(model_name: str) -> dict[str, Any]:
                 "get": {
                     "summary": "Served models",
                     "responses": {
-                        "200": _json("ModelList", "the served model"),
+                        "200": json_response("ModelList", "the served model"),
                         "401": _ERRORS["401"],
                     },
                 }
@@ -312,8 +295,8 @@ def document(model_name: str) -> dict[str, Any]:
                 "get": {
                     "summary": "Readiness",
                     "responses": {
-                        "200": _json("Health", "ready"),
-                        "503": _json("Health", "not ready"),
+                        "200": json_response("Health", "ready"),
+                        "503": json_response("Health", "not ready"),
                     },
                 }
             },

@@ -5,40 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.router.api.openapi_parts import json_response, post
+
 _STR, _INT, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 
 
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _json(name: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
-
-
 def _errors(*pairs: tuple[int, str]) -> dict[str, Any]:
-    return {str(code): _json("Error", text) for code, text in pairs}
+    return {str(code): json_response("Error", text) for code, text in pairs}
+
+
+_TOKEN_ERRORS = _errors(
+    (400, "malformed request or an id outside the vocabulary"),
+    (401, "missing or wrong API key"),
+    (404, "unknown model"),
+)
 
 
 def _post(request: str, response: str, summary: str, ok: str) -> dict[str, Any]:
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref(request)}},
-            },
-            "responses": {
-                "200": _json(response, ok),
-                **_errors(
-                    (400, "malformed request or an id outside the vocabulary"),
-                    (401, "missing or wrong API key"),
-                    (404, "unknown model"),
-                ),
-            },
-        }
-    }
+    return post(request, response, summary, ok, _TOKEN_ERRORS)
 
 
 _CHAT_TOKENIZE = {
@@ -102,13 +87,16 @@ PATHS: dict[str, Any] = {
             "summary": "The served model (openai's models.retrieve)",
             "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": _STR}],
             "responses": {
-                "200": _json("Model", "the model"),
+                "200": json_response("Model", "the model"),
                 **_errors((401, "missing or wrong API key"), (404, "not the served model")),
             },
         }
     },
     "/version": {
-        "get": {"summary": "The server's version", "responses": {"200": _json("Version", "")}}
+        "get": {
+            "summary": "The server's version",
+            "responses": {"200": json_response("Version", "")},
+        }
     },
     "/tokenize": _post(
         "TokenizeRequest",

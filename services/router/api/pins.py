@@ -42,6 +42,7 @@ from libs.common.messages.pins import (
     PoolPinList,
     PoolPinRef,
 )
+from services.router.api.openapi_parts import json_response, ref
 from services.router.errors import ApiError, bad_request, no_workers
 from services.router.formats.bodies import check_model, json_object
 from services.router.formats.openai.chat_template import TemplateArgs
@@ -181,19 +182,8 @@ async def _ask(state: RouterState, call: str, message: Any, reply_type: type) ->
 _INT, _NUM, _STR = {"type": "integer"}, {"type": "number"}, {"type": "string"}
 
 
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-_ERR = {"content": {"application/json": {"schema": _ref("Error")}}}
-
-
-def _ok(name: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
-
-
 def _errors(*pairs: tuple[int, str]) -> dict[str, Any]:
-    return {str(code): {"description": text, **_ERR} for code, text in pairs}
+    return {str(code): json_response("Error", text) for code, text in pairs}
 
 
 _UNAUTHORIZED = (401, "missing or wrong API key (when the router has keys)")
@@ -204,10 +194,10 @@ PATHS: dict[str, Any] = {
             "summary": "Pin a prefix's pages in the KV pool for ttl_s seconds",
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": _ref("PinRequest")}},
+                "content": {"application/json": {"schema": ref("PinRequest")}},
             },
             "responses": {
-                "200": _ok("Pin", "the pin (a renewal when the same prefix is pinned)"),
+                "200": json_response("Pin", "the pin (a renewal when the same prefix is pinned)"),
                 **_errors(
                     (400, "malformed request, TTL out of bounds, prefix under a page"),
                     _UNAUTHORIZED,
@@ -220,7 +210,7 @@ PATHS: dict[str, Any] = {
         "get": {
             "summary": "Live pins",
             "responses": {
-                "200": _ok("PinList", "every live pin"),
+                "200": json_response("PinList", "every live pin"),
                 **_errors(_UNAUTHORIZED, _UNAVAILABLE),
             },
         },
@@ -230,7 +220,7 @@ PATHS: dict[str, Any] = {
             "summary": "Unpin",
             "parameters": [{"name": "pin_id", "in": "path", "required": True, "schema": _STR}],
             "responses": {
-                "200": _ok("PinDeleted", "unpinned"),
+                "200": json_response("PinDeleted", "unpinned"),
                 **_errors(_UNAUTHORIZED, (404, "no such pin"), _UNAVAILABLE),
             },
         },

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.router.api.openapi_parts import json_response
+
 _STR, _INT = {"type": "string"}, {"type": "integer"}
 _NULL_STR = {"type": ["string", "null"]}
 
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": props}
-
-
-def _json(name: str, description: str) -> dict[str, Any]:
-    schema = {"$ref": f"#/components/schemas/{name}"}
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
 _ITEM = _obj(["id", "type"], id=_STR, type={"enum": ["message", "function_call",
@@ -67,7 +64,7 @@ def _errors(*extra: tuple[str, str]) -> dict[str, Any]:
     pairs = (("401", "missing or wrong API key (when the router has keys)"),
              ("404", "no stored response of this id (never stored, expired, deleted)"),
              ("503", "stored responses unreachable (JetStream)"), *extra)  # fmt: skip
-    return {code: _json("Error", text) for code, text in pairs}
+    return {code: json_response("Error", text) for code, text in pairs}
 
 
 PATHS: dict[str, Any] = {
@@ -75,12 +72,12 @@ PATHS: dict[str, Any] = {
         "get": {
             "summary": "A stored response",
             "parameters": [_ID],
-            "responses": {"200": _json("Response", "the response object"), **_errors()},
+            "responses": {"200": json_response("Response", "the response object"), **_errors()},
         },
         "delete": {
             "summary": "Delete a stored response",
             "parameters": [_ID],
-            "responses": {"200": _json("ResponseDeleted", "deleted"), **_errors()},
+            "responses": {"200": json_response("ResponseDeleted", "deleted"), **_errors()},
         },
     },
     "/v1/responses/{response_id}/input_items": {
@@ -88,7 +85,7 @@ PATHS: dict[str, Any] = {
             "summary": "A stored response's input items, a page at a time",
             "parameters": [_ID, *_QUERY],
             "responses": {
-                "200": _json("ResponseItemList", "a page of items"),
+                "200": json_response("ResponseItemList", "a page of items"),
                 **_errors(("400", "a bad order, limit or after")),
             },
         },
