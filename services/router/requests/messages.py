@@ -30,11 +30,10 @@ from services.router.formats.bodies import check_model, json_body
 from services.router.formats.openai import shapes as fmt
 from services.router.formats.sse import SseStream
 from services.router.requests import lifecycle
+from services.router.requests.chat_text import ChatText, message_parts
 from services.router.requests.lifecycle import Choice, Delta, Tally
 from services.router.requests.prompts import encode, render_chat
 from services.router.state import STATE
-from services.router.structured.reasoning import ReasoningStream, split_reasoning
-from services.router.structured.tools.parse import ToolCallStream, parse_tool_calls
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -62,15 +61,11 @@ async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> 
     """Run the one choice, then answer with the message."""
     await lifecycle.dispatch(tally.state, choices, tally.add)
     c = tally.choices[0]
-    cut, start = c.finish_reason == "length", tally.prompts[0].thinks
-    reasoning, text = split_reasoning(c.text, start, cut) if start is not None else ("", c.text)
-    calls = []
-    if tally.tools is not None:
-        text, found = parse_tool_calls(text, tally.tools, cut)
-        calls = [_tool_use(call.name, call.arguments) for call in found]
-    blocks = [shapes.thinking_block(reasoning)] if reasoning else []
-    if text or not calls:
-        blocks.append(shapes.text_block(text))
+    parts = message_parts(c.text, c.finish_reason, tally.tools, tally.prompts[0].thinks)
+    calls = [_tool_use(f["function"]["name"], f["function"]["arguments"]) for f in parts.calls]
+    blocks = [shapes.thinking_block(parts.reasoning)] if parts.reasoning else []
+    if parts.content or not calls:
+        blocks.append(shapes.text_block(parts.content))
     sequence = _stop_sequence(c)
     reason = shapes.stop_reason(c.finish_reason, bool(calls), sequence)
     message = blocks + calls
@@ -112,9 +107,7 @@ class StreamedBlocks:
 
     def __init__(self, tally: Tally) -> None:
         self.tally = tally
-        self.calls = ToolCallStream(tally.tools) if tally.tools is not None else None
-        start = tally.prompts[0].thinks
-        self.thinking = ReasoningStream(start) if start is not None else None
+        self.parts = ChatText(tally.tools, tally.prompts[0].thinks)
         self.started = False  # message_start sent
         self.next = 0  # the index of the next block
         self.open: str | None = None  # the kind of the open block: thinking or text
@@ -128,23 +121,12 @@ class StreamedBlocks:
             usage = shapes.Usage(self.tally.totals.prompt_tokens)
             start = shapes.message(self.tally.rid, self.tally.api.model, [], None, None, usage)
             out.append(shapes.event("message_start", {"message": start}))
-        cut, text, reasoning = d.finish_reason == "length", d.text, ""
-        if self.thinking is not None:
-            reasoning, text = self.thinking.feed(text)
-            if d.finish_reason is not None:
-                more, rest = self.thinking.finish(cut)
-                reasoning, text = reasoning + more, text + rest
-        calls = list[dict[str, Any]]()
-        if self.calls is not None:
-            text, calls = self.calls.feed(text)
-            if d.finish_reason is not None:
-                rest, more_calls = self.calls.finish(cut)
-                text, calls = text + rest, calls + more_calls
-        if reasoning:
-            out.append(self._piece("thinking", reasoning))
-        if text:
-            out.append(self._piece("text", text))
-        for call in calls:
+        parts = self.parts.feed(d.text, d.finish_reason)
+        if parts.reasoning:
+            out.append(self._piece("thinking", parts.reasoning))
+        if parts.content:
+            out.append(self._piece("text", parts.content))
+        for call in parts.calls:
             out.append(self._close())
             function = call["function"]
             out.append(self._start(_tool_use(function["name"], "{}")))
