@@ -36,11 +36,22 @@ def step(message: str) -> None:
     print(f"\n== {message}", flush=True)
 
 
+def run_folder(path: Path) -> Path:
+    """`path`, a folder under run/, made with its parents first: a clean clone has no run/,
+    and each make target writes its logs in its own folder (never another target's)."""
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def run(cmd: list[str], check: bool = True, capture: bool = False, echo: bool = True, **kw) -> str:
-    """Run `cmd`; its output streams to ours unless captured. Raise StepFailed on error."""
+    """Run `cmd`; its output streams to ours unless captured. Raise StepFailed on error
+    (a program that is not installed included)."""
     if echo:
         print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, text=True, capture_output=capture, **kw)
+    try:
+        proc = subprocess.run(cmd, text=True, capture_output=capture, **kw)
+    except OSError as e:
+        raise StepFailed(f"{cmd[0]}: cannot run it ({e.strerror or e})") from None
     if check and proc.returncode != 0:
         detail = (proc.stderr or proc.stdout or "").strip()[-2000:] if capture else ""
         raise StepFailed(f"{' '.join(cmd[:3])}… exited {proc.returncode}\n{detail}")
@@ -80,20 +91,25 @@ def ensure_tools(need_debootstrap: bool) -> list[str]:
     return compose
 
 
-def ensure_dockerd(timeout: float = 60.0) -> subprocess.Popen | None:
-    """Start dockerd when no engine answers; return the process we started (or None)."""
+def ensure_dockerd(workdir: Path = WORKDIR, timeout: float = 60.0) -> subprocess.Popen | None:
+    """Start dockerd when no engine answers, its log in `workdir` (the calling target's run
+    folder, made if missing); return the process we started (or None)."""
     if ok(["docker", "info"]):
         return None
-    log = open(WORKDIR / "dockerd.log", "ab")
-    proc = subprocess.Popen(
-        ["dockerd"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    log.close()
+    log_path = run_folder(workdir) / "dockerd.log"
+    with open(log_path, "ab") as log:
+        try:
+            proc = subprocess.Popen(
+                ["dockerd"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            raise StepFailed(f"no Docker engine answers and dockerd cannot start: "
+                             f"{e.strerror or e}") from None  # fmt: skip
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise StepFailed(f"dockerd exited with {proc.returncode}; see {WORKDIR}/dockerd.log")
+            raise StepFailed(f"dockerd exited with {proc.returncode}; see {log_path}")
         if ok(["docker", "info"]):
             print(f"started dockerd (pid {proc.pid})", flush=True)
             return proc
@@ -183,7 +199,7 @@ class Stack:
     ):
         self.services, self.workdir = services, workdir
         self.ports = {"router": free_port(), "nats": free_port()}
-        self.env_file = workdir / "compose.env"
+        self.env_file = run_folder(workdir) / "compose.env"
         self.env_file.write_text(
             "\n".join(
                 [

@@ -46,6 +46,7 @@ from scripts.compose_stack import (
     ensure_tools,
     fill_wheels,
     run,
+    run_folder,
     step,
     tear_down,
 )
@@ -154,7 +155,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="leave the stack up at the end")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to get healthy")
     args = parser.parse_args()
-    WORKDIR.mkdir(parents=True, exist_ok=True)
+    run_folder(WORKDIR)
     dockerd, stack, code = None, None, 1
     started = time.monotonic()
     try:
@@ -162,7 +163,7 @@ def main() -> int:
         compose = ensure_tools(need_debootstrap=True)
         print("compose: " + " ".join(compose), flush=True)
         step("Docker engine")
-        dockerd = ensure_dockerd()
+        dockerd = ensure_dockerd(WORKDIR)
         step(f"base image {BASE_IMAGE}")
         ensure_base_image()
         step("wheel folder deploy/wheels (pip download on the host)")

@@ -65,6 +65,7 @@ from scripts.compose_stack import (
     ensure_dockerd,
     ensure_tools,
     fill_wheels,
+    run_folder,
     step,
     tear_down,
 )
@@ -98,7 +99,7 @@ def restart_all(stack: Stack, services: list[str], timeout: float, settle: float
     """Recreate each service in turn; [{service, begin, recreate_s, healthy_s, end}]. A
     recreated container's logs go with it: they are saved first, to logs/<service>.log."""
     done = []
-    (WORKDIR / "logs").mkdir(exist_ok=True)
+    run_folder(WORKDIR / "logs")
     for service in services:
         logs = stack("logs", "--no-color", "--timestamps", service, capture=True, echo=False)
         (WORKDIR / "logs" / f"{service}.log").write_text(logs)
@@ -295,12 +296,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    WORKDIR.mkdir(parents=True, exist_ok=True)
+    run_folder(WORKDIR)
     dockerd, stack, result, code = None, None, None, 1
     try:
         step("tools, Docker engine, base image, wheels, image (as make compose-test)")
         compose = ensure_tools(need_debootstrap=True)
-        dockerd = ensure_dockerd()
+        dockerd = ensure_dockerd(WORKDIR)
         ensure_base_image()
         fill_wheels(REPO / "deploy" / "wheels")
         build_image()
