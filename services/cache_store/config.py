@@ -49,6 +49,13 @@ class CacheStoreConfig(TransferConfig):
         default="16GiB",
         metadata={"help": "bytes of objects the SSD tier may hold (its oldest files go first)"},
     )
+    ssd_retry_interval: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds the SSD tier stays DRAM-only after a write failed (disk full, "
+            "read-only), before it tries the disk again"
+        },
+    )
 
     @property
     def segment_bytes(self) -> int:
@@ -67,6 +74,7 @@ class CacheStoreConfig(TransferConfig):
         if size < 4096:
             raise ValueError(f"{flag_name('segment_size')}: must be >= 4096 bytes, got {size}")
         require_positive(self, "heartbeat_interval")
+        require_positive(self, "ssd_retry_interval")
         try:
             ssd = parse_size(self.ssd_size)
         except ValueError as e:

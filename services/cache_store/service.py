@@ -92,6 +92,7 @@ class CacheStoreService(BaseService):
         self._sub: Any = None
         self.ssd: SsdTier | None = None
         self._ssd_reported = False  # the tier reported on the current mount
+        self._mounts = 0  # mounts begun: an order is valid only on the mount it came under
 
     @property
     def engine(self) -> TransferEngine:
@@ -126,6 +127,8 @@ class CacheStoreService(BaseService):
             "ssd_dir": self.config.ssd_dir,
             "ssd_objects": len(self.ssd.entries) if self.ssd else 0,
             "ssd_used": self.ssd.used if self.ssd else 0,
+            "ssd_degraded_s": round(self.ssd.degraded(), 1) if self.ssd else 0.0,
+            "ssd_write_errors": self.ssd.write_errors if self.ssd else 0,
         }
 
     def master(self, name: str) -> str:
@@ -146,7 +149,9 @@ class CacheStoreService(BaseService):
             state = "" if self.ssd is not None else ", no SSD tier"
             raise HandlerError(409, f"ssd order of epoch {req.epoch}; this store follows "
                                f"{self.epoch}{state}")  # fmt: skip
-        return await serve_order(self.ssd, self.segment.view, req)
+        mount = self._mounts
+        return await serve_order(self.ssd, self.segment.view, req,
+                                 lambda: self.mounted and self._mounts == mount)  # fmt: skip
 
     async def _grant(self, req: PoolGrant) -> PoolGrantReply:
         """A capability for one put or get of the master's (grants.py)."""
@@ -174,7 +179,8 @@ class CacheStoreService(BaseService):
         self._region = engine.register(segment.view)
         kept = await asyncio.to_thread(segment.load)
         if self.config.ssd_dir:
-            self.ssd = SsdTier(self.config.ssd_dir, self.config.ssd_bytes)
+            self.ssd = SsdTier(self.config.ssd_dir, self.config.ssd_bytes,
+                               self.config.ssd_retry_interval)  # fmt: skip
             dropped = await asyncio.to_thread(self.ssd.scan)
             log.info("ssd tier indexed", path=self.config.ssd_dir, objects=len(self.ssd.entries),
                      used=self.ssd.used, capacity=self.ssd.capacity, dropped=dropped)  # fmt: skip
@@ -251,6 +257,7 @@ class CacheStoreService(BaseService):
     async def _mount(self) -> None:
         """Mount in chunks; take the master's list (pages) and the updates sent meanwhile."""
         started = time.monotonic()
+        self._mounts += 1  # before the master can hand out ranges of this mount
         chunks = chunk_records(list(self.segment.index.values()))
         sid, self._early = self.config.service_id, []
         try:

@@ -13,19 +13,30 @@ at start `scan()` reads every file, checks its header and the xxh3-64 checksum o
 bytes, deletes the bad ones and stale .tmp files, and rebuilds the LRU from the files'
 modification times; the store then reports the tier to the master (PoolSsdReport).
 
+A write the disk refuses (ENOSPC, EROFS, EIO: any OSError) deletes its .tmp file and
+degrades the tier for --ssd-retry-interval seconds (`fail`): no spill is written, the
+master is told (`degraded` in its replies) and keeps those objects in DRAM only; reads
+(promotions) and removals go on. The first write after that tries the disk again.
+
+A promotion reads the file into memory first and copies it into the segment only if the
+order is still valid then (`promote_io`'s `valid`: the store is on the mount the order came
+under), so a late read never lands in a range the master has since handed out again.
+
 Threads: `scan`, `spill_io`, `promote_io` and `unlink` do the file I/O and are called with
-asyncio.to_thread; the index (`entries`, `used`) is changed only on the event loop, by
-`reserve`, `add`, `touch` and `forget`.
+asyncio.to_thread; the index (`entries`, `used`) and the degraded state are changed only
+on the event loop, by `reserve`, `add`, `touch`, `forget`, `fail` and `recovered`.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import xxhash
@@ -40,6 +51,8 @@ MAGIC = b"TNDMSSD1"
 _LEN = struct.Struct("<I")
 MAX_HEADER = 4096  # key up to 256 chars, tag, checksum: far below
 
+Promoted = Literal["done", "bad", "stale"]  # read in; file bad (deleted); order no longer valid
+
 
 @dataclass(frozen=True)
 class SsdEntry:
@@ -51,11 +64,15 @@ class SsdEntry:
 class SsdTier:
     """Files under `directory`, at most `capacity` object bytes, least recently used first."""
 
-    def __init__(self, directory: str | Path, capacity: int):
+    def __init__(self, directory: str | Path, capacity: int, retry_s: float = 30.0):
         self.directory = Path(directory)
         self.capacity = capacity
         self.entries: OrderedDict[str, SsdEntry] = OrderedDict()  # oldest first
         self.used = 0
+        self.retry_s = retry_s
+        self.degraded_until = 0.0  # time.monotonic(): no writes before
+        self.write_errors = 0
+        self.last_error = ""
 
     def path(self, key: str) -> Path:
         """Keys may be up to 256 chars (a file name is at most 255) and `..` is a valid key:
@@ -96,6 +113,29 @@ class SsdTier:
         if entry is not None:
             self.used -= entry.size
         return entry
+
+    # --- a disk that refuses writes (event loop) -------------------------------------------
+
+    def degraded(self) -> float:
+        """Seconds until the tier writes again (0: writable)."""
+        return max(0.0, self.degraded_until - time.monotonic())
+
+    def fail(self, error: OSError) -> None:
+        """A write failed: DRAM only for `retry_s` (logged when it starts, not per write)."""
+        if not self.degraded_until:
+            log.warning("ssd tier degraded: a write failed; objects stay in DRAM only until "
+                        "a retry", error=str(error), retry_s=self.retry_s,
+                        path=str(self.directory))  # fmt: skip
+        self.write_errors += 1
+        self.last_error = str(error)
+        self.degraded_until = time.monotonic() + self.retry_s
+
+    def recovered(self) -> None:
+        """A write succeeded: the tier is writable again."""
+        if self.degraded_until:
+            log.info("ssd tier writable again", path=str(self.directory),
+                     write_errors=self.write_errors)  # fmt: skip
+            self.degraded_until = 0.0
 
     # --- file I/O (threads) --------------------------------------------------------------
 
@@ -141,24 +181,37 @@ class SsdTier:
                                "checksum": record.checksum, "mac": record.mac})  # fmt: skip
         path = self.path(record.key)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + _LEN.pack(len(header)) + header)
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + _LEN.pack(len(header)) + header)
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            _unlink(tmp)  # a full disk must not keep the half-written file
+            raise
         return SsdEntry(record.size, record.checksum, record.mac)
 
-    def promote_io(self, view: memoryview, record: PoolRecord) -> bool:
-        """Read `record`'s file into the segment at `record.offset` (a thread); False (and
-        the file deleted) when it is missing or its header or checksum do not hold."""
+    def promote_io(
+        self, view: memoryview, record: PoolRecord, valid: Callable[[], bool] = lambda: True
+    ) -> Promoted:
+        """Read `record`'s file and, if `valid()` still holds, copy it into the segment at
+        `record.offset` (a thread). "bad" (and the file deleted) when it is missing or its
+        header or checksum do not hold; "stale" (nothing written) when the order is no
+        longer valid."""
         path = self.path(record.key)
         loaded = self._read(path, record.key)
         if loaded is None or (loaded[1].size, loaded[1].checksum) != (record.size,
                                                                      record.checksum):  # fmt: skip
             _unlink(path)
-            return False
+            return "bad"
+        if not valid():
+            return "stale"
         view[record.offset : record.offset + record.size] = loaded[2]
-        os.utime(path)  # its place in the LRU after a restart
-        return True
+        try:
+            os.utime(path)  # its place in the LRU after a restart
+        except OSError as e:
+            log.debug("ssd file time not updated", path=str(path), error=str(e))
+        return "done"
 
     def unlink(self, keys: list[str]) -> None:
         for key in keys:

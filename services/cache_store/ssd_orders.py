@@ -1,14 +1,19 @@
 """The master's orders for a store's SSD tier (PoolSsdOrder) and the store's report of it.
 
     spill    the master chose cold objects of my DRAM segment (still allocated there):
-             make room under --ssd-size (oldest files first), copy each object's bytes
-             in a thread, check the checksum over the copy, write its file
-    promote  a get wants objects my tier holds: read each file in a thread into the range
-             of my segment the master reserved, checking its header and checksum
-    remove   the objects were removed from the pool: delete their files
+             for each, make room under --ssd-size (oldest files first), copy its bytes
+             in a thread, check the checksum over the copy, write its file; a write the
+             disk refuses degrades the tier (ssd.py) and ends the order: what was written
+             is answered, the rest stays in DRAM only, the reply says for how long
+    promote  a get wants objects my tier holds: read each file in a thread, checking its
+             header and checksum, into the range of my segment the master reserved,
+             unless the order is no longer valid by then (`valid`: the store's mount)
+    remove   the objects were removed from the pool: delete their files (an empty one is
+             the master's fence, answered at once)
 
 Orders run one at a time (the endpoint is not concurrent), so a key is never spilled and
-promoted at once. The reply's `dropped` tells the master which keys the tier lost.
+promoted at once, and an answer means every earlier order has ended. The reply's
+`dropped` tells the master which keys the tier lost.
 After every mount the store reports its whole tier in chunks (`report`), so a restarted
 master, or a master that mounted a restarted store, knows what the SSD holds.
 """
@@ -16,6 +21,7 @@ master, or a master that mounted a restarted store, knows what the SSD holds.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from libs.common.bus.connection import Bus, HandlerError
@@ -28,13 +34,16 @@ from libs.common.messages.pool import (
     PoolSsdReport,
     chunk_records,
 )
-from services.cache_store.ssd import SsdTier
+from services.cache_store.ssd import SsdEntry, SsdTier
 
 log = get_logger(__name__)
 
 
-async def serve_order(tier: SsdTier, view: memoryview, req: PoolSsdOrder) -> PoolSsdReply:
-    """Carry out one order (the caller has checked the epoch)."""
+async def serve_order(
+    tier: SsdTier, view: memoryview, req: PoolSsdOrder, valid: Callable[[], bool] = lambda: True
+) -> PoolSsdReply:
+    """Carry out one order (the caller has checked the epoch; `valid()` says whether the
+    store is still on the mount the order came under)."""
     if req.op in ("spill", "promote"):
         for r in req.records:
             if r.offset < 0 or r.size <= 0 or r.offset + r.size > view.nbytes:
@@ -43,56 +52,71 @@ async def serve_order(tier: SsdTier, view: memoryview, req: PoolSsdOrder) -> Poo
     if req.op == "spill":
         return await _spill(tier, view, req.records)
     if req.op == "promote":
-        return await _promote(tier, view, req.records)
+        return await _promote(tier, view, req.records, valid)
     if req.op == "remove":
         keys = [r.key for r in req.records if tier.forget(r.key) is not None]
-        await asyncio.to_thread(tier.unlink, keys)
-        return PoolSsdReply(done=keys)
+        if keys:
+            await asyncio.to_thread(tier.unlink, keys)
+        return PoolSsdReply(done=keys, degraded=tier.degraded())
     raise HandlerError(400, f"ssd: unknown op {req.op!r}")
 
 
 async def _spill(tier: SsdTier, view: memoryview, records: list[PoolRecord]) -> PoolSsdReply:
-    todo = [r for r in records if r.key not in tier.entries]
     done = [r.key for r in records if r.key in tier.entries]  # already there: same key, bytes
+    if tier.degraded():
+        return PoolSsdReply(done=done, degraded=tier.degraded())
     keep = {r.key for r in records}
     dropped: list[str] = []
-    fits: list[PoolRecord] = []
-    for record in todo:
-        freed = tier.reserve(record.size, keep)
+    for record in [r for r in records if r.key not in tier.entries]:
+        freed = tier.reserve(record.size, keep)  # room for this one only, just before it
         if freed is None:
             continue  # larger than the tier, or the rest of the tier is this batch
         dropped += freed
         tier.used += record.size  # held until the write is done
-        fits.append(record)
-    await asyncio.to_thread(tier.unlink, dropped)
-    for record in fits:
         try:
-            entry = await asyncio.to_thread(tier.spill_io, view, record)
-        except OSError as e:  # disk full, permissions: the object simply stays unspilled
-            log.warning("ssd spill failed", key=record.key, error=str(e))
+            entry = await asyncio.to_thread(_write, tier, view, record, freed)
+        except OSError as e:  # disk full, read-only, failing: DRAM only for a while
+            tier.fail(e)
             entry = None
-        tier.used -= record.size
+        finally:
+            tier.used -= record.size
         if entry is not None:
             tier.add(record.key, entry)
+            tier.recovered()
             done.append(record.key)
-    return PoolSsdReply(done=done, dropped=dropped)
+        elif tier.degraded():
+            break
+    return PoolSsdReply(done=done, dropped=dropped, degraded=tier.degraded())
 
 
-async def _promote(tier: SsdTier, view: memoryview, records: list[PoolRecord]) -> PoolSsdReply:
+def _write(
+    tier: SsdTier, view: memoryview, record: PoolRecord, freed: list[str]
+) -> SsdEntry | None:
+    """Delete the files `record` displaces, then write its own (a thread)."""
+    tier.unlink(freed)
+    return tier.spill_io(view, record)
+
+
+async def _promote(tier: SsdTier, view: memoryview, records: list[PoolRecord],
+                   valid: Callable[[], bool]) -> PoolSsdReply:  # fmt: skip
     done: list[str] = []
     dropped: list[str] = []
     for record in records:
         if record.key not in tier.entries:
             dropped.append(record.key)
             continue
-        if await asyncio.to_thread(tier.promote_io, view, record):
+        result = await asyncio.to_thread(tier.promote_io, view, record, valid)
+        if result == "done":
             tier.touch(record.key)
             done.append(record.key)
+        elif result == "stale":
+            log.info("ssd promotion not written: the store mounted again since the order",
+                     key=record.key)  # fmt: skip
         else:
             log.warning("ssd file dropped: missing, or bad header or checksum", key=record.key)
             tier.forget(record.key)
             dropped.append(record.key)
-    return PoolSsdReply(done=done, dropped=dropped)
+    return PoolSsdReply(done=done, dropped=dropped, degraded=tier.degraded())
 
 
 async def report(bus: Bus, subject: str, tier: SsdTier | None, ref: dict[str, Any]) -> None:

@@ -4,8 +4,9 @@ master's choices (services/cache_master/tiers/ssd_index.py, the eviction's prefe
 from __future__ import annotations
 
 import os
+import time
 
-from libs.common.messages.pool import PoolRecord
+from libs.common.messages.pool import PoolRecord, PoolSsdOrder
 from services.cache_master.metadata.metadata import PoolLimits, PoolMetadata
 from services.cache_master.metadata.objects import PutSpec
 from services.cache_master.tiers.ssd_index import (
@@ -17,7 +18,9 @@ from services.cache_master.tiers.ssd_index import (
 )
 from services.cache_store.segment import checksum
 from services.cache_store.ssd import SsdEntry, SsdTier
+from services.cache_store.ssd_orders import serve_order
 from tests.pool.test_eviction import UNIT, full_segment
+from tests.pool.test_pool_ssd_faults import small_disk
 
 # --- the store's files -----------------------------------------------------------------------
 
@@ -39,11 +42,39 @@ def test_a_spilled_file_is_promoted_back_byte_equal_and_found_again_after_a_resc
         tier.add(r.key, tier.spill_io(view, r))
     target = memoryview(bytearray(4000))
     moved = PoolRecord("k1", 500, 3000, records[1].checksum, "")
-    assert tier.promote_io(target, moved)
+    assert tier.promote_io(target, moved) == "done"
     assert bytes(target[500:3500]) == bytes(view[1000:4000])
     again = SsdTier(tmp_path, 1 << 20)
     assert again.scan() == 0
     assert sorted(again.entries) == ["k0", "k1"] and again.used == 4000
+
+
+def test_a_promotion_no_longer_valid_reads_the_file_but_writes_nothing(tmp_path):
+    view, records = _segment_with([os.urandom(1000)])
+    tier = SsdTier(tmp_path, 1 << 20)
+    tier.add("k0", tier.spill_io(view, records[0]))
+    target = memoryview(bytearray(1000))
+    assert tier.promote_io(target, records[0], valid=lambda: False) == "stale"
+    assert bytes(target) == bytes(1000) and tier.path("k0").exists()
+
+
+async def test_a_full_disk_degrades_the_tier_leaves_no_tmp_and_retries_later(tmp_path):
+    with small_disk(tmp_path / "disk", "256k") as disk:  # 64 pages: 3 files of 17
+        view, records = _segment_with([os.urandom(64 << 10) for _ in range(6)])
+        tier = SsdTier(disk, 1 << 20, retry_s=3600)
+        reply = await serve_order(tier, view, PoolSsdOrder(1, "spill", records[:4]))
+        assert reply.done == ["k0", "k1", "k2"] and reply.dropped == []
+        assert reply.degraded > 3000 and tier.write_errors == 1
+        assert sorted(p.name for p in disk.iterdir()) == sorted(tier.path(k).name
+                                                                for k in reply.done)  # fmt: skip
+        tier.unlink(["k0"])  # room again, but the tier waits for its retry: no write
+        tier.forget("k0")
+        reply = await serve_order(tier, view, PoolSsdOrder(1, "spill", records[4:]))
+        assert reply.done == [] and tier.write_errors == 1 and len(list(disk.iterdir())) == 2
+        tier.degraded_until = time.monotonic()  # the retry interval is over
+        reply = await serve_order(tier, view, PoolSsdOrder(1, "spill", records[4:]))
+        assert reply.done == ["k4"] and reply.degraded > 0  # k5 found the disk full again
+        assert not list(disk.glob("*.tmp")) and sorted(tier.entries) == ["k1", "k2", "k4"]
 
 
 def test_bytes_that_changed_under_the_copy_are_not_spilled(tmp_path):

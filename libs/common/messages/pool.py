@@ -326,7 +326,9 @@ class PoolSsdOrder(Message, tag="pool_ssd_order"):
     my tier, checking the checksum over the copy), "promote" (read each record's file back
     into my segment at its `offset`, a range the master reserved, checking the checksum),
     or "remove" (delete their files; offsets unused). Refused (409) unless from the master
-    of the store's epoch. Answered with `PoolSsdReply`."""
+    of the store's epoch. Answered with `PoolSsdReply`. The store serves these one at a
+    time, in order: an empty "remove" is the master's fence (its answer means every order
+    sent before it has ended)."""
 
     epoch: int
     op: str
@@ -336,10 +338,12 @@ class PoolSsdOrder(Message, tag="pool_ssd_order"):
 class PoolSsdReply(Message, tag="pool_ssd_reply"):
     """`done`: the keys spilled, promoted or removed. `dropped`: keys the tier no longer
     holds (its --ssd-size bound dropped its oldest files to make room, or a file failed
-    its checksum and was deleted)."""
+    its checksum and was deleted). `degraded`: seconds until the tier writes again (its
+    disk refused a write: full, read-only; 0 when writable): send no spills before."""
 
     done: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    degraded: float = 0.0
 
 
 class PoolSsdReport(Message, tag="pool_ssd_report"):

@@ -63,6 +63,8 @@ class SsdIndex:
         self.by_store: dict[str, set[str]] = {}
         self.events: SsdEvents = {}
         self.spilled = self.promoted = self.dropped = 0
+        self.stranded = 0  # ranges held for promotions that got no answer (ssd_orders.py)
+        self.degraded = 0  # tiers whose disk refused a write: DRAM only for a while
 
     def add(self, store_id: str, key: str, copy: SsdCopy) -> None:
         self.copies.setdefault(key, {})[store_id] = copy
@@ -137,6 +139,8 @@ class SsdIndex:
             "spilled": self.spilled,
             "promoted": self.promoted,
             "dropped": self.dropped,
+            "stranded": self.stranded,
+            "degraded": self.degraded,
         }
 
 
@@ -205,11 +209,12 @@ def plan_spills(
 
 
 def reserve_promotions(
-    meta: PoolMetadata, index: SsdIndex, keys: Iterable[str], now: float
+    meta: PoolMetadata, index: SsdIndex, keys: Iterable[str], now: float, deadline: float = 0.0
 ) -> list[Promotion]:
     """For each key on SSD only: a range on the store that holds it (evicting there if
-    needed, as a put does), as a pending object of the metadata; one Promotion per store.
-    A key with no room is left out (a miss)."""
+    needed, as a put does), as a pending object of the metadata until `deadline` (default:
+    the put timeout); one Promotion per store. A key with no room is left out (a miss)."""
+    deadline = deadline or now + meta.limits.put_timeout
     by_store: dict[str, Promotion] = {}
     for key in dict.fromkeys(keys):
         held = ssd_only_copy(meta, index, key)
@@ -228,8 +233,7 @@ def reserve_promotions(
             promotion = by_store[store_id] = Promotion(store_id, secrets.token_hex(8))
         meta.objects[key] = PoolObject(key, copy.size, copy.checksum,
                                        [Replica(store_id, offset)], put_id=promotion.put_id,
-                                       put_deadline=now + meta.limits.put_timeout,
-                                       mac=copy.mac)  # fmt: skip
+                                       put_deadline=deadline, mac=copy.mac)  # fmt: skip
         segment.keys.add(key)
         promotion.records.append(PoolRecord(key, offset, copy.size, copy.checksum, copy.mac))
     return list(by_store.values())

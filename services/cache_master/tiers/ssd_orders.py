@@ -20,15 +20,23 @@
 
 Objects in a spill order are kept from eviction until it ends (`spilling_until`, which the
 LRU walk skips like a lease), so the copy always finishes before their ranges can be
-reused. Orders
-that fail or time out change nothing here (a spill is retried by a later round, a
-promotion is a miss). A store's tier drops its own oldest files when a spill needs room
-(--ssd-size); the reply names them and the master forgets them.
+reused. A spill order that fails or times out changes nothing here (a later round retries
+it). A store's tier drops its own oldest files when a spill needs room (--ssd-size); the
+reply names them and the master forgets them. A store whose disk refused a write answers
+`degraded` (seconds): no spill order goes there until then (DRAM only meanwhile).
+
+A promotion that times out is a miss, but the store may still be reading the file and
+write it into the reserved ranges later: those ranges stay allocated ("stranded", never
+handed to another put) until the store answers a later order on the same endpoint, an
+empty `remove` (the fence): the store serves its orders one at a time, in the order sent,
+so that answer means the late promotion has ended. The store also checks, just before it
+copies into its segment, that it is still on the mount the order came under.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -38,6 +46,7 @@ from libs.common.messages.pool import PoolRecord, PoolSsdOrder, PoolSsdReply, Po
 from services.cache_master.metadata.metadata import PoolMetadata
 from services.cache_master.metadata.objects import PoolObject, Segment
 from services.cache_master.tiers.ssd_index import (
+    Promotion,
     SsdCopy,
     SsdEvents,
     SsdIndex,
@@ -49,6 +58,7 @@ log = get_logger(__name__)
 
 SPILL_TIMEOUT_S = 30.0
 PROMOTE_TIMEOUT_S = 5.0
+FENCE_TIMEOUT_S = 10.0  # a fence not answered in time is sent again at the next sweep
 REPORT_IDLE_S = 30.0
 
 # A report in chunks: when its last chunk came, how many it has, the next index, the
@@ -72,6 +82,12 @@ class SsdTiers:
         self._cancelled: set[str] = set()  # removed while being spilled
         self._reports: dict[str, ReportSession] = {}  # store -> its report in progress
         self._task: asyncio.Task[None] | None = None
+        self._sent = itertools.count()  # orders sent, numbered (promotions and fences)
+        # store -> (segment, offset, number of the promotion's order): ranges a timed-out
+        # promotion may still write; freed when a fence sent after it is answered
+        self._stranded: dict[str, list[tuple[Segment, int, int]]] = {}
+        self._fences: dict[str, asyncio.Task[None]] = {}
+        self._degraded: dict[str, float] = {}  # store -> no spill orders before (monotonic)
 
     # --- spills --------------------------------------------------------------------------
 
@@ -81,10 +97,11 @@ class SsdTiers:
             self._task = asyncio.create_task(self._run(), name="pool-ssd-spill")
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
+        tasks = [t for t in (self._task, *self._fences.values()) if t is not None]
+        self._task, self._fences = None, {}
+        for task in tasks:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run(self) -> None:
         for _ in range(1000):  # bounded: a later kick starts again
@@ -101,7 +118,7 @@ class SsdTiers:
         now = time.monotonic()
         for store_id in self.index.capacity:
             segment = self.meta.segments.get(store_id)
-            if segment is not None:
+            if segment is not None and self._degraded.get(store_id, 0.0) <= now:
                 records = plan_spills(self.meta, self.index, segment, self.watermark,
                                       set(self._busy), now)  # fmt: skip
                 if records:
@@ -123,6 +140,7 @@ class SsdTiers:
         for (store_id, records), reply in zip(orders.items(), replies, strict=True):
             if reply is None:
                 continue
+            self._note_degraded(store_id, reply.degraded)
             done = set(reply.done)
             for r in records:
                 if r.key in done and r.key in self._cancelled:  # a file for nothing
@@ -168,22 +186,71 @@ class SsdTiers:
         if not self.index.copies:
             return 0
         now = time.monotonic()
-        promotions = reserve_promotions(self.meta, self.index, keys, now)
+        # Pending until the order ends: never reclaimed as an unfinished put before that.
+        deadline = now + PROMOTE_TIMEOUT_S + self.meta.limits.put_timeout
+        promotions = reserve_promotions(self.meta, self.index, keys, now, deadline)
         if not promotions:
             return 0
+        numbers = [next(self._sent) for _ in promotions]
         asks = [self._order(p.store_id, "promote", p.records, PROMOTE_TIMEOUT_S)
                 for p in promotions]  # fmt: skip
         replies = await asyncio.gather(*asks)
         promoted = 0
-        for promotion, reply in zip(promotions, replies, strict=True):
-            done = set(reply.done) if reply is not None else set()
+        for promotion, number, reply in zip(promotions, numbers, replies, strict=True):
+            if reply is None:  # the store may still write these ranges: hold them
+                self._strand(promotion, number)
+                continue
+            done = set(reply.done)
             keys_in = [r.key for r in promotion.records]
             promoted += len(self.meta.put_end(promotion.put_id, [k for k in keys_in if k in done]))
             self.meta.put_revoke(promotion.put_id, [k for k in keys_in if k not in done])
-            if reply is not None:
-                self._forget(promotion.store_id, reply.dropped)
+            self._forget(promotion.store_id, reply.dropped)
         self.index.promoted += promoted
         return sum(len(p.records) for p in promotions)
+
+    def _strand(self, promotion: Promotion, number: int) -> None:
+        """A promotion order that got no answer: its keys are misses (SSD only again), its
+        ranges stay allocated, out of the metadata's objects, until a fence frees them."""
+        segment = self.meta.segments.get(promotion.store_id)
+        if segment is None:
+            return  # the store is gone: its whole allocator went with it
+        held = self._stranded.setdefault(promotion.store_id, [])
+        for record in promotion.records:
+            obj = self.meta.objects.get(record.key)
+            if obj is None or obj.complete or obj.put_id != promotion.put_id:
+                continue
+            replica = obj.on(promotion.store_id)
+            if replica is not None:
+                self.meta.drop_replica(obj, segment, free=False)  # still allocated
+                held.append((segment, replica.offset, number))
+        self.index.stranded = sum(map(len, self._stranded.values()))
+        log.warning("ssd promotion unanswered; its ranges are held until the store answers "
+                    "a fence", store=promotion.store_id, ranges=len(held))  # fmt: skip
+        self._fence_later(promotion.store_id)
+
+    def _fence_later(self, store_id: str) -> None:
+        task = self._fences.get(store_id)
+        if self._stranded.get(store_id) and (task is None or task.done()):
+            self._fences[store_id] = asyncio.create_task(self._fence(store_id),
+                                                         name="pool-ssd-fence")  # fmt: skip
+
+    async def _fence(self, store_id: str) -> None:
+        """An empty `remove` order; its answer frees the ranges stranded by every promotion
+        order sent before it (the store serves orders one at a time, in order)."""
+        number = next(self._sent)
+        if await self._order(store_id, "remove", [], FENCE_TIMEOUT_S) is None:
+            return  # the sweep sends another
+        held = self._stranded.pop(store_id, [])
+        keep = [h for h in held if h[2] > number]
+        segment = self.meta.segments.get(store_id)
+        for owner, offset, _ in (h for h in held if h[2] < number):
+            if owner is segment:  # not a segment mounted since (a new allocator)
+                owner.allocator.free(offset)
+        if keep:
+            self._stranded[store_id] = keep
+        self.index.stranded = sum(map(len, self._stranded.values()))
+        log.info("ssd ranges of unanswered promotions freed", store=store_id,
+                 ranges=len(held) - len(keep))  # fmt: skip
 
     async def published(self) -> None:
         """After a get's promotions: index updates and tier `pool` events of what they made
@@ -236,18 +303,38 @@ class SsdTiers:
         return len(records)
 
     async def sweep(self) -> None:
-        """Forget the tiers of stores no longer mounted, and idle report sessions."""
+        """Forget the tiers of stores no longer mounted, and idle report sessions; fence
+        again where ranges are still stranded."""
+        now = time.monotonic()
         for store_id in [s for s in self.index.by_store if s not in self.meta.segments]:
             self.index.drop_store(store_id)
         for store_id in [s for s in self.index.capacity if s not in self.meta.segments]:
             self.index.capacity.pop(store_id, None)
-        now = time.monotonic()
+        for store_id in list(self._stranded):
+            if store_id in self.meta.segments:
+                self._fence_later(store_id)
+            else:  # gone: its allocator with it
+                del self._stranded[store_id]
+        self.index.stranded = sum(map(len, self._stranded.values()))
+        self._degraded = {s: t for s, t in self._degraded.items() if t > now}
+        self.index.degraded = len(self._degraded)
         for store_id in [s for s, r in self._reports.items() if now - r[0] > REPORT_IDLE_S]:
             del self._reports[store_id]
         await self.publish_events(self.index.take_events())
         self.kick()
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _note_degraded(self, store_id: str, seconds: float) -> None:
+        """A store whose disk refused a write: no spill orders for `seconds`."""
+        if seconds > 0:
+            if store_id not in self._degraded:
+                log.warning("ssd tier degraded: DRAM only there for a while", store=store_id,
+                            seconds=round(seconds, 1))  # fmt: skip
+            self._degraded[store_id] = time.monotonic() + min(seconds, 3600.0)
+        else:
+            self._degraded.pop(store_id, None)
+        self.index.degraded = len(self._degraded)
 
     def _forget(self, store_id: str, keys: list[str]) -> None:
         for key in keys:
