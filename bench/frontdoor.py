@@ -1,0 +1,310 @@
+"""The front door under attack and overload: what one hostile client costs everyone else.
+
+    python -m bench.frontdoor --json frontdoor.json            # a stack of its own
+    python -m bench.frontdoor --base-url http://127.0.0.1:8000/v1 --api-key KEY
+
+Part 1, hostile inputs (bench/frontdoor_cases.py). For each: two greedy chat streams are
+started, then the hostile request is sent while a separate process polls GET /health every
+20 ms (its own process, so nothing the bench does delays the poll). Reported per case: the
+router's answer (status, seconds), the /health p99 and max over the case's window, and
+whether both streams finished with the text they give alone. Then a thousand sockets that
+never finish a request are held open meanwhile, the same way.
+
+Part 2, overload: closed-loop clients (each sends its next request when the last ends;
+after a 429 it waits Retry-After, at most 1 s) at capacity, 2x and 4x. Goodput is the
+requests per second that finished with TTFT under --ttft-slo; a refusal is a 429 and its
+latency is measured. Goals (issue 39): every hostile case refused or served with the
+/health p99 under 100 ms and both streams correct; at 4x every excess request answered 429
+within 50 ms; goodput at 2x >= 90% of goodput at capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import multiprocessing as mp
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench import report
+from bench.deployments import Deployment, Topology
+from bench.frontdoor_cases import cases, hold_slow_sockets
+from libs.common import event_loop
+
+POLL_S = 0.02
+STREAM_PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _poll(host: str, port: int, conn: Any) -> None:
+    """The poller (a child process): GET /health every POLL_S until told to stop; sends
+    back [(start, seconds)] with CLOCK_MONOTONIC times (shared by the processes)."""
+    out: list[tuple[float, float]] = []
+    client = http.client.HTTPConnection(host, port, timeout=30)
+    while not conn.poll():
+        t0 = time.monotonic()
+        try:
+            client.request("GET", "/health")
+            client.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            client.close()
+            client = http.client.HTTPConnection(host, port, timeout=30)
+        out.append((t0, time.monotonic() - t0))
+        time.sleep(max(0.0, POLL_S - (time.monotonic() - t0)))
+    conn.send(out)
+
+
+class Poller:
+    def __init__(self, base: str):
+        host, port = base.removeprefix("http://").split("/")[0].split(":")
+        self._conn, child = mp.Pipe()
+        self._proc = mp.get_context("spawn").Process(target=_poll, args=(host, int(port), child))
+        self._proc.start()
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._conn.send("stop")
+        polls = self._conn.recv()
+        self._proc.join(10)
+        return polls
+
+
+def window(polls: list[tuple[float, float]], start: float, end: float) -> dict[str, float]:
+    """/health latency (ms) of the polls that started in [start, end] or overlapped it."""
+    ms = [s * 1e3 for t, s in polls if t <= end and t + s >= start]
+    p99, worst = _pct(ms, 0.99), max(ms or [0.0])
+    return {"polls": len(ms), "p99_ms": round(p99, 1), "max_ms": round(worst, 1)}
+
+
+async def stream_chat(http: aiohttp.ClientSession, base: str, model: str, headers: dict,
+                      max_tokens: int, prompt: str = STREAM_PROMPT) -> dict[str, Any]:  # fmt: skip
+    """One streamed greedy chat: its text, finish reason, TTFT, status (a 429 ends it)."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"status": 0, "text": "", "finish": None, "ttft": None}
+    try:
+        async with http.post(base + "/chat/completions", json=body, headers=headers) as r:
+            out["status"] = r.status
+            if r.status != 200:
+                out["retry_after"] = float(r.headers.get("Retry-After", "1") or 1)
+                await r.read()
+                out["seconds"] = time.monotonic() - t0
+                return out
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                for choice in orjson.loads(line[6:]).get("choices", []):
+                    delta = choice.get("delta", {}).get("content") or ""
+                    if delta and out["ttft"] is None:
+                        out["ttft"] = time.monotonic() - t0
+                    out["text"] += delta
+                    out["finish"] = choice.get("finish_reason") or out["finish"]
+    except (aiohttp.ClientError, TimeoutError) as e:
+        out["error"] = type(e).__name__
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def _same(got: dict[str, Any], ref: dict[str, Any]) -> bool:
+    return got["status"] == 200 and got["text"] == ref["text"] and got["finish"] == ref["finish"]
+
+
+async def hostile(base: str, model: str, headers: dict, slow_sockets: int, hold_s: float,
+                  only: list[str]) -> dict:  # fmt: skip
+    poller = Poller(base)
+    results: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=300)
+    try:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+            ref = await stream_chat(http, base, model, headers, 48)
+            print(f"reference stream: {ref['status']} {ref['finish']}", file=sys.stderr)
+            for case in cases(model):
+                if only and case.name not in only:
+                    continue
+                streams = [asyncio.ensure_future(stream_chat(http, base, model, headers, 48))
+                           for _ in range(2)]  # fmt: skip
+                await asyncio.sleep(0.3)
+                start = time.monotonic()
+                sent = await case.send(http, base, headers)
+                end = time.monotonic()
+                done = await asyncio.gather(*streams)
+                results[case.name] = {
+                    "what": case.what,
+                    "statuses": sorted(set(sent.statuses)),
+                    "answered_s_max": round(max(sent.seconds), 3),
+                    "window": (start, end + 0.2),
+                    "streams_ok": all(_same(d, ref) for d in done),
+                    **({"note": sent.note} if sent.note else {}),
+                }
+                print(f"{case.name}: {results[case.name]['statuses']} "
+                      f"in {results[case.name]['answered_s_max']} s", file=sys.stderr)  # fmt: skip
+            host, port = base.removeprefix("http://").split("/")[0].split(":")
+            auth = headers.get("Authorization", "")
+            streams = [asyncio.ensure_future(stream_chat(http, base, model, headers, 48))
+                       for _ in range(2)]  # fmt: skip
+            start = time.monotonic()
+            held = asyncio.ensure_future(
+                hold_slow_sockets(host, int(port), slow_sockets, hold_s, auth)
+            )
+            await asyncio.sleep(min(5.0, hold_s / 2))
+            during = await stream_chat(http, base, model, headers, 8, "Hello")
+            held_result = await held
+            done = await asyncio.gather(*streams)
+            results["slow_sockets"] = {
+                "what": f"{slow_sockets} sockets that never finish a request, held {hold_s} s",
+                **held_result,
+                "request_during": during["status"],
+                "window": (start, time.monotonic()),
+                "streams_ok": all(_same(d, ref) for d in done),
+            }
+    finally:
+        polls = poller.stop()
+    for r in results.values():
+        r.update(health=window(polls, *r.pop("window")))
+    return results
+
+
+class Level:
+    """One overload level's tally: TTFTs of the served, latencies of the 429s, failures."""
+
+    def __init__(self) -> None:
+        self.ttfts: list[float] = []
+        self.refused: list[float] = []
+        self.failed = 0
+
+    async def client(self, http: aiohttp.ClientSession, base: str, model: str, headers: dict,
+                     *, max_tokens: int, i: int, end: float) -> None:  # fmt: skip
+        n = 0
+        while time.monotonic() < end and n < 10_000:
+            n += 1
+            prompt = f"Client {i} request {n}: {STREAM_PROMPT}"
+            r = await stream_chat(http, base, model, headers, max_tokens, prompt)
+            if r["status"] == 429:
+                self.refused.append(r["seconds"])
+                await asyncio.sleep(min(1.0, r.get("retry_after", 1.0)))
+            elif r["status"] == 200 and r["ttft"] is not None and "error" not in r:
+                self.ttfts.append(r["ttft"])
+            else:
+                self.failed += 1
+
+    def summary(self, clients: int, wall: float, ttft_slo: float) -> dict[str, Any]:
+        good = sum(1 for t in self.ttfts if t <= ttft_slo)
+        refused_ms = [s * 1e3 for s in self.refused]
+        return {
+            "clients": clients,
+            "wall_s": round(wall, 1),
+            "served": len(self.ttfts),
+            "goodput_rps": round(good / wall, 3),
+            "ttft_p50_s": round(_pct(self.ttfts, 0.5), 3),
+            "ttft_p90_s": round(_pct(self.ttfts, 0.9), 3),
+            "refused_429": len(refused_ms),
+            "refused_p99_ms": round(_pct(refused_ms, 0.99), 1) if refused_ms else None,
+            "refused_max_ms": round(max(refused_ms), 1) if refused_ms else None,
+            "failed": self.failed,
+        }
+
+
+async def overload(base: str, model: str, headers: dict, capacity: int, *, seconds: float,
+                   ttft_slo: float, max_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """Closed-loop clients at 1x, 2x and 4x `capacity`, `seconds` each."""
+    out: dict[str, Any] = {}
+    for factor in (1, 2, 4):
+        clients, level = capacity * factor, Level()
+        timeout = aiohttp.ClientTimeout(total=300)
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+            t0 = time.monotonic()
+            end = t0 + seconds
+            runs = [level.client(http, base, model, headers, max_tokens=max_tokens, i=i, end=end)
+                    for i in range(clients)]  # fmt: skip
+            await asyncio.gather(*runs)
+            wall = time.monotonic() - t0
+        out[f"{factor}x"] = level.summary(clients, wall, ttft_slo)
+        print(f"overload {factor}x: {out[f'{factor}x']}", file=sys.stderr)
+    base_good = out["1x"]["goodput_rps"] or float("nan")
+    out["goodput_2x_over_1x"] = round(out["2x"]["goodput_rps"] / base_good, 3)
+    return out
+
+
+def verdicts(res: dict[str, Any]) -> dict[str, bool]:
+    v: dict[str, bool] = {}
+    for name, r in res.get("hostile", {}).items():
+        v[f"{name}: /health p99 < 100 ms and streams correct"] = (
+            r["health"]["p99_ms"] < 100 and r["streams_ok"]
+        )
+    ov = res.get("overload")
+    if ov:
+        v["4x: every refusal within 50 ms"] = (ov["4x"]["refused_max_ms"] or 0) <= 50
+        v["2x goodput >= 90% of 1x"] = ov["goodput_2x_over_1x"] >= 0.9
+    return v
+
+
+async def run(a: argparse.Namespace) -> dict[str, Any]:
+    deployment = None
+    key = a.api_key
+    if not a.base_url:
+        key = key or "sk-frontdoor-" + secrets.token_hex(6)
+        workdir = Path(tempfile.mkdtemp(prefix="frontdoor-"))
+        worker = ["--num-threads", "1", "--transport", "tcp"]
+        topo = Topology("frontdoor", 1, 1, worker_args=worker,
+                        router_args=["--api-key", key, *a.router_arg])  # fmt: skip
+        deployment = Deployment(topo, workdir)
+        print(f"starting a stack in {workdir}", file=sys.stderr)
+        await deployment.start()
+    base = a.base_url or (deployment.url if deployment else "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    res: dict[str, Any] = {"base_url": base, "date": now}
+    try:
+        if not a.skip_hostile:
+            res["hostile"] = await hostile(base, a.model, headers, a.slow_sockets, a.hold, a.only)
+        if not a.skip_overload:
+            load = {"seconds": a.seconds, "ttft_slo": a.ttft_slo, "max_tokens": a.max_tokens}
+            res["overload"] = await overload(base, a.model, headers, a.capacity, **load)
+            res["overload"]["ttft_slo_s"] = a.ttft_slo
+    finally:
+        if deployment is not None:
+            deployment.stop()
+    res["verdicts"] = verdicts(res)
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.frontdoor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--base-url", default="", help="an existing stack's /v1 (default: start one)")
+    p.add_argument("--api-key", default="")
+    p.add_argument("--model", default="default")
+    p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeat)")
+    p.add_argument("--slow-sockets", type=int, default=1000)
+    p.add_argument("--hold", type=float, default=20.0, help="seconds the slow sockets are held")
+    p.add_argument("--capacity", type=int, default=16, help="streams the stack serves at once")
+    p.add_argument("--seconds", type=float, default=40.0, help="per overload level")
+    p.add_argument("--ttft-slo", type=float, default=3.0, help="goodput's TTFT limit, seconds")
+    p.add_argument("--max-tokens", type=int, default=32, help="per overload request")
+    p.add_argument("--only", action="append", default=[], help="hostile case to run (repeat)")
+    p.add_argument("--skip-hostile", action="store_true")
+    p.add_argument("--skip-overload", action="store_true")
+    p.add_argument("--json", type=Path, help="write the results here too")
+    a = p.parse_args(argv)
+    res = event_loop.run(run(a))
+    if a.json:
+        report.write_json(a.json, res)
+    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode())
+
+
+if __name__ == "__main__":
+    main()
