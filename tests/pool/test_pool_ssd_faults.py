@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import subprocess
 import time
@@ -20,7 +21,9 @@ import pytest
 from libs.common.messages.control import InfoRequest, ServiceInfo
 from tests.pool.test_pool_ssd import (
     COUNT,
+    MASTER,
     SIZE,
+    _ssd_tiers,
     _until,
     put_one_by_one,
     read_back,
@@ -30,10 +33,22 @@ from tests.pool.test_pool_ssd import (
 )
 
 
-def feed(path, data: bytes) -> None:
-    """Write `data` into the named pipe at `path`, whose reader must be waiting already
-    (ENXIO otherwise: the store is not reading it)."""
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+async def reader_waiting(path) -> int:
+    """The write end of the named pipe at `path`, once the store has opened it to read
+    (ENXIO before that); bounded in time."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
+def feed(fd: int, data: bytes) -> None:
+    """Write `data` into a named pipe's write end and close it: the reader gets the bytes,
+    then the end of the file."""
     try:
         os.set_blocking(fd, True)
         view = memoryview(data)
@@ -41,6 +56,15 @@ def feed(path, data: bytes) -> None:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def stall(path) -> bytes:
+    """Put a named pipe in place of the file at `path` (its bytes returned): the store's
+    read of it waits for the test, as on a disk that has stalled."""
+    content = path.read_bytes()
+    path.unlink()
+    os.mkfifo(path)
+    return content
 
 
 async def test_a_late_promotion_never_writes_into_a_range_handed_out_again(pool_procs,
@@ -54,16 +78,14 @@ async def test_a_late_promotion_never_writes_into_a_range_handed_out_again(pool_
         assert await h.client.batch_exists(only) == 2
         victim, other = only
         path = ssd_file(h, victim)
-        content = path.read_bytes()
-        path.unlink()
-        os.mkfifo(path)  # the store's read of it now waits for the test: a stalled disk
+        content = stall(path)
         started = time.monotonic()
         (res,) = await h.client.batch_get([victim], h.mem, [h.half], SIZE)
         assert not res.ok and time.monotonic() - started >= 4.5, "the promotion timed out"
         assert (await h.client.stats()).ssd["stranded"] == 1  # its range is held
         fresh = [f"fresh-{i:02d}" for i in range(8)]  # free ranges are handed out again
         fresh_blobs = await put_one_by_one(h, fresh)
-        await asyncio.to_thread(feed, path, content)  # the read ends: late
+        await asyncio.to_thread(feed, await reader_waiting(path), content)  # late
         # The store serves its orders one at a time: a removal's answer comes after the
         # late promotion has copied (or not) its bytes into the segment.
         assert await h.client.remove([other]) == 1
@@ -74,6 +96,34 @@ async def test_a_late_promotion_never_writes_into_a_range_handed_out_again(pool_
         tmp.write_bytes(content)
         os.replace(tmp, path)  # the disk is well again: the entry was never lost
         assert await read_back(h, [victim]) == {victim: blobs[victim]}
+
+
+async def test_a_promotion_late_across_a_new_master_writes_nothing(pool_procs, nats_url,
+                                                                    tmp_path):  # fmt: skip
+    """The master that ordered it is gone (kill -9); the new one knows nothing of the
+    promotion's range and hands it out: the store, mounted again since the order, must
+    not copy the late read into its segment."""
+    async with ssd_pool(pool_procs, nats_url, tmp_path) as h:
+        keys = [f"gone-{i:02d}" for i in range(COUNT)]
+        await put_one_by_one(h, keys)
+        await _until(lambda: spills_settled(h, keys), "the spills settle")
+        victim, other = [k for k in keys if ssd_file(h, k).exists()][:2]
+        path = ssd_file(h, victim)
+        content = stall(path)
+        get = asyncio.create_task(h.client.batch_get([victim], h.mem, [h.half], SIZE))
+        fd = await reader_waiting(path)  # the store is reading it for the promotion
+        pool_procs.kill("master")
+        pool_procs.master(*MASTER)
+        with contextlib.suppress(Exception):  # its master is gone: an error or a miss
+            await get
+        await h.wait_stores(1)
+        await _until(lambda: _ssd_tiers(h), "the store mounted and reported to the new master")
+        fresh = [f"fresh-{i:02d}" for i in range(8)]
+        fresh_blobs = await put_one_by_one(h, fresh)
+        await asyncio.to_thread(feed, fd, content)
+        assert await h.client.remove([other]) == 1  # answered after the late promotion
+        assert await read_back(h, fresh) == fresh_blobs
+        assert "ssd promotion not written" in pool_procs.log("s1")
 
 
 def _no_stranded(h):
