@@ -74,15 +74,19 @@ async def test_a_late_promotion_never_writes_into_a_range_handed_out_again(pool_
         keys = [f"late-{i:02d}" for i in range(COUNT)]
         blobs = await put_one_by_one(h, keys)
         await _until(lambda: spills_settled(h, keys), "the spills settle")
-        only = [k for k in keys if ssd_file(h, k).exists()][:2]  # the oldest: SSD only
-        assert await h.client.batch_exists(only) == 2
-        victim, other = only
+        only = [k for k in keys if ssd_file(h, k).exists()][:3]  # the oldest: SSD only
+        assert await h.client.batch_exists(only) == 3
+        victim, other, third = only
         path = ssd_file(h, victim)
         content = stall(path)
         started = time.monotonic()
         (res,) = await h.client.batch_get([victim], h.mem, [h.half], SIZE)
         assert not res.ok and time.monotonic() - started >= 4.5, "the promotion timed out"
         assert (await h.client.stats()).ssd["stranded"] == 1  # its range is held
+        started = time.monotonic()  # the store is busy with it: no promotion queues behind
+        (res,) = await h.client.batch_get([third], h.mem, [h.half], SIZE)
+        assert not res.ok and time.monotonic() - started < 2.5
+        assert (await h.client.stats()).ssd["stranded"] == 1
         fresh = [f"fresh-{i:02d}" for i in range(8)]  # free ranges are handed out again
         fresh_blobs = await put_one_by_one(h, fresh)
         await asyncio.to_thread(feed, await reader_waiting(path), content)  # late
@@ -95,7 +99,7 @@ async def test_a_late_promotion_never_writes_into_a_range_handed_out_again(pool_
         tmp = path.with_name(path.name + ".new")
         tmp.write_bytes(content)
         os.replace(tmp, path)  # the disk is well again: the entry was never lost
-        assert await read_back(h, [victim]) == {victim: blobs[victim]}
+        assert await read_back(h, [victim, third]) == {k: blobs[k] for k in (victim, third)}
 
 
 async def test_a_promotion_late_across_a_new_master_writes_nothing(pool_procs, nats_url,

@@ -209,16 +209,23 @@ def plan_spills(
 
 
 def reserve_promotions(
-    meta: PoolMetadata, index: SsdIndex, keys: Iterable[str], now: float, deadline: float = 0.0
+    meta: PoolMetadata,
+    index: SsdIndex,
+    keys: Iterable[str],
+    now: float,
+    deadline: float = 0.0,
+    skip: Iterable[str] = (),
 ) -> list[Promotion]:
     """For each key on SSD only: a range on the store that holds it (evicting there if
     needed, as a put does), as a pending object of the metadata until `deadline` (default:
-    the put timeout); one Promotion per store. A key with no room is left out (a miss)."""
+    the put timeout); one Promotion per store. A key with no room, or held by a store in
+    `skip`, is left out (a miss)."""
     deadline = deadline or now + meta.limits.put_timeout
+    skipped = set(skip)
     by_store: dict[str, Promotion] = {}
     for key in dict.fromkeys(keys):
         held = ssd_only_copy(meta, index, key)
-        if held is None:
+        if held is None or held[0] in skipped:
             continue
         store_id, copy = held
         segment = meta.segments[store_id]

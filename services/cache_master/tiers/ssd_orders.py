@@ -29,8 +29,11 @@ A promotion that times out is a miss, but the store may still be reading the fil
 write it into the reserved ranges later: those ranges stay allocated ("stranded", never
 handed to another put) until the store answers a later order on the same endpoint, an
 empty `remove` (the fence): the store serves its orders one at a time, in the order sent,
-so that answer means the late promotion has ended. The store also checks, just before it
-copies into its segment, that it is still on the mount the order came under.
+so that answer means the late promotion has ended. Until then no promotion or spill is
+ordered there (it would only queue behind the stalled one): its SSD-only keys are misses
+at once, so a disk that hangs strands one order's ranges, not one per get. The store also
+checks, just before it copies into its segment, that it is still on the mount the order
+came under.
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ class SsdTiers:
         now = time.monotonic()
         for store_id in self.index.capacity:
             segment = self.meta.segments.get(store_id)
-            if segment is not None and self._degraded.get(store_id, 0.0) <= now:
+            if (segment is not None and self._degraded.get(store_id, 0.0) <= now
+                    and store_id not in self._stranded):  # fmt: skip
                 records = plan_spills(self.meta, self.index, segment, self.watermark,
                                       set(self._busy), now)  # fmt: skip
                 if records:
@@ -188,7 +192,10 @@ class SsdTiers:
         now = time.monotonic()
         # Pending until the order ends: never reclaimed as an unfinished put before that.
         deadline = now + PROMOTE_TIMEOUT_S + self.meta.limits.put_timeout
-        promotions = reserve_promotions(self.meta, self.index, keys, now, deadline)
+        # A store with a promotion unanswered is still busy with it (one order at a time):
+        # a new one would only wait behind it and strand more DRAM; a miss at once instead.
+        promotions = reserve_promotions(self.meta, self.index, keys, now, deadline,
+                                        skip=self._stranded)  # fmt: skip
         if not promotions:
             return 0
         numbers = [next(self._sent) for _ in promotions]
@@ -223,6 +230,9 @@ class SsdTiers:
             if replica is not None:
                 self.meta.drop_replica(obj, segment, free=False)  # still allocated
                 held.append((segment, replica.offset, number))
+        if not held:
+            del self._stranded[promotion.store_id]
+            return
         self.index.stranded = sum(map(len, self._stranded.values()))
         log.warning("ssd promotion unanswered; its ranges are held until the store answers "
                     "a fence", store=promotion.store_id, ranges=len(held))  # fmt: skip
