@@ -42,6 +42,13 @@ class RouterConfig(CommonConfig):
     worker_timeout: float = field(
         default=3.0, metadata={"help": "seconds without a load report before a worker is dropped"}
     )
+    worker_forget_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds without a load report before a worker dropped from rotation "
+            "loses its KV index entries (>= --worker-timeout; one back sooner keeps them)"
+        },
+    )
     heartbeat_interval: float = field(
         default=0.5, metadata={"help": "seconds between this router's heartbeats to the workers"}
     )
@@ -50,6 +57,13 @@ class RouterConfig(CommonConfig):
         metadata={
             "help": "seconds without a heartbeat after which workers cancel this router's "
             "requests (at least 2 heartbeat intervals)"
+        },
+    )
+    heartbeat_max_stall: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds this router's event loop may stall before its workers take it "
+            "for hung: a process of its own beats meanwhile (0: beat from the loop only)"
         },
     )
     generate_timeout: float = field(
@@ -117,6 +131,7 @@ class RouterConfig(CommonConfig):
             "max_pending",
             "max_n",
             "worker_timeout",
+            "worker_forget_timeout",
             "heartbeat_interval",
             "heartbeat_timeout",
             "generate_timeout",
@@ -128,6 +143,15 @@ class RouterConfig(CommonConfig):
             "responses_max_mb",
         ):
             require_positive(self, name)
+        if self.heartbeat_max_stall < 0:
+            raise ValueError(
+                f"--heartbeat-max-stall: must be >= 0, got {self.heartbeat_max_stall:g}"
+            )
+        if self.worker_forget_timeout < self.worker_timeout:
+            raise ValueError(
+                f"--worker-forget-timeout: must be at least --worker-timeout "
+                f"({self.worker_timeout:g}), got {self.worker_forget_timeout:g}"
+            )
         if self.heartbeat_timeout < 2 * self.heartbeat_interval:
             raise ValueError(
                 f"--heartbeat-timeout: must be at least 2 x --heartbeat-interval "

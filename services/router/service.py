@@ -33,6 +33,7 @@ from services.router.dispatch.heartbeat import Heartbeat, new_instance_id
 from services.router.metrics import RouterMetrics
 from services.router.routing.kv_feed import KvFeed
 from services.router.routing.kv_index import KvIndex
+from services.router.routing.loop_clock import LoopClock
 from services.router.routing.policy import PolicyConfig
 from services.router.routing.selector import RouteSelector
 from services.router.routing.workers import WorkerTable
@@ -57,6 +58,7 @@ class RouterService(BaseService):
         self._feed: KvFeed | None = None
         self._load_sub: Any = None
         self._prune_task: asyncio.Task | None = None
+        self._clock = LoopClock(_PRUNE_S)  # made again at start, next to the WorkerTable
         self.instance = new_instance_id()  # this process, as workers know it
         self._heartbeat: Heartbeat | None = None
 
@@ -73,7 +75,8 @@ class RouterService(BaseService):
         loop = asyncio.get_running_loop()
         tokenizer, model_id, max_len = await loop.run_in_executor(None, load_tokenizer, cfg.model)
         defaults = await loop.run_in_executor(None, load_defaults, cfg.model, cfg.sampling_flags)
-        workers = WorkerTable(cfg.worker_timeout)
+        self._clock = LoopClock(_PRUNE_S)  # the router's stalls are not its workers' silence
+        workers = WorkerTable(cfg.worker_timeout, self._clock, cfg.worker_forget_timeout)
         index = KvIndex(cfg.kv_index_max_keys)
         metrics = RouterMetrics(cfg.model_name)
         policy = PolicyConfig(
@@ -122,7 +125,8 @@ class RouterService(BaseService):
         beat = RouterHeartbeat(router=self.instance, service_id=cfg.service_id,
                                interval=cfg.heartbeat_interval, timeout=cfg.heartbeat_timeout,
                                timestamp=0.0)  # fmt: skip
-        self._heartbeat = Heartbeat(self.bus, prefix, beat)
+        self._heartbeat = Heartbeat(self.bus, prefix, beat, cfg.heartbeat_max_stall,
+                                    cfg.log_level, cfg.log_format)  # fmt: skip
         await self._heartbeat.start()
         self._runner = web.AppRunner(
             build_app(state),
@@ -144,6 +148,7 @@ class RouterService(BaseService):
             return
         if self.state is not None and self.state.workers.update(report):
             log.info("worker joined", worker=report.worker, role=report.role)
+            self._forget()  # back as another instance: its old cache entries go at once
             if report.model_id != self.state.model_id:
                 log.warning(
                     "worker serves another model; it will not be routed to",
@@ -156,10 +161,21 @@ class RouterService(BaseService):
         state = self.state
         while state is not None:
             await asyncio.sleep(_PRUNE_S)
+            late = self._clock.tick()
+            if late > _PRUNE_S:  # this loop stalled: read the reports queued meanwhile first
+                log.warning("router event loop stalled", seconds=round(late, 2))
+                continue
             for w in state.workers.prune():
                 log.warning("worker left rotation (no load report)", worker=w.id, role=w.role)
-                state.index.drop_source(w.id)
                 state.metrics.forget_worker(w)
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drop the index entries of the workers that are really gone (routing/workers.py)."""
+        if self.state is not None:
+            for w in self.state.workers.forget():
+                log.info("worker forgotten; its KV index entries dropped", worker=w.id)
+                self.state.index.drop_source(w.id)
 
     async def on_stop(self) -> None:
         runner, self._runner = self._runner, None

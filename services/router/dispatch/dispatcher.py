@@ -323,8 +323,11 @@ class Dispatcher:
         workers still report, that its order still moves. One timer for all streams, none
         per stream or per chunk; a stream that fails here ends with the reason."""
         while self._waiting:
+            asked = time.monotonic() + _POLL_S
             await asyncio.sleep(_POLL_S)
             now = time.monotonic()
+            if now - asked > _POLL_S:  # this loop stalled: the chunks queued meanwhile first
+                continue
             for stream in list(self._waiting):
                 try:
                     if now >= stream.deadline:

@@ -2,7 +2,12 @@
 
 A worker is live while its last report is younger than `timeout` seconds; `prune()` takes
 the silent ones out of rotation and returns them (the service then fails over what they
-held). Besides the last report, the table keeps what this router sent a worker since:
+held). A pruned worker is not yet forgotten: its KV-index entries stay until `forget()`
+returns it, when it has been silent for `forget_timeout` (it is really gone) or when it
+came back as another process instance (a restart: its cache is new). One that comes back
+as the same instance before then simply rejoins, its entries intact. The service runs the
+table on a `LoopClock` (loop_clock.py): the router's own stalls never count as a worker's
+silence. Besides the last report, the table keeps what this router sent a worker since:
 requests and prompt tokens not yet acknowledged by a report, so that a burst of requests
 between two reports does not all land on the worker that looked idle.
 
@@ -56,10 +61,17 @@ class Worker:
 class WorkerTable:
     """Workers by id. `live(role)` never returns one silent for `timeout` seconds or more."""
 
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic):
-        self.timeout = timeout
+    def __init__(
+        self,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        forget_timeout: float = 0.0,
+    ):
+        self.timeout, self.forget_timeout = timeout, forget_timeout
         self.clock = clock
         self._workers: dict[str, Worker] = {}
+        self._gone: dict[str, Worker] = {}  # pruned, not yet forgotten
+        self._replaced: list[Worker] = []  # gone, then back as another instance
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -69,6 +81,13 @@ class WorkerTable:
         restarted: another process instance under the same id starts afresh)."""
         if report.role not in ROLES:
             return False
+        gone = self._gone.pop(report.worker, None)
+        if gone is not None and gone.report.instance == report.instance:
+            gone.report, gone.seen_at = report, self.clock()  # back: keeps what it held
+            self._workers[report.worker] = gone
+            return True
+        if gone is not None:
+            self._replaced.append(gone)
         w = self._workers.get(report.worker)
         if w is None or w.report.instance != report.instance:
             self._workers[report.worker] = Worker(report, self.clock())
@@ -92,11 +111,22 @@ class WorkerTable:
         return list(self._workers.values())
 
     def prune(self) -> list[Worker]:
-        """Remove and return the workers that stopped reporting."""
+        """Take out of rotation and return the workers that stopped reporting."""
         dead = [w for w in self._workers.values() if not self._alive(w)]
         for w in dead:
             del self._workers[w.id]
+            self._gone[w.id] = w
         return dead
+
+    def forget(self) -> list[Worker]:
+        """Remove and return the pruned workers that are really gone: silent for
+        `forget_timeout`, or back as another instance. Their KV-index entries go now."""
+        now = self.clock()
+        out, self._replaced = self._replaced, []
+        for w in [w for w in self._gone.values() if now - w.seen_at >= self.forget_timeout]:
+            del self._gone[w.id]
+            out.append(w)
+        return out
 
     def ready(self) -> bool:
         """At least one prefill and one decode worker, or one `both` worker, are live."""
