@@ -36,6 +36,36 @@ class RouterConfig(CommonConfig):
         default=256,
         metadata={"help": "requests in flight at once; beyond it the API answers 429"},
     )
+    # Connections (services/router/api/connections.py; docs/security.md, "Connections").
+    keepalive_timeout: float = field(
+        default=15.0, metadata={"help": "seconds an idle keep-alive connection stays open"}
+    )
+    header_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds from a connection's open (or a request's first byte) to the end "
+            "of the request's headers; past it 408 and the connection is closed"
+        },
+    )
+    body_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds for a request's whole body to arrive; past it 408 and close"},
+    )
+    max_header_bytes: int = field(
+        default=32768,
+        metadata={"help": "bytes of a request line and headers together; over it 431"},
+    )
+    max_headers: int = field(
+        default=128, metadata={"help": "header lines of a request; over it 431"}
+    )
+    max_connections: int = field(
+        default=4096,
+        metadata={"help": "open connections in all; one more is answered 503 and closed"},
+    )
+    max_connections_per_address: int = field(
+        default=256,
+        metadata={"help": "open connections per client address; one more gets 429 and closed"},
+    )
     max_n: int = field(
         default=16, metadata={"help": "largest accepted `n`, and prompts x n, per request"}
     )
@@ -141,6 +171,13 @@ class RouterConfig(CommonConfig):
             "kv_stream_max_mb",
             "responses_ttl",
             "responses_max_mb",
+            "keepalive_timeout",
+            "header_timeout",
+            "body_timeout",
+            "max_header_bytes",
+            "max_headers",
+            "max_connections",
+            "max_connections_per_address",
         ):
             require_positive(self, name)
         if self.heartbeat_max_stall < 0:

@@ -2,7 +2,7 @@
 
 on_start: tokenizer (no weights) -> load-report subscription -> KV events stream
           (replayed into the index) -> liveness task -> heartbeat (workers cancel the
-          requests of a router whose heartbeats stop) -> HTTP listener
+          requests of a router whose heartbeats stop) -> HTTP listener (connections.py)
 on_stop:  HTTP listener closes (in-flight requests get --drain-timeout, then are
           cancelled, which cancels them on the workers) -> tasks -> heartbeat ->
           subscriptions
@@ -26,6 +26,7 @@ from libs.common.log import get_logger
 from libs.common.messages.control import LoadReport, MessageError, RouterHeartbeat
 from libs.common.service import BaseService
 from services.router.api.app import build_app
+from services.router.api.connections import ConnectionLimits, Listener
 from services.router.config import RouterConfig
 from services.router.defaults import SamplingDefaults, merge_defaults
 from services.router.dispatch.dispatcher import Dispatcher
@@ -53,6 +54,7 @@ class RouterService(BaseService):
         super().__init__(config)
         self.config: RouterConfig = config
         self._runner: web.AppRunner | None = None
+        self._listener: Listener | None = None
         self.port: int | None = None
         self.state: RouterState | None = None
         self._feed: KvFeed | None = None
@@ -128,16 +130,19 @@ class RouterService(BaseService):
         self._heartbeat = Heartbeat(self.bus, prefix, beat, cfg.heartbeat_max_stall,
                                     cfg.log_level, cfg.log_format)  # fmt: skip
         await self._heartbeat.start()
+        limits = ConnectionLimits.of(cfg)
         self._runner = web.AppRunner(
             build_app(state),
             access_log=None,
             handler_cancellation=True,  # a client that goes away cancels its request
             shutdown_timeout=cfg.drain_timeout,
+            **limits.runner_options(),
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.host, cfg.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        assert self._runner.server is not None  # set up
+        # Our listener, not a web.TCPSite: it counts and times connections (connections.py).
+        self._listener = Listener(self._runner.server, limits)
+        self.port = await self._listener.start(cfg.host, cfg.port)
         log.info("router listening", url=f"http://{cfg.host}:{self.port}", model_id=model_id)
 
     async def _on_load(self, msg: Msg) -> None:
@@ -178,6 +183,9 @@ class RouterService(BaseService):
                 self.state.index.drop_source(w.id)
 
     async def on_stop(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()

@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.common.log import get_logger, request_context
-from services.router.api import models, openapi, pins, render, tokens
+from services.router.api import connections, models, openapi, pins, render, tokens
 from services.router.errors import ApiError
 from services.router.formats.anthropic import shapes as anthropic
 from services.router.requests import lifecycle, messages, responses
@@ -47,7 +47,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def build_app(state: RouterState) -> web.Application:
-    app = web.Application(middlewares=[_middleware], client_max_size=MAX_BODY)
+    # connections: the header deadline ends as a request starts; its body has a deadline.
+    middlewares = [connections.track, _middleware, connections.read_body]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
+    connections.install(app, connections.ConnectionLimits.of(state.config))
     app[STATE] = state
     app[responses.STORE] = ResponseStore(state.bus, state.config)
     for method, path, handler in routes():
