@@ -50,8 +50,9 @@ def router_url(hostile: Hostile) -> Iterator[str]:
         routers.stop()
 
 
-async def _open_all(port: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-    """SOCKETS connections from 127.0.0.1, opened within 60 s; each begins its kind."""
+async def _open_all(port: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]:
+    """SOCKETS connections from 127.0.0.1 (and when each opened), opened within 60 s;
+    each begins its kind."""
     socks = []
     deadline = time.monotonic() + 60
     for i in range(SOCKETS):
@@ -62,7 +63,7 @@ async def _open_all(port: int) -> list[tuple[asyncio.StreamReader, asyncio.Strea
         elif i % 3 == 2:
             head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}"
             writer.write(f"{head}\r\nContent-Length: 10000000\r\n\r\n".encode() + b" " * 1024)
-        socks.append((reader, writer))
+        socks.append((reader, writer, time.monotonic()))
     return socks
 
 
@@ -79,14 +80,15 @@ async def _drip(writers: list[asyncio.StreamWriter], stop: asyncio.Event) -> Non
             return
 
 
-async def _until_eof(reader: asyncio.StreamReader, timeout: float) -> bytes:
-    """What the router sent before closing; raises TimeoutError if it does not close."""
+async def _until_eof(reader: asyncio.StreamReader, timeout: float) -> tuple[bytes, float]:
+    """What the router sent before closing, and when it closed; raises TimeoutError if it
+    does not close."""
     got = b""
     async with asyncio.timeout(timeout):
         with contextlib.suppress(ConnectionError):
             while chunk := await reader.read(65536):
                 got += chunk
-    return got
+    return got, time.monotonic()
 
 
 async def _health_polls(http: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list:
@@ -116,13 +118,13 @@ async def test_the_router_serves_while_1000_slow_sockets_are_held_and_then_close
         socks = await _open_all(port)
         held_until = opened + HEADER_TIMEOUT  # the first of them times out from here
         stop = asyncio.Event()
-        dripping = [w for i, (_, w) in enumerate(socks) if i % 3 == 1]
+        dripping = [w for i, (_, w, _) in enumerate(socks) if i % 3 == 1]
         drip = asyncio.create_task(_drip(dripping, stop))
         polls = asyncio.create_task(_health_polls(http, router_url, stop))
         try:
             # The per-address cap is full: one more from 127.0.0.1 is answered 429.
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            refused = await _until_eof(reader, 5)
+            refused, _ = await _until_eof(reader, 5)
             writer.close()
             # A short completion from another address is served meanwhile.
             body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 2,
@@ -138,10 +140,10 @@ async def test_the_router_serves_while_1000_slow_sockets_are_held_and_then_close
             stop.set()
             latencies = await polls
         closed = await asyncio.gather(
-            *(_until_eof(r, BODY_TIMEOUT + 15) for r, _ in socks), return_exceptions=True
+            *(_until_eof(r, BODY_TIMEOUT + 15) for r, _, _ in socks), return_exceptions=True
         )
         await drip
-        for _, w in socks:
+        for _, w, _ in socks:
             w.close()
 
     assert refused.startswith(b"HTTP/1.1 429"), refused[:200]
@@ -155,10 +157,17 @@ async def test_the_router_serves_while_1000_slow_sockets_are_held_and_then_close
     )
     not_closed = [i for i, c in enumerate(closed) if isinstance(c, BaseException)]
     assert not not_closed, f"{len(not_closed)} sockets still open, e.g. #{not_closed[:5]}"
-    idle = [c for i, c in enumerate(closed) if i % 3 == 0]
-    began = [c for i, c in enumerate(closed) if i % 3 != 0]
-    assert all(c == b"" for c in idle), "an idle socket got bytes"
-    assert all(isinstance(c, bytes) and c.startswith(b"HTTP/1.1 408") for c in began), [
-        c[:80] for c in began if not (isinstance(c, bytes) and c.startswith(b"HTTP/1.1 408"))
+    answers = [c[0] for c in closed if isinstance(c, tuple)]
+    assert all(a == b"" for a in answers[0::3]), "an idle socket got bytes"
+    began = answers[1::3] + answers[2::3]
+    assert all(a.startswith(b"HTTP/1.1 408") for a in began), [
+        a[:80] for a in began if not a.startswith(b"HTTP/1.1 408")
     ][:3]
+    # Each held until its own deadline (headers: from its open; a body: from its headers,
+    # sent at the open), not cut early, and closed soon after.
+    for i, c in enumerate(closed):
+        assert isinstance(c, tuple)
+        held = c[1] - socks[i][2]
+        deadline = BODY_TIMEOUT if i % 3 == 2 else HEADER_TIMEOUT
+        assert deadline - 0.5 < held < deadline + 5, (i, held)
     assert not hostile.dead(), f"exited: {hostile.dead()}"
