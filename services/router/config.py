@@ -30,11 +30,23 @@ class RouterConfig(CommonConfig):
         },
     )
     api_keys_file: str = field(
-        default="", metadata={"help": "file of accepted API keys, one a line (# comments)"}
+        default="",
+        metadata={
+            "help": "API keys and their tenants: a .toml file of [tenants.<name>] and "
+            "[[keys]] hash = 'sha256:<hex>' (any other name: one key or sha256:<hex> a line, "
+            "all the default tenant's; docs/security.md)"
+        },
     )
     max_pending: int = field(
         default=256,
         metadata={"help": "requests in flight at once; beyond it the API answers 429"},
+    )
+    max_queue_wait: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds of expected wait in the tenants' queues (tokens ahead / measured "
+            "throughput) over which a request is answered 429 with Retry-After at once"
+        },
     )
     # Connections (services/router/api/connections.py; docs/security.md, "Connections").
     keepalive_timeout: float = field(
@@ -159,6 +171,7 @@ class RouterConfig(CommonConfig):
         require_range(self, "port", 0, 65535)
         for name in (
             "max_pending",
+            "max_queue_wait",
             "max_n",
             "worker_timeout",
             "worker_forget_timeout",

@@ -93,6 +93,17 @@ class RouterMetrics:
         self.w_kv = Gauge("tandem:worker_kv_cache_usage_perc", "KV pool use, 0-1", w, registry=r)
         self.w_tps = Gauge("tandem:worker_tokens_per_second", "Tokens per second", w, registry=r)
         self.index_keys = Gauge("tandem:kv_index_keys", "Page keys in the KV index", registry=r)
+        self.admission_running = Gauge(
+            "tandem:router_admitted_slots", "Worker slots held by admitted requests", registry=r
+        )
+        self.admission_queued = Gauge(
+            "tandem:router_queued_requests", "Requests waiting in the tenants' queues",
+            registry=r,
+        )  # fmt: skip
+        self.admission_tps = Gauge(
+            "tandem:router_measured_tokens_per_second",
+            "Throughput the admission's expected wait divides by", registry=r,
+        )  # fmt: skip
 
     def observe_worker(self, w: ObservedWorker) -> None:
         labels = (w.id, w.role)

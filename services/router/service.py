@@ -11,7 +11,7 @@ on_stop:  HTTP listener closes (in-flight requests get --drain-timeout, then are
 from __future__ import annotations
 
 import asyncio
-import pathlib
+import functools
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +25,8 @@ from libs.common.engine.load.source import load_tokenizer
 from libs.common.log import get_logger
 from libs.common.messages.control import LoadReport, MessageError, RouterHeartbeat
 from libs.common.service import BaseService
+from services.router.admission.gate import Gate, Limits
+from services.router.admission.tenants import load_keys
 from services.router.api.app import build_app
 from services.router.api.connections import ConnectionLimits, Listener
 from services.router.config import RouterConfig
@@ -63,6 +65,7 @@ class RouterService(BaseService):
         self._clock = LoopClock(_PRUNE_S)  # made again at start, next to the WorkerTable
         self.instance = new_instance_id()  # this process, as workers know it
         self._heartbeat: Heartbeat | None = None
+        self._gate: Gate | None = None
 
     def details(self) -> dict[str, Any]:
         return {
@@ -77,6 +80,7 @@ class RouterService(BaseService):
         loop = asyncio.get_running_loop()
         tokenizer, model_id, max_len = await loop.run_in_executor(None, load_tokenizer, cfg.model)
         defaults = await loop.run_in_executor(None, load_defaults, cfg.model, cfg.sampling_flags)
+        keys = await loop.run_in_executor(None, load_keys, cfg.api_key, cfg.api_keys_file)
         self._clock = LoopClock(_PRUNE_S)  # the router's stalls are not its workers' silence
         workers = WorkerTable(cfg.worker_timeout, self._clock, cfg.worker_forget_timeout)
         index = KvIndex(cfg.kv_index_max_keys)
@@ -111,7 +115,6 @@ class RouterService(BaseService):
                 instance=self.instance,
             ),
             metrics=metrics,
-            api_keys=_api_keys(cfg),
             sampling_defaults=defaults,
             instance=self.instance,
         )
@@ -131,8 +134,11 @@ class RouterService(BaseService):
                                     cfg.log_level, cfg.log_format)  # fmt: skip
         await self._heartbeat.start()
         limits = ConnectionLimits.of(cfg)
+        admission = Limits(cfg.max_pending, cfg.max_queue_wait, cfg.queue_timeout)
+        live = lambda: bool(state.selector.eligible("decode"))  # noqa: E731
+        self._gate = Gate(admission, functools.partial(decode_capacity, workers), live)
         self._runner = web.AppRunner(
-            build_app(state),
+            build_app(state, keys, self._gate),
             access_log=None,
             handler_cancellation=True,  # a client that goes away cancels its request
             shutdown_timeout=cfg.drain_timeout,
@@ -151,7 +157,10 @@ class RouterService(BaseService):
         except MessageError as e:
             log.warning("unreadable load report dropped", subject=msg.subject, error=str(e))
             return
-        if self.state is not None and self.state.workers.update(report):
+        joined = self.state is not None and self.state.workers.update(report)
+        if self._gate is not None:
+            self._gate.pump()  # the workers' capacity may have grown
+        if joined and self.state is not None:
             log.info("worker joined", worker=report.worker, role=report.role)
             self._forget()  # back as another instance: its old cache entries go at once
             if report.model_id != self.state.model_id:
@@ -209,12 +218,11 @@ class RouterService(BaseService):
                 log.debug("load subscription not removed", error=str(e))
 
 
-def _api_keys(cfg: RouterConfig) -> frozenset[str]:
-    keys = {cfg.api_key} if cfg.api_key else set()
-    if cfg.api_keys_file:
-        text = pathlib.Path(cfg.api_keys_file).read_text()
-        keys |= {ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")}
-    return frozenset(keys)
+def decode_capacity(workers: WorkerTable) -> int | None:
+    """The requests the live decode (and `both`) workers run at once, by their reports;
+    None while any of them does not say (an older worker): --max-pending bounds alone."""
+    slots = [w.report.max_running for w in workers.live("decode", "both")]
+    return sum(slots) if slots and all(slots) else None
 
 
 def load_defaults(model: str, flags: Mapping[str, int | float | None]) -> SamplingDefaults:

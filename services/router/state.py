@@ -41,7 +41,6 @@ class RouterState:
     selector: RouteSelector
     dispatcher: Dispatcher
     metrics: RouterMetrics
-    api_keys: frozenset[str] = frozenset()
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     pending: int = 0

@@ -85,6 +85,8 @@ POINTERS = {
     # Salt B gets 0 cached tokens of salt A's prompt, through PD and the pool.
     "cache_salt": "tests/router/test_router_cache_salt_cluster.py::"
     "test_salt_b_gets_no_cached_token_of_a_prompt_salt_a_cached",
+    # Lower first within a tenant's queue (issue 39).
+    "priority": "tests/router/test_tenants_cluster.py::test_priority_orders_a_tenants_queue",
     # The default model's template reads no extra variable; a thinking model's does.
     "chat_template_kwargs": "tests/router/test_reasoning_e2e.py::"
     "test_enable_thinking_false_closes_the_thinking_in_the_prompt_and_splits_nothing",

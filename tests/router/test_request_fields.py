@@ -52,7 +52,7 @@ def test_a_stream_option_outside_the_table_is_400_naming_it(endpoint):
     ("field", "value"),
     [
         ("use_beam_search", True), ("best_of", 2), ("best_of", True), ("length_penalty", 0.5),
-        ("include_stop_str_in_output", True), ("skip_special_tokens", False), ("priority", 1),
+        ("include_stop_str_in_output", True), ("skip_special_tokens", False),
         ("store", True), ("service_tier", "flex"),
     ],
 )  # fmt: skip
@@ -62,7 +62,7 @@ def test_a_neutral_only_field_is_refused_at_any_other_value(endpoint, field, val
 
 
 def test_neutral_values_are_accepted():
-    neutral = {"use_beam_search": False, "best_of": 1, "length_penalty": 1, "priority": 0,
+    neutral = {"use_beam_search": False, "best_of": 1, "length_penalty": 1,
                "skip_special_tokens": True, "store": False, "service_tier": "auto"}  # fmt: skip
     for endpoint, body in BODIES.items():
         parse_request(endpoint, {**body, **neutral}, max_n=4)
@@ -188,3 +188,11 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     assert render_chat(tok, api.messages, None, api.template) == "user: hi\n/no_think\nassistant:"
     plain = parse_request("chat", CHAT, max_n=1)
     assert render_chat(tok, plain.messages, None, plain.template) == "user: hi\nassistant:"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_priority_is_accepted_as_an_integer_and_refused_otherwise(endpoint):
+    assert parse_request(endpoint, {**BODIES[endpoint], "priority": -7}, max_n=4).priority == -7
+    assert parse_request(endpoint, BODIES[endpoint], max_n=4).priority == 0
+    for bad in (1.5, "high", 2**31):
+        refused(endpoint, {**BODIES[endpoint], "priority": bad}, "priority")

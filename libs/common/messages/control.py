@@ -339,6 +339,9 @@ class LoadReport(Message, tag="load"):
     # so the router sees that the process its requests ran on is gone (even if the new one
     # reports before --worker-timeout). Empty from an older worker: not compared.
     instance: str = ""
+    # The requests it runs at once at most (--max-num-seqs): the router admits no more than
+    # its decode workers' sum. 0 from an older worker: unknown.
+    max_running: int = 0
 
 
 class KvEvent(Message, tag="kv_event"):

@@ -369,6 +369,7 @@ class WorkerCore:
             max_model_len=self.max_model_len,
             timestamp=time.time(),
             instance=self.instance,
+            max_running=self.config.max_num_seqs,
         )
         self._tokens_out = 0
         return report

@@ -13,13 +13,13 @@ the KV pool, pins.py), GET /v1/models and /v1/models/{id} (models.py), POST /tok
 /detokenize (tokens.py), GET /version, GET /health, GET /metrics, GET /openapi.json. No
 response ever carries a traceback, and every error (an unknown path, a wrong method, a
 body too large included) has the error shape. An API key comes as
-`Authorization: Bearer <key>` or as `x-api-key: <key>` (Anthropic's header).
+`Authorization: Bearer <key>` or as `x-api-key: <key>` (Anthropic's header); it names the
+request's tenant (admission/credentials.py), whose queue admits it (admission/gate.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 import uuid
@@ -30,6 +30,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.common.log import get_logger, request_context
+from services.router.admission.credentials import tenant_of
+from services.router.admission.gate import GATE, Gate
+from services.router.admission.request import TENANT
+from services.router.admission.tenants import DEFAULT, KeyRing
 from services.router.api import connections, models, openapi, pins, render, tokens
 from services.router.errors import ApiError
 from services.router.formats.anthropic import shapes as anthropic
@@ -46,12 +50,15 @@ _PROTECTED = re.compile(r"^/(v1/|tokenize$|detokenize$)")  # behind the API key
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(state: RouterState) -> web.Application:
+KEYS: web.AppKey[KeyRing] = web.AppKey("api_keys", KeyRing)
+
+
+def build_app(state: RouterState, keys: KeyRing, gate: Gate) -> web.Application:
     # connections: the header deadline ends as a request starts; its body has a deadline.
     middlewares = [connections.track, _middleware, connections.read_body]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     connections.install(app, connections.ConnectionLimits.of(state.config))
-    app[STATE] = state
+    app[STATE], app[KEYS], app[GATE] = state, keys, gate
     app[responses.STORE] = ResponseStore(state.bus, state.config)
     for method, path, handler in routes():
         # A model id may hold slashes (org/name): the route takes the rest of the path.
@@ -99,7 +106,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     state = request.app[STATE]
     with request_context(rid):
         try:
-            _authorize(request, state)
+            _authorize(request)
             response = await handler(request)
         except ApiError as e:
             response = _error(request, e, state)
@@ -144,21 +151,11 @@ def _http_error(e: web.HTTPException, request: web.Request) -> ApiError:
     return ApiError(e.status, message, code=str(e.status), headers=allow)
 
 
-def _authorize(request: web.Request, state: RouterState) -> None:
-    if not state.api_keys or not _PROTECTED.match(request.path):
-        return
-    auth = request.headers.get("Authorization", "")
-    key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    key = key or request.headers.get("x-api-key", "").strip()  # Anthropic's clients' header
-    # compare_digest against every key: the time taken says nothing about the key.
-    ok = any([hmac.compare_digest(key.encode(), k.encode()) for k in state.api_keys])
-    if not ok:
-        raise ApiError(
-            401,
-            "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+def _authorize(request: web.Request) -> None:
+    """The request's tenant, from its API key on the protected paths (401 without one)."""
+    keys = request.app[KEYS]
+    protected = keys and _PROTECTED.match(request.path)
+    request[TENANT] = tenant_of(request.headers, keys) if protected else DEFAULT
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -183,6 +180,10 @@ async def _metrics(request: web.Request) -> web.Response:
     for w in state.workers.live("prefill", "decode", "both"):
         state.metrics.observe_worker(w)
     state.metrics.index_keys.set(len(state.index))
+    gate = request.app[GATE]
+    state.metrics.admission_running.set(gate.running)
+    state.metrics.admission_queued.set(len(gate.queue))
+    state.metrics.admission_tps.set(gate.throughput.per_s(gate.clock()))
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -42,6 +42,8 @@ from libs.common.messages.pins import (
     PoolPinList,
     PoolPinRef,
 )
+from services.router.admission.request import light, tenant
+from services.router.admission.tenants import cache_salt
 from services.router.api.openapi_parts import json_response, ref
 from services.router.errors import ApiError, bad_request, no_workers
 from services.router.formats.bodies import check_model, json_object
@@ -70,7 +72,9 @@ async def create_pin(request: web.Request) -> web.Response:
             salt = check_cache_salt("cache_salt", body["cache_salt"])
         except SamplingError as e:
             raise bad_request(str(e), "cache_salt") from None
-    token_ids = await asyncio.to_thread(_tokens, state, body)
+    salt = cache_salt(tenant(request), salt)  # the tenant's pages (admission/tenants.py)
+    async with light(request, body.get("prompt", body.get("messages"))):
+        token_ids = await asyncio.to_thread(_tokens, state, body)
     keys = page_keys(state, token_ids, salt)
     if not keys:
         raise bad_request(f"the prefix has {len(token_ids)} tokens: fewer than a page, so "
@@ -79,12 +83,14 @@ async def create_pin(request: web.Request) -> web.Response:
         raise bad_request(f"the prefix has {len(keys)} pages; at most {MAX_PIN_KEYS}",
                           _source(body))  # fmt: skip
     pin = PoolPin(keys, float(ttl), label, len(token_ids))
-    info = await _ask(state, "pin", pin, PoolPinInfo)
+    async with light(request, None):
+        info = await _ask(state, "pin", pin, PoolPinInfo)
     return web.json_response(pin_body(info))
 
 
 async def list_pins(request: web.Request) -> web.Response:
-    listed = await _ask(request.app[STATE], "pins", PoolPinList(), PoolPinList)
+    async with light(request, None):
+        listed = await _ask(request.app[STATE], "pins", PoolPinList(), PoolPinList)
     return web.json_response({"object": "list", "data": [pin_body(p) for p in listed.pins],
                               "held_bytes": listed.held_bytes,
                               "budget_bytes": listed.budget_bytes})  # fmt: skip
@@ -94,7 +100,8 @@ async def delete_pin(request: web.Request) -> web.Response:
     pin_id = request.match_info["pin_id"]
     if not PIN_ID.match(pin_id):
         raise ApiError(404, f"no pin {pin_id[:80]!r}", param="pin_id", code="pin_not_found")
-    info = await _ask(request.app[STATE], "unpin", PoolPinRef(pin_id), PoolPinInfo)
+    async with light(request, None):
+        info = await _ask(request.app[STATE], "unpin", PoolPinRef(pin_id), PoolPinInfo)
     return web.json_response({"object": "pin.deleted", "id": info.pin_id, "deleted": True})
 
 

@@ -18,6 +18,7 @@ import asyncio
 
 from aiohttp import web
 
+from services.router.admission.request import light
 from services.router.formats.bodies import check_model, json_object
 from services.router.formats.openai import chat_template
 from services.router.formats.openai.messages import parse_messages
@@ -41,5 +42,6 @@ async def chat_render(request: web.Request) -> web.Response:
         text = render_chat(state.tokenizer, messages, None, template)
         return text, len(encode(state.tokenizer, text))
 
-    text, n = await asyncio.to_thread(render)  # template and tokenizer: CPU, off the loop
+    async with light(request, body["messages"]):  # template and tokenizer: CPU, off the loop
+        text, n = await asyncio.to_thread(render)
     return web.json_response({"object": "chat.prompt", "prompt": text, "prompt_tokens": n})

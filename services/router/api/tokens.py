@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from libs.common.engine.load.tokenizer import TextTokenizer
+from services.router.admission.request import light
 from services.router.errors import bad_request
 from services.router.formats.bodies import check_model, json_object
 from services.router.formats.openai import chat_template
@@ -63,7 +64,8 @@ async def tokenize(request: web.Request) -> web.Response:
             out["token_strs"] = [tok.tokenizer.id_to_token(i) for i in ids]
         return out
 
-    return web.json_response(await asyncio.to_thread(run))
+    async with light(request, body.get("prompt", body.get("messages"))):
+        return web.json_response(await asyncio.to_thread(run))
 
 
 def _text(tok: TextTokenizer, body: dict[str, Any]) -> Callable[[], str]:
@@ -97,7 +99,8 @@ async def detokenize(request: web.Request) -> web.Response:
         raise bad_request(f"token id {outside} is outside the vocabulary (0..{vocab - 1})",
                           "tokens")  # fmt: skip
     # Special tokens kept: detokenize(tokenize(x)) gives x back, BOS and all.
-    text = await asyncio.to_thread(state.tokenizer.decode, ids, False)
+    async with light(request, ids):
+        text = await asyncio.to_thread(state.tokenizer.decode, ids, False)
     return web.json_response({"prompt": text})
 
 

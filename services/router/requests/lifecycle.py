@@ -4,8 +4,8 @@ Read top to bottom, in the order a request lives it:
 
   1. parse     the JSON body -> a validated `ApiRequest` (validation.py); the model name;
                a grammar (response_format, regex, ebnf, forced tools) compiled (output.py)
-  2. admit     the bound on requests in flight (429) and a live decode worker (503),
-               before any costly work (admission/gate.py)
+  2. admit     through the tenant's queue to a free worker slot, or 429/503 at once,
+               before any costly work (admission/request.py, gate.py)
   3. prompts   tokenized (in a thread: never on the event loop), checked against the
                context, given their sampling (prompts.py)
   4. choices   prompt x n: one `Choice` each, with id `<rid>` (or `<rid>-<i>` when several);
@@ -36,7 +36,8 @@ from aiohttp import web
 
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import SamplingSpec, TokenChunk
-from services.router.admission.gate import admit
+from services.router.admission.gate import GATE
+from services.router.admission.request import admit
 from services.router.errors import ApiError
 from services.router.formats.bodies import check_model, json_body
 from services.router.formats.openai import shapes as fmt
@@ -77,7 +78,8 @@ async def run_request(
     Responses and Messages formats beside it): admit, prompts, choices, then `respond`
     runs the choices (`dispatch`) and writes the response in its format."""
     state = request.app[STATE]
-    admit(state)
+    ticket = await admit(request, api, state.context_len())
+    tally: Tally | None = None
     state.pending += 1
     state.metrics.running.labels(state.metrics.model).inc()
     arrived, label, rid = request["arrived"], request["request_id"], state.new_request_id()
@@ -91,7 +93,9 @@ async def run_request(
             choices = make_choices(rid, api, prompts, arrived, label)
             tally = Tally(state, api, prompts, id_prefix + label)
             return await respond(request, tally, choices)
-    finally:
+    finally:  # every way out (an error, a cancel, the client gone) gives the slot back
+        used = tally.totals.prompt_tokens + tally.totals.completion_tokens if tally else 0
+        request.app[GATE].leave(ticket, used)
         state.pending -= 1
         state.metrics.running.labels(state.metrics.model).dec()
         state.metrics.e2e.labels(state.metrics.model).observe(time.monotonic() - arrived)
@@ -118,7 +122,7 @@ async def check(api: ApiRequest, state: RouterState) -> None:
         await structured.check(api.grammar, state.grammars)
 
 
-# --- 2. admit: admit() in services/router/admission/gate.py ------------------------------
+# --- 2. admit: admit() in services/router/admission/request.py --------------------------
 # --- 3. prompts: prepare() in services/router/requests/prompts.py ------------------------
 # --- 4. choices --------------------------------------------------------------------------
 

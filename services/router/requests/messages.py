@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.router.admission.request import light
 from services.router.errors import ApiError
 from services.router.formats.anthropic import request as anthropic
 from services.router.formats.anthropic import shapes
@@ -54,7 +55,8 @@ async def count_tokens(request: web.Request) -> web.Response:
         text = render_chat(state.tokenizer, api.messages, api.tools, api.template)
         return len(encode(state.tokenizer, text))
 
-    return web.json_response({"input_tokens": await asyncio.to_thread(count)})
+    async with light(request, api.messages):
+        return web.json_response({"input_tokens": await asyncio.to_thread(count)})
 
 
 async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> web.Response:

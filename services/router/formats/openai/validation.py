@@ -90,6 +90,12 @@ _SAMPLING = (
     ),
     # vLLM's and SGLang's extensions, checked in vllm_fields.py
     sampling_spec("min_tokens"),
+    Spec(
+        "priority",
+        "integer",
+        "vLLM's: order within the tenant's queue, lower first (default 0; docs/routing.md)",
+        bound=Bound(int, "order within the tenant's queue", lo=-(2**31), hi=2**31 - 1),
+    ),
     Spec("logit_bias", "object", "{token id: bias in [-100, 100]}, at most 300 ids"),
     Spec("return_token_ids", "boolean", "the prompt's and each choice's token ids"),
     sampling_spec("prompt_logprobs", "logprobs", "logprob, rank and top n of each prompt token"),
@@ -139,7 +145,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1.0),  # beam search's
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),  # the output's text never shows them
-    "priority": (None, 0),
     "store": (None, False),  # OpenAI's: kept for distillation
     "service_tier": (None, "auto", "default"),
 }
@@ -181,6 +186,7 @@ class ApiRequest:
     prompt_logprobs_from: int | None = None  # a character offset (completions, echo)
     sampling: dict[str, Any] = field(default_factory=dict)
     user: str = ""
+    priority: int = 0  # within the tenant's queue, lower first (admission/gate.py)
     grammar: Grammar | None = None  # what the output must follow (structured/output.py)
     tools: ToolRequest | None = None  # chat's tools and tool_choice (structured/tools/request.py)
     template: TemplateArgs = field(default_factory=TemplateArgs)  # chat: how it is rendered
@@ -208,6 +214,7 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
     req.vllm = vllm_fields.parse(v, req.stream, echo_scored)
     req.include_usage = req.vllm.include_usage
     req.user = v["user"] or ""
+    req.priority = v["priority"] or 0
     sampling = {k: v[k] for k in _SAMPLING_KEYS if v[k] is not None}
     sampling["stop"] = [v["stop"]] if isinstance(v["stop"], str) else list(v["stop"] or [])
     sampling["stop_token_ids"] = list(v["stop_token_ids"] or [])
