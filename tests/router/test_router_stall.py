@@ -132,13 +132,31 @@ async def test_a_stream_survives_a_10s_router_stall_exact_and_without_migration(
     assert "silent for" not in (workers.capture / "b1.log").read_text()
 
 
+async def index_keys(http: aiohttp.ClientSession, url: str, timeout: float = 30.0) -> int:
+    """The router's KV index size once it is not 0 (b1's events come after its answer)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        async with http.get(f"{url}/health") as r:
+            keys = (await r.json())["kv_index_keys"]
+        if keys or time.monotonic() > deadline:
+            return keys
+        await asyncio.sleep(0.2)
+
+
 async def test_a_5s_router_stall_prunes_no_worker_and_drops_no_index_source(cluster):
     _, routers, url = cluster
-    await stall(router_pid(routers), 5.0)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        # Pages of b1 in the index: a prompt of 3 full pages.
+        body = {"model": "default", "prompt": PROMPT * 4, "max_tokens": 1}
+        async with http.post(f"{url}/v1/completions", json=body) as r:
+            assert r.status == 200
+        before = await index_keys(http, url)
+        assert before > 0
+        await stall(router_pid(routers), 5.0)
         async with http.get(f"{url}/health") as r:  # at once: the first request after it
             health = await r.json()
     assert r.status == 200 and health["workers"]["both"] == 1, health
+    assert health["kv_index_keys"] >= before, (health, before)  # b1's entries were kept
     log = router_log(routers)
     assert "router event loop stalled" in log  # the stall was seen, and excused
     assert "worker left rotation" not in log and "worker forgotten" not in log
