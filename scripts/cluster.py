@@ -6,8 +6,10 @@ permissions, bound to its service id), then the topology of compose.yaml: cache_
 two cache_stores, prefill, decode and router, each as `python -m services.<name>` with its
 own credentials file, configured by the same TANDEM_* environment variables; streams
 their logs to the terminal, each line prefixed by the service; waits until every one answers
-micro discovery; prints where the router listens; and on Ctrl-C (or SIGTERM) stops them in
-reverse order with SIGTERM, then the nats-server, leaving nothing running.
+micro discovery; prints where the router listens; restarts a service that exits while it
+runs, with a backoff, as compose's `restart: unless-stopped` does (scripts/supervisor.py:
+one that keeps exiting right after its start is given up); and on Ctrl-C (or SIGTERM)
+stops them in reverse order with SIGTERM, then the nats-server, leaving nothing running.
 Tests use `LocalCluster` to start the same processes against their own nats-server.
 """
 
@@ -33,6 +35,7 @@ from libs.common.bus.connection import discover
 from libs.common.bus.credentials import connect_options
 from scripts.identities import AUTH_CONF, Identity, ensure
 from scripts.nats_server import NatsServer
+from scripts.supervisor import RestartPolicy, Supervisor
 
 SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router")
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 TOPOLOGY = (
     ("cache_master", "cache_master", ("--service-id", "master-1")),
     # A standby: it takes over within seconds if master-1 dies (docs/pool.md, "Master
-    # failover"); a deposed master exits here (no supervisor restarts it).
+    # failover"); a deposed master exits and is started again as a standby (supervisor.py).
     ("cache_master_2", "cache_master", ("--service-id", "master-2")),
     ("cache_store_1", "cache_store", ("--service-id", "store-1")),
     ("cache_store_2", "cache_store", ("--service-id", "store-2")),
@@ -273,14 +276,16 @@ async def _run(args: argparse.Namespace) -> int:
             f"(read-only): {credentials['cli']}\nCtrl-C stops everything.\n",
             flush=True,
         )
+        specs = {label: (service, extra) for label, service, extra in TOPOLOGY}
+        supervisor = Supervisor(
+            cluster.procs,
+            lambda label: cluster.start_one(specs[label][0], *specs[label][1], label=label),
+            RestartPolicy(backoff=args.restart_backoff, tries=args.restart_tries),
+        )
         while not stop.is_set():
-            dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
-            if dead:
-                print(f"{', '.join(dead)} exited; stopping the rest", file=sys.stderr)
-                code = 1
-                break
+            supervisor.poll()
             try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
+                await asyncio.wait_for(stop.wait(), timeout=0.25)
             except TimeoutError:
                 pass
     except (RuntimeError, TimeoutError) as e:
@@ -313,7 +318,20 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=REPO / "run",
                         help="where NATS data, identities and the KV secret are kept")  # fmt: skip
     parser.add_argument("--ready-timeout", type=float, default=120.0)
-    sys.exit(event_loop.run(_run(parser.parse_args())))
+    parser.add_argument(
+        "--restart-backoff", type=float, default=1.0,
+        help="seconds before a service that exited is started again, doubled for each exit "
+        "in a row within 30 s of its start (at most 30 s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--restart-tries", type=int, default=5,
+        help="a service that exits this many times in a row within 30 s of its start is "
+        "given up (the rest keeps running)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if args.restart_backoff <= 0 or args.restart_tries < 1:
+        parser.error("--restart-backoff must be > 0 and --restart-tries >= 1")
+    sys.exit(event_loop.run(_run(args)))
 
 
 if __name__ == "__main__":

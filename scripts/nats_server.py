@@ -56,9 +56,11 @@ class NatsServer:
         user: str | None = None,
         password: str | None = None,
         config_file: Path | None = None,
+        jetstream: bool = True,
     ):
         """`config_file`: a nats-server config to load (e.g. scripts/identities.py's
-        nats-auth.conf: a user per identity); `user`/`password`: one shared user instead."""
+        nats-auth.conf: a user per identity); `user`/`password`: one shared user instead.
+        `jetstream=False`: core NATS only (a JetStream outage, for fault tests)."""
         if bool(user) != bool(password):
             raise ValueError("nats-server: give both a user and a password, or neither")
         if user and config_file:
@@ -71,6 +73,7 @@ class NatsServer:
         self.workdir, self.host = Path(workdir), host
         self.requested_port, self.requested_monitor = port, monitor_port
         self.extra_args = extra_args or []
+        self.jetstream = jetstream
         self.port: int | None = None
         self.monitor_port: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -93,8 +96,7 @@ class NatsServer:
             nats_server_binary(),
             "-a", self.host,
             "-p", str(self.requested_port),
-            "-js",
-            "-sd", str(self.workdir / "jetstream"),
+            *(["-js", "-sd", str(self.workdir / "jetstream")] if self.jetstream else []),
             "-l", str(self.log_path),
         ]  # fmt: skip
         if self.requested_monitor is not None:

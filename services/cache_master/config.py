@@ -62,8 +62,16 @@ class CacheMasterConfig(CommonConfig):
     election_lease: float = field(
         default=2.5,
         metadata={
-            "help": "seconds without a renewal of the leader's claim before a standby "
-            "takes over (renewed every third of it)"
+            "help": "seconds a leader's claim lasts from its last acknowledged renewal "
+            "(renewed every tenth of it): a JetStream outage shorter than that leaves the "
+            "leader leading; past it the leader steps down and a standby may take over"
+        },
+    )
+    election_bucket_bytes: int = field(
+        default=64 << 20,
+        metadata={
+            "help": "bytes the masters' JetStream bucket (leader key, saved pins) may hold, "
+            "set when a master creates it; each value at most 1 MiB (>= 1 MiB)"
         },
     )
     ssd_spill_watermark: float = field(
@@ -102,6 +110,9 @@ class CacheMasterConfig(CommonConfig):
             require_positive(self, name)
         for name in ("max_lease_pin", "mount_timeout", "election_lease", "max_pins"):
             require_positive(self, name)
+        if self.election_bucket_bytes < 1 << 20:
+            raise ValueError(f"{flag_name('election_bucket_bytes')}: must be >= 1048576 (one "
+                             f"value's bound), got {self.election_bucket_bytes}")  # fmt: skip
         if self.epoch < 0:
             raise ValueError(f"{flag_name('epoch')}: must be >= 0, got {self.epoch}")
         if self.min_object_size > self.max_object_size:

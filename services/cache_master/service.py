@@ -107,10 +107,12 @@ class CacheMasterService(BaseService):
                             config.ssd_spill_watermark, self._publish_changes,
                             self.announce.publish_ssd)  # fmt: skip
         self.election = LeaderElection(self.bus, election_bucket(config.subject_prefix),
-                                       config.service_id, config.election_lease)  # fmt: skip
+                                       config.service_id, config.election_lease,
+                                       config.election_bucket_bytes)  # fmt: skip
         self.election.on_elected, self.election.on_deposed = self._lead, self._deposed
         pin_limits = PinLimits(config.max_pinned_fraction, config.max_pins, config.max_pin_ttl)
-        saved = SavedPins(self.bus, self.election.bucket) if config.elected else None
+        saved = (SavedPins(self.bus, self.election.bucket, config.election_bucket_bytes)
+                 if config.elected else None)  # fmt: skip
         self.pinning = Pinning(self.meta, pin_limits, saved)  # soft pins (pins/endpoints.py)
         self.stores = StoreEndpoints(self.meta, self.mounts, self.fence, self.announce,
                                      self.pinning.refresh)  # fmt: skip
@@ -259,6 +261,7 @@ class CacheMasterService(BaseService):
         """`handler` behind the fence; the metadata's refusals become its error replies."""
 
         async def guarded(req: Any) -> Message:
+            self.election.check_lease()  # a leader whose lease ran out is fenced now
             self.fence.check()  # requests queued before the endpoints went away
             try:
                 return await handler(req)

@@ -5,8 +5,9 @@ credentials file bound to its service id, nats-server loads their permissions, a
 completion goes through router and decode, a long one through prefill too; their pages
 then reach the pool (the master's stats, asked as the operator's read-only identity,
 count them); no service hears a permissions violation. No process is started with a
-password on its command line, nats-server's monitoring is off, and Ctrl-C (SIGTERM)
-stops everything with exit code 0.
+password on its command line, nats-server's monitoring is off, a master killed with
+SIGKILL is started again while the stack keeps serving, and Ctrl-C (SIGTERM) stops
+everything with exit code 0.
 Tens of seconds on a busy 2-core host (two model loads).
 """
 
@@ -37,16 +38,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children_cmdlines(pid: int) -> list[str]:
-    """The command lines of every process whose parent is `pid` (Linux /proc)."""
-    lines = []
+def _children(pid: int) -> dict[int, str]:
+    """pid -> command line of every process whose parent is `pid` (Linux /proc)."""
+    found = {}
     for proc in Path("/proc").iterdir():
         try:
             if proc.name.isdigit() and int((proc / "stat").read_text().split()[3]) == pid:
-                lines.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+                found[int(proc.name)] = (
+                    (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                )
         except (OSError, IndexError, ValueError):
             continue
-    return lines
+    return found
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
@@ -96,7 +99,7 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
         secrets = tmp_path / "run" / "secrets"
         passwords = [f.read_text().split(":", 1)[1].strip() for f in secrets.glob("*.credentials")]
         assert len(passwords) == 8  # seven processes (two masters) and the operator
-        for cmdline in _children_cmdlines(proc.pid):
+        for cmdline in _children(proc.pid).values():
             assert not any(p in cmdline for p in passwords), cmdline
         assert "monitoring" not in next(line for line in lines if UP.search(line))
         body = {"model": "default", "max_tokens": 8, "temperature": 0,
@@ -104,6 +107,17 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
         answer = _post(f"{base}/v1/chat/completions", body, timeout=120)
         assert answer["choices"][0]["message"]["content"]
         assert answer["usage"]["completion_tokens"] > 0
+        # kill -9 of a master: the launcher starts it again (scripts/supervisor.py) and the
+        # stack keeps serving, the pool included (a standby leads, or master-1 again).
+        (old,) = [pid for pid, cmd in _children(proc.pid).items() if "master-1" in cmd]
+        os.kill(old, signal.SIGKILL)
+        back = re.compile(r"cache_master restarted \(pid (\d+)\)")
+        while not any(back.search(line) for line in lines):
+            assert proc.poll() is None, "".join(lines[-40:])
+            assert time.monotonic() < deadline + 60, "".join(lines[-40:])
+            time.sleep(0.2)
+        new = int(next(m.group(1) for line in lines if (m := back.search(line))))
+        assert new != old and "master-1" in _children(proc.pid)[new]
         # Past --disagg-threshold (128 tokens): the prefill worker computes it and hands
         # the KV over (generate, prefill, token 0 on the router's stream, each identity's).
         long = "Tell me about the history of each of these cities. " + "Paris, Rome, Oslo. " * 40

@@ -108,7 +108,8 @@ class MasterEpoch:
                                f"{self.fenced_by} serves the pool")  # fmt: skip
 
     def fence(self, epoch: int, by: str) -> None:
-        if self.fenced_by:
+        if self.fenced_by:  # fenced already: keep the highest epoch heard (for `info`)
+            self.fenced_by = max(self.fenced_by, epoch)
             return
         self.fenced_by = epoch
         log.error("a master with a higher epoch exists; this one stops serving (restart it "

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from libs.common.bus.connection import HandlerError
 from libs.common.log import get_logger
 from libs.common.messages.pins import PoolPin, PoolPinInfo, PoolPinList, PoolPinRef
+from services.cache_master.ha.election import ValueTooLarge
 from services.cache_master.metadata.metadata import PoolMetadata
 from services.cache_master.metadata.objects import PoolRequestError
 from services.cache_master.pins.book import Pin, PinBook, PinLimits
@@ -99,6 +100,9 @@ class Pinning:
             if self.store is not None:
                 try:
                     await self.store.save(pin, list(self.book.pins))
+                except ValueTooLarge as e:
+                    self._undo(pin, before)
+                    raise HandlerError(413, f"the pin cannot be saved: {e}") from None
                 except Exception as e:
                     self._undo(pin, before)
                     raise HandlerError(503, f"the pin could not be saved (JetStream): "

@@ -21,7 +21,7 @@ from nats.js.errors import KeyNotFoundError
 from libs.common.bus.connection import Bus
 from libs.common.log import get_logger
 from libs.common.messages.pins import PoolPinIndex, PoolPinRecord
-from services.cache_master.ha.election import open_bucket
+from services.cache_master.ha.election import check_value, open_bucket
 from services.cache_master.pins.book import Pin
 
 log = get_logger(__name__)
@@ -36,13 +36,13 @@ def pin_key(pin_id: str) -> str:
 class SavedPins:
     """Reads and writes the saved pins; every call raises on a JetStream failure."""
 
-    def __init__(self, bus: Bus, bucket: str, timeout: float = 2.0):
-        self.bus, self.bucket, self.timeout = bus, bucket, timeout
+    def __init__(self, bus: Bus, bucket: str, max_bytes: int, timeout: float = 2.0):
+        self.bus, self.bucket, self.timeout, self.max_bytes = bus, bucket, timeout, max_bytes
         self._kv: Any = None
 
     async def _bucket(self) -> Any:
         if self._kv is None:
-            self._kv = await open_bucket(self.bus, self.bucket, self.timeout)
+            self._kv = await open_bucket(self.bus, self.bucket, self.timeout, self.max_bytes)
         return self._kv
 
     async def _call(self, op: str, *args: Any) -> Any:
@@ -75,14 +75,16 @@ class SavedPins:
         return pins
 
     async def save(self, pin: Pin, ids: list[str]) -> None:
-        """Write `pin`, then the index `ids` (which names it)."""
+        """Write `pin`, then the index `ids` (which names it). A value above the bucket's
+        bound (MAX_VALUE) raises ValueTooLarge before anything is written."""
         record = PoolPinRecord(pin.pin_id, list(pin.keys), pin.expires_at, pin.created_at,
                                pin.label, pin.tokens)  # fmt: skip
-        await self._call("put", pin_key(pin.pin_id), record.encode())
-        await self._call("put", INDEX, PoolPinIndex(ids).encode())
+        index = check_value(INDEX, PoolPinIndex(ids).encode())
+        await self._call("put", pin_key(pin.pin_id), check_value("pin", record.encode()))
+        await self._call("put", INDEX, index)
 
     async def delete(self, pin_ids: list[str], ids: list[str]) -> None:
         """Write the index `ids` (without `pin_ids`), then delete those pins."""
-        await self._call("put", INDEX, PoolPinIndex(ids).encode())
+        await self._call("put", INDEX, check_value(INDEX, PoolPinIndex(ids).encode()))
         for pin_id in pin_ids:
             await self._call("delete", pin_key(pin_id))
