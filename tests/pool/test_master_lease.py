@@ -45,7 +45,7 @@ async def _pool(pool_procs, nats_url, lease: str):
         pool.procs.start("cache_master", "master-b", "--heartbeat-timeout", "3", *args)
         pool.procs.store("store-a")
         await pool.wait_stores(1)
-        roles = await _roles(pool.bus)
+        roles = await _roles(pool.bus, both_up=True)
         assert sorted(roles.values()) == ["leader", "standby"], roles
         for i in range(len(KEYS)):
             pool.fill(i * 4096, os.urandom(4096))
@@ -56,13 +56,17 @@ async def _pool(pool_procs, nats_url, lease: str):
         yield pool, leader, (await pool.client.stats()).epoch
 
 
-async def _roles(bus, settle: float = 20.0) -> dict[str, str]:
+async def _roles(bus, both_up: bool = False, settle: float = 20.0) -> dict[str, str]:
     """Each master's role once one leads and every other stands by, is fenced or is down
-    (bounded in time)."""
+    (`both_up`: stands by); bounded in time."""
     deadline = time.monotonic() + settle
     while True:
         roles = {sid: await master_role(bus, sid) for sid in MASTERS}
-        if list(roles.values()).count("leader") == 1 or time.monotonic() > deadline:
+        if both_up:
+            done = sorted(roles.values()) == ["leader", "standby"]
+        else:
+            done = list(roles.values()).count("leader") == 1
+        if done or time.monotonic() > deadline:
             return roles
         await asyncio.sleep(0.1)
 
