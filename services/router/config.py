@@ -148,6 +148,28 @@ class RouterConfig(CommonConfig):
         default=1024,
         metadata={"help": "megabytes of stored responses kept; past it new ones are not stored"},
     )
+    # Grammars and tools (services/router/structured/limits.py; docs/security.md).
+    grammar_max_chars: int = field(
+        default=64 * 1024,
+        metadata={"help": "characters of one grammar field as sent (a regex, EBNF, a schema "
+                          "as JSON); checked before it is converted"},
+    )  # fmt: skip
+    grammar_max_rules: int = field(
+        default=512, metadata={"help": "rule definitions in one EBNF grammar"}
+    )
+    max_tools: int = field(default=128, metadata={"help": "tools in one request (OpenAI's 128)"})
+    tool_schema_max_chars: int = field(
+        default=16 * 1024,
+        metadata={"help": "characters of one tool's parameters schema as JSON"},
+    )
+    grammar_workers: int = field(
+        default=2, metadata={"help": "processes that convert and compile grammars"}
+    )
+    grammar_timeout: float = field(
+        default=2.0,
+        metadata={"help": "seconds one grammar may take to convert and compile; past it a "
+                          "400 (too complex) and its process is replaced"},
+    )  # fmt: skip
     # Defaults for sampling fields a request leaves out, over the model's own
     # (services/router/defaults.py has the order). None: not given.
     default_temperature: float | None = field(
@@ -191,6 +213,12 @@ class RouterConfig(CommonConfig):
             "max_headers",
             "max_connections",
             "max_connections_per_address",
+            "grammar_max_chars",
+            "grammar_max_rules",
+            "max_tools",
+            "tool_schema_max_chars",
+            "grammar_workers",
+            "grammar_timeout",
         ):
             require_positive(self, name)
         if self.heartbeat_max_stall < 0:

@@ -118,7 +118,7 @@ class RouterService(BaseService):
             sampling_defaults=defaults,
             instance=self.instance,
         )
-        # The grammar cache's tokenizer (~0.2 s to build) is made before the first request.
+        # The grammar pool's processes (each builds the tokenizer) start before the first request.
         await loop.run_in_executor(None, lambda: state.grammars)
         self._load_sub = await self.bus.subscribe(
             self.subject("workers", "*", "*", "load"), self._on_load
@@ -207,6 +207,7 @@ class RouterService(BaseService):
             await feed.stop()
         if self.state is not None:
             await self.state.dispatcher.stop()
+            await asyncio.to_thread(self.state.close_grammars)
         beat, self._heartbeat = self._heartbeat, None
         if beat is not None:  # after the drain: the workers keep its requests until here
             await beat.stop()

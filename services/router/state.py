@@ -12,7 +12,7 @@ from aiohttp import web
 
 from libs.common.bus.connection import Bus
 from libs.common.engine.load.tokenizer import TextTokenizer
-from libs.common.grammar.compiler import GrammarCompiler
+from libs.common.grammar.pool import GrammarPool
 from services.router.config import RouterConfig
 from services.router.defaults import SamplingDefaults
 from services.router.dispatch.dispatcher import Dispatcher
@@ -53,10 +53,20 @@ class RouterState:
         return f"{next(self._ids):x}"
 
     @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """The grammar cache for this model's tokenizer (built on the first grammar)."""
-        tok = self.tokenizer
-        return GrammarCompiler(tok.tokenizer.to_str(), tok.vocab_size, tok.eos_token_ids)
+    def grammars(self) -> GrammarPool:
+        """The grammar pool for this model's tokenizer, its workers started (blocking: the
+        first use is off the loop, at the router's start)."""
+        tok, cfg = self.tokenizer, self.config
+        pool = GrammarPool(tok.tokenizer.to_str(), tok.vocab_size, tok.eos_token_ids,
+                           cfg.grammar_workers, cfg.grammar_timeout)  # fmt: skip
+        pool.start()
+        return pool
+
+    def close_grammars(self) -> None:
+        """Stop the grammar pool's workers, if it was made (blocking)."""
+        pool = self.__dict__.get("grammars")
+        if pool is not None:
+            pool.close()
 
     def context_len(self) -> int:
         """The smallest context of the live workers (they may be configured below the

@@ -10,6 +10,8 @@ from pathlib import Path
 import nats
 import pytest
 
+from libs.common.engine.load.source import default_model_path, load_tokenizer
+from libs.common.grammar.pool import GrammarPool
 from libs.common.messages.control import InfoRequest, ServiceInfo
 from scripts.cluster import LocalCluster
 from scripts.nats_server import NatsServer
@@ -75,3 +77,16 @@ class Routers:
         for cluster in self.clusters:
             cluster.stop()
         self.clusters.clear()
+
+
+@pytest.fixture(scope="session")
+def grammar_pool() -> GrammarPool:
+    """A grammar pool (libs/common/grammar/pool.py) of one worker process for the default
+    model's tokenizer, as the router makes it."""
+    tok, _, _ = load_tokenizer(default_model_path())
+    pool = GrammarPool(tok.tokenizer.to_str(), tok.vocab_size, tok.eos_token_ids, workers=1)
+    pool.start()
+    try:
+        yield pool
+    finally:
+        pool.close()

@@ -108,7 +108,7 @@ def test_tool_choice_maps_onto_the_chat_tool_request(choice, chat_choice, forced
     assert req.tools is not None and req.tools.choice == chat_choice
     assert req.tools.parallel is parallel
     assert (req.grammar is not None and req.grammar.param == "tools") is forced
-    assert ("grammar" in req.sampling) is forced
+    assert req.tools.forced is forced
 
 
 def test_sampling_fields_stop_sequences_and_user_are_carried():
@@ -125,7 +125,7 @@ def test_output_config_json_schema_becomes_the_grammar():
     config = {"format": {"type": "json_schema", "schema": schema}}
     req = messages.parse(_body(output_config=config), "/v1/messages")
     assert req.grammar is not None and req.grammar.param == "output_config"
-    assert req.sampling["grammar"] == req.grammar.text
+    assert req.grammar.kind == "json" and req.grammar.source == schema
 
 
 @pytest.mark.parametrize(

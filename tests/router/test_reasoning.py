@@ -15,9 +15,10 @@ from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.grammar import build
 from services.router.errors import ApiError
 from services.router.formats.openai import shapes as fmt
-from services.router.formats.openai.validation import parse_request
+from services.router.formats.openai.validation import ApiRequest, parse_request
 from services.router.requests.chat_text import ChatText, chat_choice
 from services.router.requests.prompts import prepare
+from services.router.structured import output as structured
 from services.router.structured.reasoning import (
     ThinkTags,
     after_thinking,
@@ -177,16 +178,25 @@ def test_a_grammar_starts_after_the_thinking_which_is_free(kind, think_tokens):
     assert not _accepts(tok, thinking, "", good)
 
 
+def _parsed(body: dict) -> ApiRequest:
+    """A chat body parsed, its grammar built as lifecycle.check builds it (in the pool)."""
+    api = parse_request("chat", body, 4)
+    assert api.grammar is not None
+    g = api.grammar
+    api.sampling["grammar"] = structured.build_text(g.param, g.kind, g.source)
+    return api
+
+
 def test_a_chat_request_with_a_grammar_gets_it_after_the_thinking():
     body = {"model": "m", "messages": USER, "regex": "Hi|Yo"}
-    api = parse_request("chat", body, 4)
+    api = _parsed(body)
     (prompt,) = prepare(api, qwen(), 1024)
     assert prompt.thinks == "maybe"
-    assert prompt.sampling.grammar != api.grammar.text
+    assert prompt.sampling.grammar != api.sampling["grammar"]
     assert _accepts(qwen(), prompt.sampling.grammar, "<think>x</think>Yo")
     default, _, _ = load_tokenizer(default_model_path())
     (plain,) = prepare(api, default, 1024)
-    assert plain.thinks is None and plain.sampling.grammar == api.grammar.text
+    assert plain.thinks is None and plain.sampling.grammar == api.sampling["grammar"]
 
 
 @pytest.mark.parametrize(
@@ -202,18 +212,18 @@ def test_a_chat_request_with_a_grammar_gets_it_after_the_thinking():
     ids=["thinking-on", "enable_thinking-false", "continued-thinking", "continued-answer"],
 )  # fmt: skip
 def test_the_chat_fields_decide_the_thinking_and_where_the_grammar_starts(extra, thinks):
-    api = parse_request("chat", {"model": "m", "messages": USER, "regex": "Yo", **extra}, 4)
+    api = _parsed({"model": "m", "messages": USER, "regex": "Yo", **extra})
     (prompt,) = prepare(api, qwen(), 1024)
     assert prompt.thinks == thinks
     answer = "<think>x</think>Yo" if thinks == "maybe" else "x</think>Yo" if thinks else "Yo"
     assert _accepts(qwen(), prompt.sampling.grammar, answer)
-    assert (prompt.sampling.grammar == api.grammar.text) == (thinks is None)
+    assert (prompt.sampling.grammar == api.sampling["grammar"]) == (thinks is None)
 
 
 def test_a_grammar_too_long_after_the_thinking_is_a_400_naming_its_field():
     overhead = len(build.regex("a")) - 1
     pattern = "a" * (MAX_GRAMMAR_CHARS - overhead - 10)  # fits alone, not with the thinking
-    api = parse_request("chat", {"model": "m", "messages": USER, "regex": pattern}, 4)
+    api = _parsed({"model": "m", "messages": USER, "regex": pattern})
     with pytest.raises(ApiError) as e:
         prepare(api, qwen(), 1024)
     assert e.value.status == 400 and e.value.param == "regex"

@@ -71,7 +71,7 @@ def test_a_grammar_field_becomes_the_requests_grammar_on_both_endpoints(field, v
     for endpoint, body in (("chat", CHAT), ("completions", COMP)):
         req = parse_request(endpoint, {**body, field: value}, 4)
         assert req.grammar is not None and req.grammar.param == field
-        assert req.sampling["grammar"] == req.grammar.text
+        assert "grammar" not in req.sampling  # built off the loop by lifecycle.check
 
 
 def _json_schema(spec: dict) -> dict:
@@ -109,8 +109,8 @@ def test_tool_fields_on_completions_are_refused(field):
 
 def test_forced_tool_calls_are_the_requests_grammar_and_auto_is_not():
     forced = parse_request("chat", {**CHAT, "tools": [TOOL], "tool_choice": "required"}, 4)
-    assert forced.grammar is not None and forced.grammar.param == "tools"
-    assert forced.sampling["grammar"] == forced.grammar.text
+    assert forced.grammar is not None and forced.grammar.kind == "tools"
+    assert forced.tools is not None and forced.tools.forced
     auto = parse_request("chat", {**CHAT, "tools": [TOOL], "tool_choice": "auto"}, 4)
     assert auto.tools is not None and auto.grammar is None and "grammar" not in auto.sampling
 

@@ -1,5 +1,6 @@
 """A grammar the router cannot enforce is a 400 naming its field, found by compiling it
-against the real default model's tokenizer; distinct grammars compile once."""
+against the real default model's tokenizer in the grammar pool; distinct grammars compile
+once."""
 
 from __future__ import annotations
 
@@ -7,16 +8,15 @@ import asyncio
 
 import pytest
 
-from libs.common.engine.load.source import default_model_path, load_tokenizer
-from libs.common.grammar.compiler import GrammarCompiler
+from libs.common.grammar.pool import GrammarPool
 from services.router.errors import ApiError
 from services.router.structured import output as structured
+from services.router.structured.limits import GrammarLimits
 
 
 @pytest.fixture(scope="module")
-def compiler() -> GrammarCompiler:
-    tok, _, _ = load_tokenizer(default_model_path())
-    return GrammarCompiler(tok.tokenizer.to_str(), tok.vocab_size, tok.eos_token_ids)
+def compiler(grammar_pool) -> GrammarPool:
+    return grammar_pool
 
 
 def _schema(schema) -> dict:
@@ -25,10 +25,10 @@ def _schema(schema) -> dict:
     }
 
 
-def _check(body: dict, compiler: GrammarCompiler) -> None:
+def _check(body: dict, pool: GrammarPool) -> None:
     grammar = structured.from_body(body)
     assert grammar is not None
-    asyncio.run(structured.check(grammar, compiler))
+    asyncio.run(structured.check(grammar, pool, GrammarLimits()))
 
 
 @pytest.mark.parametrize(
@@ -44,6 +44,7 @@ def _check(body: dict, compiler: GrammarCompiler) -> None:
         ({"ebnf": 'root ::= "a" ('}, "ebnf"),
         ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
         ({"ebnf": "start: x"}, "ebnf"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
     ],
 )  # fmt: skip
 def test_a_grammar_that_cannot_be_enforced_is_400_naming_its_field(body, param, compiler):
@@ -69,7 +70,7 @@ def test_a_grammar_that_compiles_is_accepted(body, compiler):
 
 def test_the_same_grammar_is_compiled_once_for_every_request(compiler):
     body = {"regex": "(red|green|blue) [0-9]{3}"}
-    before = compiler.compiles
+    before = compiler.jobs
     for _ in range(5):
         _check(body, compiler)
-    assert compiler.compiles == before + 1
+    assert compiler.jobs == before + 1

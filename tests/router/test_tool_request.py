@@ -4,6 +4,7 @@ fallback rendering through its ChatML template (the output side: test_tool_parse
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jinja2
@@ -11,7 +12,9 @@ import pytest
 
 from libs.common.engine.load.source import default_model_path, load_tokenizer
 from libs.common.grammar.compiler import GrammarCompiler
+from libs.common.grammar.pool import GrammarPool
 from services.router.errors import ApiError
+from services.router.structured.limits import GrammarLimits
 from services.router.structured.tools import request as tools
 from tests.router.tool_cases import TIME, WEATHER, call_block, tool_request
 
@@ -235,18 +238,43 @@ def test_a_named_function_is_called_once(compiler, tokenizer):
     assert not _accepts(compiler, tokenizer, grammar, one + "\n" + one)
 
 
-def test_an_unenforceable_parameters_schema_is_400_naming_tools(compiler):
-    body = {"tools": [_tool("a", {"type": "foo"})], "tool_choice": "auto"}
+def _check(req: tools.ToolRequest, pool: GrammarPool) -> str | None:
+    return asyncio.run(tools.check_tool_grammar(req, pool, GrammarLimits()))
+
+
+def test_an_unenforceable_parameters_schema_is_400_naming_tools(grammar_pool):
+    body = {"tools": [_tool("b", TIME), _tool("a", {"type": "foo"})], "tool_choice": "auto"}
     req = tools.parse_tools(body)
+    assert req is not None
     with pytest.raises(ApiError) as e:
-        tools.check_tool_grammar(req, compiler)
+        _check(req, grammar_pool)
     assert e.value.status == 400 and e.value.param == "tools"
-    assert "tools[0]" in e.value.message
+    assert "tools[1]" in e.value.message
 
 
-def test_enforceable_tools_pass_the_grammar_check(compiler):
-    tools.check_tool_grammar(tool_request("required"), compiler)
-    tools.check_tool_grammar(tool_request("auto"), compiler)
+def test_enforceable_tools_pass_the_grammar_check_and_forced_ones_give_their_grammar(
+    grammar_pool,
+):
+    forced = tool_request("required")
+    assert _check(forced, grammar_pool) == tools.tool_grammar(forced)
+    assert _check(tool_request("auto"), grammar_pool) is None
+
+
+def test_a_parameters_schema_over_the_limit_is_400_naming_its_tool(grammar_pool):
+    big = {"type": "object", "description": "x" * 100}
+    req = tools.parse_tools({"tools": [_tool("a", TIME), _tool("b", big)]})
+    assert req is not None
+    with pytest.raises(ApiError) as e:
+        asyncio.run(tools.check_tool_grammar(req, grammar_pool, GrammarLimits(
+            max_tool_schema_chars=100)))  # fmt: skip
+    assert e.value.param == "tools" and "tools[1]" in e.value.message
+    assert "--tool-schema-max-chars" in e.value.message
+
+
+def test_a_name_given_twice_is_400_also_among_many_tools():
+    many = [_tool(f"f{i}") for i in range(2000)]
+    err = _refused({"tools": [*many, _tool("f1999")]})
+    assert err.param == "tools" and "tools[2000]" in err.message
 
 
 # --- prompt and rendering ---------------------------------------------------------------

@@ -11,13 +11,19 @@ so a sampled answer cannot wander into unbounded whitespace (docs/structured_out
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stub only
+
+# Lark, not GBNF: a line that starts (after blanks) with %llguidance or the rule `start:`.
+# llguidance's own test (is_lark_syntax) lets `^\s*` run across newlines, which backtracks
+# quadratically over blank lines (16 KiB of newlines: seconds); this one stops at each line.
+_LARK = re.compile(r"^[^\S\n]*(?:%llguidance\b|start\s*:)", re.MULTILINE)
 
 JSON_OPTIONS: JsonCompileOptions = {
     "item_separator": ", ",
@@ -65,7 +71,7 @@ def ebnf(text: Any, param: str = "ebnf") -> str:
     if not isinstance(text, str) or not text.strip():
         raise GrammarError(param, f"'{param}' must be a non-empty string")
     try:
-        lark = any_to_lark(text)
+        lark = text if _LARK.search(text) else gbnf_to_lark(text)
     except Exception as e:  # the converter raises its own errors and plain ones
         raise GrammarError(param, f"invalid EBNF grammar: {e}") from None
     return llguidance.LLMatcher.grammar_from_lark(lark)

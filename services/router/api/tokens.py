@@ -29,6 +29,7 @@ from services.router.formats.openai import chat_template
 from services.router.formats.openai.messages import parse_messages
 from services.router.requests.prompts import encode, render_chat
 from services.router.state import STATE
+from services.router.structured.limits import GrammarLimits, check_body
 from services.router.structured.tools import request as tools
 
 _COMMON = ("model", "add_special_tokens", "return_token_strs")
@@ -41,6 +42,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await json_object(request, tuple({*PROMPT_FIELDS, *CHAT_FIELDS}), "/tokenize")
     if body.get("model") is not None:
         check_model(state, body["model"])
+    check_body({"tools": body.get("tools")}, GrammarLimits.of(state.config))
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     allowed = PROMPT_FIELDS if "prompt" in body else CHAT_FIELDS

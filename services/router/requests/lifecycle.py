@@ -47,6 +47,7 @@ from services.router.requests.prompts import Prompt, prepare
 from services.router.requests.tally import Delta, Tally
 from services.router.state import STATE, RouterState
 from services.router.structured import output as structured
+from services.router.structured.limits import GrammarLimits, check_body
 from services.router.structured.tools import request as tools
 
 log = get_logger(__name__)
@@ -106,20 +107,28 @@ async def run_request(
 
 async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiRequest:
     """The body as an ApiRequest for a model this router serves; 400 or 404 otherwise."""
-    api = parse_request(endpoint, await json_body(request), state.config.max_n)
+    body = await json_body(request)
+    check_body(body, GrammarLimits.of(state.config))
+    api = parse_request(endpoint, body, state.config.max_n)
     await check(api, state)
     return api
 
 
 async def check(api: ApiRequest, state: RouterState) -> None:
-    """The model and the grammars of a parsed request, in whichever format it came."""
+    """The model and the grammars of a parsed request, in whichever format it came; the
+    grammar's text goes into its sampling."""
     check_model(state, api.model)
-    # Grammars compile off the loop, once per distinct text; the tools' schemas compile
-    # even under "auto", so a schema that cannot be enforced is a 400 in every mode.
+    # Grammars are built and compiled in the grammar pool (a deadline, a cache by content);
+    # the tools' schemas compile even under "auto", so a schema that cannot be enforced is
+    # a 400 in every mode.
+    limits = GrammarLimits.of(state.config)
+    forced = None
     if api.tools is not None:
-        await asyncio.to_thread(tools.check_tool_grammar, api.tools, state.grammars)
-    if api.grammar is not None and api.grammar.param != "tools":
-        await structured.check(api.grammar, state.grammars)
+        forced = await tools.check_tool_grammar(api.tools, state.grammars, limits)
+    if api.grammar is not None and api.grammar.kind == "tools":
+        api.sampling["grammar"] = forced
+    elif api.grammar is not None:
+        api.sampling["grammar"] = await structured.check(api.grammar, state.grammars, limits)
 
 
 # --- 2. admit: admit() in services/router/admission/request.py --------------------------

@@ -34,12 +34,13 @@ from services.router.requests import lifecycle
 from services.router.requests.chat_text import ChatText, message_parts
 from services.router.requests.lifecycle import Choice, Delta, Tally
 from services.router.requests.prompts import encode, render_chat
-from services.router.state import STATE
+from services.router.state import STATE, RouterState
+from services.router.structured.limits import GrammarLimits, check_body
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    api = anthropic.parse(await json_body(request), "/v1/messages")
+    api = anthropic.parse(await _body(request, state), "/v1/messages")
     await lifecycle.check(api, state)
     return await lifecycle.run_request(request, api, "msg_", stream if api.stream else collect)
 
@@ -48,7 +49,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as /v1/messages would run it (chat template and tools
     included), without running it."""
     state = request.app[STATE]
-    api = anthropic.parse(await json_body(request), "/v1/messages/count_tokens")
+    api = anthropic.parse(await _body(request, state), "/v1/messages/count_tokens")
     check_model(state, api.model)
 
     def count() -> int:  # template and tokenizer: CPU, off the loop
@@ -57,6 +58,13 @@ async def count_tokens(request: web.Request) -> web.Response:
 
     async with light(request, api.messages):
         return web.json_response({"input_tokens": await asyncio.to_thread(count)})
+
+
+async def _body(request: web.Request, state: RouterState) -> Any:
+    """The JSON body, its tools counted against --max-tools before they are read."""
+    body = await json_body(request)
+    check_body(body, GrammarLimits.of(state.config))
+    return body
 
 
 async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> web.Response:

@@ -40,13 +40,16 @@ from services.router.requests import lifecycle
 from services.router.requests.lifecycle import Choice, Delta, Tally
 from services.router.requests.stored import ResponseStore
 from services.router.state import STATE
+from services.router.structured.limits import GrammarLimits, check_body
 
 STORE: web.AppKey[ResponseStore] = web.AppKey("responses_store", ResponseStore)
 
 
 async def create(request: web.Request) -> web.StreamResponse:
     state, store = request.app[STATE], request.app[STORE]
-    req = read_body(await json_body(request))
+    body = await json_body(request)
+    check_body(body, GrammarLimits.of(state.config))
+    req = read_body(body)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = await store.get(req.previous_response_id)

@@ -3,17 +3,22 @@
 OpenAI's `response_format` (text, json_object, json_schema), SGLang's `regex` and `ebnf`,
 vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object}) and its
 older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar` each ask for a
-grammar; a request may ask for one at most (tools with tool_choice required
-or a named function are a grammar too: services/router/structured/tools/request.py). The
-grammar text is
-built here without a tokenizer (libs/common/grammar/build.py); `check` then compiles it
-against the model's tokenizer off the event loop, through the router's grammar cache, so
-a schema, regex or grammar that cannot be enforced is a 400 naming its field before any
-worker is asked. The workers compile the same text again, from their own cache.
+grammar; a request may ask for one at most (tools with tool_choice required or a named
+function are a grammar too: services/router/structured/tools/request.py).
+
+`from_body` only reads what is asked (a `Grammar`: the field, its kind, its source), on
+the event loop, in time bounded by the body's shape. `check` then does the rest off the
+loop: the source's size and rule count against the limits (limits.py), in a thread; the
+conversion to llguidance's format (libs/common/grammar/build.py) and the compile against
+the model's tokenizer, in a worker process of the grammar pool with a deadline
+(libs/common/grammar/pool.py), cached by a hash of the source. So a schema, regex or
+grammar that cannot be enforced, or is too big or too slow to, is a 400 naming its field
+before any worker is asked. The workers compile the same text again, from their own cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -23,7 +28,9 @@ from libs.common.engine.core.sampling_params import MAX_GRAMMAR_CHARS
 from libs.common.grammar import build
 from libs.common.grammar.build import GrammarError
 from libs.common.grammar.compiler import GrammarCompiler
+from libs.common.grammar.pool import GrammarPool
 from services.router.errors import bad_request
+from services.router.structured.limits import GrammarLimits
 
 FIELDS = (
     "response_format", "regex", "ebnf", "structured_outputs",
@@ -32,14 +39,23 @@ FIELDS = (
 # vLLM's structured_outputs keys (and guided_<key>): what each asks for.
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_ANY_OBJECT = {"type": "object"}
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """A request's grammar: its text (llguidance's format) and the field that asked."""
+    """A request's grammar as asked, not yet built: the field that asked (`param`), its
+    `kind` and `source`:
+      json    a JSON schema (a dict or a boolean), or one as JSON text (vLLM's guided_json)
+      choice  a list of strings, one of which is the output
+      regex   a pattern (Rust's regex syntax)
+      ebnf    a grammar text, GBNF or Lark
+      tools   the forced tool calls of the request's ToolRequest (source None)
+    """
 
-    text: str
     param: str
+    kind: str
+    source: Any = None
 
 
 def from_body(body: dict[str, Any]) -> Grammar | None:
@@ -57,28 +73,70 @@ def from_body(body: dict[str, Any]) -> Grammar | None:
     value = body[param]
     try:
         if param == "response_format":
-            text = _response_format(value)
-        elif param == "structured_outputs":
-            text = _structured_outputs(value)
-        elif param.startswith("guided_"):
-            text = _kind(param.removeprefix("guided_"), value, param)
-        elif param == "regex":
-            text = build.regex(value, param)
-        else:
-            text = build.ebnf(value, param)
+            return _response_format(value)
+        if param == "structured_outputs":
+            return _structured_outputs(value)
+        if param.startswith("guided_"):
+            return _kind(param.removeprefix("guided_"), value, param)
+        return _kind("regex" if param == "regex" else "grammar", value, param)
     except GrammarError as e:
         raise _refused(e) from None
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise bad_request(f"'{param}' is over {MAX_GRAMMAR_CHARS} characters as a grammar", param)
-    return Grammar(text, param)
 
 
-async def check(grammar: Grammar, compiler: GrammarCompiler) -> None:
-    """Compile `grammar` (or find it compiled); a 400 naming its field when it fails."""
+async def check(grammar: Grammar, pool: GrammarPool, limits: GrammarLimits) -> str:
+    """The grammar's text, built and compiled (or found so) off the event loop; a 400
+    naming its field when it is over a limit, cannot be enforced or takes too long."""
+    source, key = await asyncio.to_thread(_source, grammar, limits)
     try:
-        await compiler.check_async(grammar.text, grammar.param)
+        text = await pool.run(key, built, grammar.param, grammar.kind, source)
     except GrammarError as e:
         raise _refused(e) from None
+    if text is None:  # built() always answers a text
+        raise bad_request(f"'{grammar.param}' could not be checked", grammar.param)
+    return text
+
+
+def built(compiler: GrammarCompiler, param: str, kind: str, source: str) -> str:
+    """`source` (a Grammar's, as text: see _source) as a grammar text in llguidance's
+    format, compiled once against `compiler`'s tokenizer; GrammarError naming `param`.
+    Runs in a grammar pool's worker process."""
+    text = build_text(param, kind, source)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(param, f"'{param}' is over {MAX_GRAMMAR_CHARS} characters as a grammar")
+    compiler.check(text, param)
+    return text
+
+
+def build_text(param: str, kind: str, source: str) -> str:
+    """The grammar text of one kind's source as text (blocking, O(the source) or worse:
+    never on the event loop)."""
+    if kind == "json":
+        try:
+            schema = json.loads(source)
+        except ValueError:
+            raise GrammarError(param, f"'{param}': the schema is not valid JSON") from None
+        return build.json_schema(schema, param)
+    if kind == "choice":
+        # Lark string literals are JSON's: one alternative per choice, exactly its text.
+        choices = json.loads(source)
+        return build.lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        )
+    if kind == "regex":
+        return build.regex(source, param)
+    return build.ebnf(source, param)
+
+
+def _source(grammar: Grammar, limits: GrammarLimits) -> tuple[str, str]:
+    """A grammar's source as one text, within the limits, and its key in the grammar pool
+    (in a thread: O(its size))."""
+    source = grammar.source
+    if isinstance(source, str):
+        limits.text(grammar.param, source, rules=grammar.kind == "ebnf")
+        text = source
+    else:
+        text = limits.schema(grammar.param, source)
+    return text, GrammarPool.key(built, grammar.kind, text)
 
 
 def _refused(e: GrammarError) -> Exception:
@@ -97,7 +155,7 @@ def _asks(name: str, value: Any) -> bool:
     return True
 
 
-def _structured_outputs(value: Any) -> str:
+def _structured_outputs(value: Any) -> Grammar:
     """vLLM's `structured_outputs`: exactly one of _KINDS set."""
     param = "structured_outputs"
     if not isinstance(value, dict):
@@ -113,38 +171,34 @@ def _structured_outputs(value: Any) -> str:
     return _kind(asked[0], value[asked[0]], param)
 
 
-def _kind(kind: str, value: Any, param: str) -> str:
-    """The grammar of one structured-output kind, its errors naming `param`."""
-    if kind == "json":
-        if isinstance(value, str):  # vLLM takes the schema as JSON text too
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise GrammarError(param, f"'{param}': the schema is not valid JSON") from None
-        return build.json_schema(value, param)
+def _kind(kind: str, value: Any, param: str) -> Grammar:
+    """What one structured-output kind asks for, its errors naming `param`."""
+    if kind == "json":  # vLLM takes the schema as JSON text too
+        if not isinstance(value, dict | bool | str):
+            raise GrammarError(param, "a JSON schema must be an object or a boolean")
+        return Grammar(param, "json", value)
     if kind == "json_object":
         if value is not True:
             raise GrammarError(param, f"'{param}.json_object' must be true")
-        return build.json_object(param)
-    if kind == "regex":
-        return build.regex(value, param)
+        return Grammar(param, "json", _ANY_OBJECT)
     if kind == "choice":
         if not isinstance(value, list) or not value:
             raise GrammarError(param, f"'{param}': a choice is a non-empty list of strings")
         if not all(isinstance(c, str) and c for c in value):
             raise GrammarError(param, f"'{param}': each choice must be a non-empty string")
-        # Lark string literals are JSON's: one alternative per choice, exactly its text.
-        return build.lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
-    return build.ebnf(value, param)  # grammar
+        return Grammar(param, "choice", value)
+    if not isinstance(value, str) or not value or value.isspace():
+        raise GrammarError(param, f"'{param}' must be a non-empty string")
+    return Grammar(param, "regex" if kind == "regex" else "ebnf", value)
 
 
-def _response_format(value: Any) -> str:
+def _response_format(value: Any) -> Grammar:
     param = "response_format"
     if not isinstance(value, dict):
         raise GrammarError(param, "'response_format' must be an object")
     kind = value.get("type")
     if kind == "json_object":
-        return build.json_object(param)
+        return Grammar(param, "json", _ANY_OBJECT)
     if kind != "json_schema":
         raise GrammarError(
             param, "'response_format.type' must be one of 'text', 'json_object', 'json_schema'"
@@ -161,4 +215,6 @@ def _response_format(value: Any) -> str:
         raise GrammarError(param, "'response_format.json_schema.strict' must be a boolean")
     if "schema" not in spec:
         raise GrammarError(param, "'response_format.json_schema.schema' is required")
-    return build.json_schema(spec["schema"], param)
+    if not isinstance(spec["schema"], dict | bool):
+        raise GrammarError(param, "a JSON schema must be an object or a boolean")
+    return Grammar(param, "json", spec["schema"])

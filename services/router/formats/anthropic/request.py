@@ -27,13 +27,10 @@ import re
 from typing import Any
 
 from libs.common.engine.core.sampling_params import BOUNDS, Bound, SamplingError, check_stop
-from libs.common.grammar import build
-from libs.common.grammar.build import GrammarError
 from services.router.errors import bad_request
 from services.router.formats.openai.chat_template import TemplateArgs
 from services.router.formats.openai.validation import ApiRequest, Spec
 from services.router.structured.output import Grammar
-from services.router.structured.tools import request as tools
 from services.router.structured.tools.request import Tool, ToolRequest
 
 _TEMPERATURE = Bound(float, "0 is greedy (Anthropic's range: at most 1)", lo=0, hi=1)
@@ -111,14 +108,14 @@ def parse(body: Any, path: str) -> ApiRequest:
     req.template = TemplateArgs(not prefill, prefill, kwargs)
     req.tools = _tool_request(v["tools"], v["tool_choice"])
     grammar = _output_format(v["output_config"])
-    forced = tools.tool_grammar(req.tools) if req.tools is not None else None
-    if forced is not None and grammar is not None:
+    forced = req.tools is not None and req.tools.forced
+    if forced and grammar is not None:
         raise bad_request(
             "one grammar per request: 'tool_choice' forces a tool call and "
             "'output_config.format' asks for another grammar",
             "tool_choice",
         )
-    req.grammar = Grammar(forced, "tools") if forced is not None else grammar
+    req.grammar = Grammar("tools", "tools") if forced else grammar
     if specs is COUNT_SPECS:
         return req
     req.stream, req.max_tokens = bool(v["stream"]), v["max_tokens"]
@@ -129,9 +126,7 @@ def parse(body: Any, path: str) -> ApiRequest:
     sampling = {k: v[k] for k in ("temperature", "top_p", "top_k") if v[k] is not None}
     stops = v["stop_sequences"]
     sampling["stop"], sampling["stop_token_ids"] = list(stops or []), []
-    if req.grammar is not None:
-        sampling["grammar"] = req.grammar.text
-    req.sampling = sampling
+    req.sampling = sampling  # its grammar: lifecycle.check builds it
     return req
 
 
@@ -363,7 +358,7 @@ def _output_format(value: Any) -> Grammar | None:
     ):
         raise bad_request("'output_config.format' must be {type: json_schema, schema}",
                           "output_config")  # fmt: skip
-    try:
-        return Grammar(build.json_schema(spec["schema"], "output_config"), "output_config")
-    except GrammarError as e:
-        raise bad_request(f"'output_config.format.schema': {e}", "output_config") from None
+    if not isinstance(spec["schema"], dict | bool):
+        raise bad_request("'output_config.format.schema' must be a JSON schema (an object)",
+                          "output_config")  # fmt: skip
+    return Grammar("output_config", "json", spec["schema"])  # built by lifecycle.check

@@ -226,17 +226,15 @@ def parse_request(endpoint: str, body: Any, max_n: int) -> ApiRequest:
     if endpoint == "chat":
         req.tools = tools.parse_tools(body)
         tools.check_tool_messages(body["messages"])
-        forced = tools.tool_grammar(req.tools) if req.tools is not None else None
-        if forced is not None and req.grammar is not None:
+        forced = req.tools is not None and req.tools.forced
+        if forced and req.grammar is not None:
             raise bad_request(
                 f"one grammar per request: 'tool_choice' forces tool calls and "
                 f"'{req.grammar.param}' asks for another grammar",
                 "tool_choice",
             )
-        if forced is not None:
-            req.grammar = Grammar(forced, "tools")
-    if req.grammar is not None:
-        sampling["grammar"] = req.grammar.text
+        if forced:  # its text is built and checked with the tools (lifecycle.check)
+            req.grammar = Grammar("tools", "tools")
     req.sampling = sampling
     if endpoint == "completions":
         req.prompts = _prompts(v["prompt"])

@@ -4,7 +4,7 @@
     check_tool_messages(body["messages"])         # assistant tool_calls, tool_call_id
     messages, kwargs = render_messages(messages, req, template_has_tools(template))
     grammar = tool_grammar(req)                   # "required" / a named function only
-    check_tool_grammar(req, compiler)             # a schema that cannot be enforced: 400
+    forced = await check_tool_grammar(req, pool, limits)   # off the loop; 400 when refused
     # the output: parse.py (parse_tool_calls, ToolCallStream)
 
 The model calls a tool in the Hermes format that Qwen's and Hermes's chat templates
@@ -42,6 +42,7 @@ How the output is read back into calls: services/router/structured/tools/parse.p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ from libs.common.engine.core.sampling_params import MAX_GRAMMAR_CHARS
 from libs.common.grammar import build
 from libs.common.grammar.build import GrammarError
 from libs.common.grammar.compiler import GrammarCompiler
+from libs.common.grammar.pool import GrammarPool
 from services.router.errors import bad_request
+from services.router.structured.limits import GrammarLimits
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
@@ -96,6 +99,11 @@ class ToolRequest:
     def names(self) -> frozenset[str]:
         return frozenset(t.name for t in self.tools)
 
+    @property
+    def forced(self) -> bool:
+        """Whether the output is forced into tool calls (tool_grammar is not None)."""
+        return self.choice in ("required", "function")
+
 
 # --- the request ------------------------------------------------------------------------
 
@@ -126,6 +134,7 @@ def _tools(value: Any) -> tuple[Tool, ...]:
     if not isinstance(value, list):
         raise bad_request("'tools' must be a list", "tools")
     tools: list[Tool] = []
+    names: set[str] = set()
     for i, item in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(item, dict) or item.get("type") != "function":
@@ -140,8 +149,9 @@ def _tools(value: Any) -> tuple[Tool, ...]:
             raise bad_request(
                 f"'{where}.function.name' must be 1-64 of a-z, A-Z, 0-9, _ and -", "tools"
             )
-        if any(t.name == name for t in tools):
+        if name in names:
             raise bad_request(f"'{where}.function.name': {name!r} is given twice", "tools")
+        names.add(name)
         description = spec.get("description", "")
         if not isinstance(description, str | None):
             raise bad_request(f"'{where}.function.description' must be a string", "tools")
@@ -235,26 +245,50 @@ def tool_grammar(req: ToolRequest) -> str | None:
     return build.lark("\n".join(rules) + "\n")
 
 
-def check_tool_grammar(req: ToolRequest, compiler: GrammarCompiler) -> None:
+async def check_tool_grammar(
+    req: ToolRequest, pool: GrammarPool, limits: GrammarLimits
+) -> str | None:
     """Compile every tool's parameters schema and the forcing grammar (or find them
-    compiled); a 400 naming "tools" when one cannot be enforced. Blocking: from the event
-    loop, run it in an executor."""
+    compiled), in the grammar pool; the forcing grammar's text (None when not forced). A
+    400 naming "tools" when a schema is over --tool-schema-max-chars or one cannot be
+    enforced (or not in time)."""
+    payload, key = await asyncio.to_thread(_payload, req, limits)
     try:
-        for i, tool in enumerate(req.tools):
-            try:
-                compiler.check(build.json_schema(tool.parameters, "tools"), "tools")
-            except GrammarError as e:
-                raise GrammarError("tools", f"'tools[{i}].function.parameters': {e}") from None
-        grammar = tool_grammar(req)
-        if grammar is not None:
-            if len(grammar) > MAX_GRAMMAR_CHARS:
-                raise GrammarError(
-                    "tools", f"'tools' is over {MAX_GRAMMAR_CHARS} characters as a grammar"
-                )
-            compiler.check(grammar, "tools")
+        return await pool.run(key, built, "tools", payload)
     except GrammarError as e:
         message = str(e) if "'tools" in str(e) else f"'tools': {e}"
         raise bad_request(message, "tools") from None
+
+
+def built(compiler: GrammarCompiler, param: str, payload: str) -> str | None:
+    """A grammar pool's job: the tools of `payload` (_payload's) compiled one by one, then
+    the forcing grammar; its text, or None when the request does not force calls."""
+    choice, function, parallel, specs = json.loads(payload)
+    req = ToolRequest(tuple(Tool(n, "", p) for n, p in specs), choice, function, parallel)
+    for i, tool in enumerate(req.tools):
+        try:
+            compiler.check(build.json_schema(tool.parameters, param), param)
+        except GrammarError as e:
+            raise GrammarError(param, f"'tools[{i}].function.parameters': {e}") from None
+    grammar = tool_grammar(req)
+    if grammar is not None:
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(
+                param, f"'tools' is over {MAX_GRAMMAR_CHARS} characters as a grammar"
+            )
+        compiler.check(grammar, param)
+    return grammar
+
+
+def _payload(req: ToolRequest, limits: GrammarLimits) -> tuple[str, str]:
+    """What the grammar needs of `req` as JSON text, each tool's schema within the limit,
+    and its key in the grammar pool (in a thread: O(the tools))."""
+    specs = []
+    for i, tool in enumerate(req.tools):
+        specs.append(f"[{json.dumps(tool.name)}, {limits.tool_schema(i, tool.parameters)}]")
+    head = json.dumps([req.choice, req.function, req.parallel])[:-1]
+    payload = f"{head}, [{', '.join(specs)}]]"
+    return payload, GrammarPool.key(built, payload)
 
 
 # --- the prompt -------------------------------------------------------------------------
