@@ -18,7 +18,6 @@ from services.router.formats.openai import shapes as fmt
 from services.router.formats.openai.validation import ApiRequest, parse_request
 from services.router.requests.chat_text import ChatText, chat_choice
 from services.router.requests.prompts import prepare
-from services.router.structured import output as structured
 from services.router.structured.reasoning import (
     ThinkTags,
     after_thinking,
@@ -183,7 +182,7 @@ def _parsed(body: dict) -> ApiRequest:
     api = parse_request("chat", body, 4)
     assert api.grammar is not None
     g = api.grammar
-    api.sampling["grammar"] = structured.build_text(g.param, g.kind, g.source)
+    api.sampling["grammar"] = build.from_source(g.kind, g.source, g.param)
     return api
 
 

@@ -86,3 +86,33 @@ def json_rule(schema: dict[str, Any]) -> str:
     """`schema` as an inline Lark rule body: `%json { ... }`, compact like json_schema()."""
     body = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_OPTIONS}}
     return "%json " + json.dumps(body, separators=(",", ":"))
+
+
+KINDS = ("json", "choice", "regex", "ebnf", "lark", "grammar")
+
+
+def from_source(kind: str, source: str, param: str) -> str:
+    """The grammar text of a source given as text, by `kind`:
+      json     a JSON schema as JSON text          choice   a JSON list of strings
+      regex    a pattern                           ebnf     GBNF or Lark
+      lark     Lark as written                     grammar  a grammar text (as is)
+    Blocking and O(the source) or worse: never on an event loop (pool.py runs it)."""
+    if kind == "json":
+        try:
+            schema = json.loads(source)
+        except ValueError:
+            raise GrammarError(param, f"'{param}': the schema is not valid JSON") from None
+        return json_schema(schema, param)
+    if kind == "choice":
+        choices = json.loads(source)
+        # Lark string literals are JSON's: one alternative per choice, exactly its text.
+        return lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+    if kind == "regex":
+        return regex(source, param)
+    if kind == "ebnf":
+        return ebnf(source, param)
+    if kind == "lark":
+        return lark(source)
+    if kind == "grammar":
+        return source
+    raise GrammarError(param, f"unknown grammar kind {kind!r}")

@@ -1,21 +1,24 @@
 """Grammar work in worker processes, each job answered within a deadline.
 
     pool = GrammarPool(tokenizer_json, vocab_size, eos_token_ids, workers=2, deadline=2.0)
-    pool.start()                                   # blocking: spawns the workers
-    text = await pool.run(key, fn, param, *args)   # fn(compiler, param, *args) in a worker
+    pool.start()                                  # blocking: starts the workers
+    items = [("ebnf", 'root ::= "a"')]            # (kind, source): build.from_source
+    texts = await pool.run(GrammarPool.key(items), "ebnf", items)
     pool.close()
+
+Each item is built (converted to llguidance's format) and compiled against the tokenizer
+in a worker process (worker.py); run() answers their texts in order, or raises the
+GrammarError of the first one refused; its `index` attribute says which.
 
 Why processes: converting an EBNF grammar (llguidance's GBNF converter is pure Python)
 holds the GIL, so a thread would still stall the event loop, and no thread can be stopped.
-A job past the deadline is a GrammarError "too complex" naming `param`; its worker is
+A job past the deadline is a GrammarError "too complex" naming its param; its worker is
 killed and a new one started, so the jobs after it find a live worker. The deadline runs
 from the moment a worker takes the job: waiting for a free worker does not count.
 
-Answers (a text, None, or the GrammarError, a timeout included) are kept in an LRU keyed by
-`key` (the caller's hash of the job, `GrammarPool.key`), so the same grammar costs a worker
-once; runs of the same key at the same time share one job. `fn` is a module-level function
-(sent by name) taking the worker's GrammarCompiler, so a job can compile what it built;
-its arguments are strings. The pool itself knows nothing of requests or of the API.
+Answers (texts or the GrammarError, a timeout included) are kept in an LRU keyed by a hash
+of the items, so the same grammar costs a worker once; runs of the same key at the same
+time share one job. The pool knows nothing of requests or of the API.
 """
 
 from __future__ import annotations
@@ -23,21 +26,32 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-import multiprocessing
-import signal
-from collections.abc import Callable
-from multiprocessing.connection import Connection
+import json
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from libs.common.grammar.build import GrammarError
-from libs.common.grammar.compiler import GrammarCompiler
 from libs.common.log import get_logger
 
 log = get_logger(__name__)
 
-Job = Callable[..., str | None]  # fn(compiler, param, *args): a text, None, or GrammarError
-Reply = tuple[Any, ...]  # ("ok", value) | ("err", param, message) | ("timeout",) | ("crash",)
+Items = Sequence[tuple[str, str]]  # (kind, source) each
+Reply = list[Any]  # ["ok", texts] | ["err", index, param, message] | ["timeout"] | ["crash"]
 _START_S = 120.0  # a worker's start: a new interpreter, llguidance, the tokenizer
+_ROOT = str(Path(__file__).resolve().parents[3])  # where `libs` is imported from
+
+
+class GrammarRefused(GrammarError):
+    """A GrammarError for item `index` of a job (None: the whole job, e.g. a timeout)."""
+
+    def __init__(self, param: str, message: str, index: int | None) -> None:
+        super().__init__(param, message)
+        self.index = index
 
 
 class GrammarPool:
@@ -53,9 +67,9 @@ class GrammarPool:
         deadline: float = 2.0,
         max_entries: int = 256,
     ) -> None:
-        context = multiprocessing.get_context("spawn")  # no fork of a threaded process
-        init = (tokenizer_json, vocab_size, tuple(eos_token_ids))
-        self._workers = [_Worker(context, init) for _ in range(workers)]
+        head = json.dumps([vocab_size, list(eos_token_ids)]).encode()
+        init = (head, tokenizer_json.encode())
+        self._workers = [_Worker(init) for _ in range(workers)]
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         for worker in self._workers:
             self._idle.put_nowait(worker)
@@ -68,13 +82,13 @@ class GrammarPool:
         self.timeouts = 0  # jobs stopped at the deadline
 
     @staticmethod
-    def key(fn: Job, *args: str) -> str:
-        """The cache key of a job: a hash of the function's name and its arguments (the
-        param is left out: the same grammar asked by two fields is one job)."""
-        digest = hashlib.sha256(f"{fn.__module__}.{fn.__qualname__}".encode())
-        for arg in args:
-            digest.update(b"\0%d\0" % len(arg))
-            digest.update(arg.encode("utf-8", "surrogatepass"))
+    def key(items: Items) -> str:
+        """The cache key of a job's items (O(their size): not on the event loop)."""
+        digest = hashlib.sha256()
+        for kind, source in items:
+            for part in (kind, source):
+                digest.update(b"%d\0" % len(part))
+                digest.update(part.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
 
     def start(self) -> None:
@@ -87,32 +101,34 @@ class GrammarPool:
         for worker in self._workers:
             worker.stop()
 
-    async def run(self, key: str, fn: Job, param: str, *args: str) -> str | None:
-        """fn(compiler, param, *args) in a worker, or its cached answer; GrammarError
-        (naming `param`) for a grammar it refuses or one past the deadline."""
+    async def run(self, key: str, param: str, items: Items) -> list[str]:
+        """Every item built and compiled in a worker, or the cached answer: their texts;
+        GrammarRefused naming `param` (or the param a build names) when one is refused or
+        the job is past the deadline."""
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
         else:
             job = self._inflight.get(key)
             if job is None:  # a task of its own: a client that leaves does not stop it
-                job = asyncio.ensure_future(self._job(key, fn, param, args))
+                frame = json.dumps({"param": param, "items": list(items)}).encode()
+                job = asyncio.ensure_future(self._job(key, frame))
                 self._inflight[key] = job
             hit = await asyncio.shield(job)
         return self._answer(hit, param)
 
-    async def _job(self, key: str, fn: Job, param: str, args: tuple[str, ...]) -> Reply:
+    async def _job(self, key: str, frame: bytes) -> Reply:
         try:
             worker = await self._idle.get()
             try:
-                reply = await asyncio.to_thread(worker.call, fn, param, args, self.deadline)
+                reply = await asyncio.to_thread(worker.call, frame, self.deadline)
             except BaseException:
                 self._idle.put_nowait(worker)
                 raise
             self.jobs += 1
             if reply[0] in ("timeout", "crash"):
                 self.timeouts += reply[0] == "timeout"
-                log.warning("grammar worker replaced", reason=reply[0], param=param)
+                log.warning("grammar worker replaced", reason=reply[0])
                 restart = asyncio.ensure_future(self._restart(worker))
                 self._restarts.add(restart)
                 restart.add_done_callback(self._restarts.discard)
@@ -135,86 +151,102 @@ class GrammarPool:
         finally:
             self._idle.put_nowait(worker)
 
-    def _answer(self, reply: Reply, param: str) -> str | None:
+    def _answer(self, reply: Reply, param: str) -> list[str]:
         if reply[0] == "ok":
-            value: str | None = reply[1]
-            return value
+            texts: list[str] = reply[1]
+            return texts
         if reply[0] == "err":
-            raise GrammarError(reply[1], reply[2])
+            raise GrammarRefused(reply[2], reply[3], reply[1])
         if reply[0] == "timeout":
-            raise GrammarError(
-                param,
-                f"'{param}': grammar too complex (checking it took longer than "
-                f"{self.deadline:g} s)",
-            )
-        raise GrammarError(param, f"'{param}': the grammar could not be checked")
+            message = f"grammar too complex (checking it took longer than {self.deadline:g} s)"
+            raise GrammarRefused(param, f"'{param}': {message}", None)
+        raise GrammarRefused(param, f"'{param}': the grammar could not be checked", None)
 
 
 class _Worker:
-    """One worker process and the pipe to it; call() and start() block."""
+    """One worker process (worker.py) and its pipes; call() and start() block."""
 
-    def __init__(self, context: Any, init: tuple[str, int, tuple[int, ...]]) -> None:
-        self._context = context
+    def __init__(self, init: tuple[bytes, bytes]) -> None:
         self._init = init
-        self._process: Any = None
-        self._conn: Connection | None = None
+        self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.stop()
-        parent, child = self._context.Pipe()
-        process = self._context.Process(
-            target=_serve, args=(child, *self._init), name="grammar-worker", daemon=True
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (_ROOT, env.get("PYTHONPATH"))))
+        process = subprocess.Popen(
+            [sys.executable, "-m", "libs.common.grammar.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            bufsize=0,
         )
-        process.start()
-        child.close()
-        self._process, self._conn = process, parent
-        if not parent.poll(_START_S) or parent.recv() != "ready":
-            self.stop()
-            raise RuntimeError("a grammar worker did not start")
-
-    def call(self, fn: Job, param: str, args: tuple[str, ...], deadline: float) -> Reply:
-        if self._conn is None:
-            self.start()
-        conn = self._conn
-        if conn is None:  # start() sets it or raises
-            return ("crash",)
+        self._process = process
         try:
-            conn.send((fn, param, args))
-            if conn.poll(deadline):
-                reply: Reply = conn.recv()
-                return reply
-        except (EOFError, OSError):  # the process died under the job
+            for frame in self._init:
+                _write(process, frame)
+            if _read(process, _START_S) != "ready":
+                raise RuntimeError("a grammar worker did not start")
+        except BaseException:
             self.stop()
-            return ("crash",)
-        self.stop()
-        return ("timeout",)
+            raise
+
+    def call(self, frame: bytes, deadline: float) -> Reply:
+        if self._process is None:
+            self.start()
+        process = self._process
+        if process is None:  # start() sets it or raises
+            return ["crash"]
+        try:
+            _write(process, frame)
+            reply = _read(process, deadline)
+        except (OSError, ValueError, EOFError):  # the process died under the job
+            self.stop()
+            return ["crash"]
+        if reply is None:
+            self.stop()
+            return ["timeout"]
+        return list(reply)
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        conn, self._conn = self._conn, None
-        if process is not None:
-            process.kill()
-            process.join(5.0)
-            if process.exitcode is not None:
-                process.close()
-        if conn is not None:
-            conn.close()
-
-
-def _serve(conn: Connection, tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]) -> None:
-    """A worker's life: build the compiler, then answer jobs until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router's Ctrl-C is the router's
-    compiler = GrammarCompiler(tokenizer_json, vocab_size, eos)
-    conn.send("ready")
-    while True:
-        try:
-            fn, param, args = conn.recv()
-        except EOFError:  # the router closed the pipe or is gone
+        if process is None:
             return
-        try:
-            reply: Reply = ("ok", fn(compiler, param, *args))
-        except GrammarError as e:
-            reply = ("err", e.param, str(e))
-        except Exception as e:  # a bug in a job: refused, and the worker keeps serving
-            reply = ("err", param, f"'{param}': the grammar could not be checked ({e})")
-        conn.send(reply)
+        process.kill()
+        process.wait()
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _write(process: subprocess.Popen[bytes], data: bytes) -> None:
+    stdin = process.stdin
+    if stdin is None:
+        raise OSError("no pipe to the grammar worker")
+    view = memoryview(len(data).to_bytes(4, "big") + data)
+    while view:  # a pipe may take a large frame in parts
+        view = view[os.write(stdin.fileno(), view) :]
+
+
+def _read(process: subprocess.Popen[bytes], timeout: float) -> Any:
+    """The next frame, decoded; None when none came within `timeout` seconds; EOFError when
+    the process closed its end."""
+    stdout = process.stdout
+    if stdout is None:
+        raise OSError("no pipe from the grammar worker")
+    ready, _, _ = select.select([stdout], [], [], timeout)
+    if not ready:
+        return None
+    size = int.from_bytes(_exactly(stdout.fileno(), 4), "big")
+    return json.loads(_exactly(stdout.fileno(), size))
+
+
+def _exactly(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise EOFError("the grammar worker closed its pipe")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

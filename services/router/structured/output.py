@@ -19,15 +19,12 @@ before any worker is asked. The workers compile the same text again, from their 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from libs.common.engine.core.sampling_params import MAX_GRAMMAR_CHARS
-from libs.common.grammar import build
 from libs.common.grammar.build import GrammarError
-from libs.common.grammar.compiler import GrammarCompiler
 from libs.common.grammar.pool import GrammarPool
 from services.router.errors import bad_request
 from services.router.structured.limits import GrammarLimits
@@ -86,57 +83,30 @@ def from_body(body: dict[str, Any]) -> Grammar | None:
 async def check(grammar: Grammar, pool: GrammarPool, limits: GrammarLimits) -> str:
     """The grammar's text, built and compiled (or found so) off the event loop; a 400
     naming its field when it is over a limit, cannot be enforced or takes too long."""
-    source, key = await asyncio.to_thread(_source, grammar, limits)
+    items, key = await asyncio.to_thread(_items, grammar, limits)
     try:
-        text = await pool.run(key, built, grammar.param, grammar.kind, source)
+        (text,) = await pool.run(key, grammar.param, items)
     except GrammarError as e:
         raise _refused(e) from None
-    if text is None:  # built() always answers a text
-        raise bad_request(f"'{grammar.param}' could not be checked", grammar.param)
-    return text
-
-
-def built(compiler: GrammarCompiler, param: str, kind: str, source: str) -> str:
-    """`source` (a Grammar's, as text: see _source) as a grammar text in llguidance's
-    format, compiled once against `compiler`'s tokenizer; GrammarError naming `param`.
-    Runs in a grammar pool's worker process."""
-    text = build_text(param, kind, source)
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise GrammarError(param, f"'{param}' is over {MAX_GRAMMAR_CHARS} characters as a grammar")
-    compiler.check(text, param)
+        raise bad_request(
+            f"'{grammar.param}' is over {MAX_GRAMMAR_CHARS} characters as a grammar",
+            grammar.param,
+        )
     return text
 
 
-def build_text(param: str, kind: str, source: str) -> str:
-    """The grammar text of one kind's source as text (blocking, O(the source) or worse:
-    never on the event loop)."""
-    if kind == "json":
-        try:
-            schema = json.loads(source)
-        except ValueError:
-            raise GrammarError(param, f"'{param}': the schema is not valid JSON") from None
-        return build.json_schema(schema, param)
-    if kind == "choice":
-        # Lark string literals are JSON's: one alternative per choice, exactly its text.
-        choices = json.loads(source)
-        return build.lark(
-            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        )
-    if kind == "regex":
-        return build.regex(source, param)
-    return build.ebnf(source, param)
-
-
-def _source(grammar: Grammar, limits: GrammarLimits) -> tuple[str, str]:
-    """A grammar's source as one text, within the limits, and its key in the grammar pool
-    (in a thread: O(its size))."""
+def _items(grammar: Grammar, limits: GrammarLimits) -> tuple[list[tuple[str, str]], str]:
+    """A grammar's source as the pool's one item, within the limits, and its key (in a
+    thread: O(the source))."""
     source = grammar.source
     if isinstance(source, str):
         limits.text(grammar.param, source, rules=grammar.kind == "ebnf")
         text = source
-    else:
+    else:  # a schema or a list of choices, as JSON text
         text = limits.schema(grammar.param, source)
-    return text, GrammarPool.key(built, grammar.kind, text)
+    items = [(grammar.kind, text)]
+    return items, GrammarPool.key(items)
 
 
 def _refused(e: GrammarError) -> Exception:

@@ -50,9 +50,7 @@ from typing import Any
 
 from libs.common.engine.core.sampling_params import MAX_GRAMMAR_CHARS
 from libs.common.grammar import build
-from libs.common.grammar.build import GrammarError
-from libs.common.grammar.compiler import GrammarCompiler
-from libs.common.grammar.pool import GrammarPool
+from libs.common.grammar.pool import GrammarPool, GrammarRefused
 from services.router.errors import bad_request
 from services.router.structured.limits import GrammarLimits
 
@@ -252,43 +250,31 @@ async def check_tool_grammar(
     compiled), in the grammar pool; the forcing grammar's text (None when not forced). A
     400 naming "tools" when a schema is over --tool-schema-max-chars or one cannot be
     enforced (or not in time)."""
-    payload, key = await asyncio.to_thread(_payload, req, limits)
+    items, forced, key = await asyncio.to_thread(_items, req, limits)
     try:
-        return await pool.run(key, built, "tools", payload)
-    except GrammarError as e:
-        message = str(e) if "'tools" in str(e) else f"'tools': {e}"
+        await pool.run(key, "tools", items)
+    except GrammarRefused as e:
+        index = e.index if e.index is not None and e.index < len(req.tools) else None
+        message = str(e) if index is None else f"'tools[{index}].function.parameters': {e}"
+        if "'tools" not in message:
+            message = f"'tools': {message}"
         raise bad_request(message, "tools") from None
+    return forced
 
 
-def built(compiler: GrammarCompiler, param: str, payload: str) -> str | None:
-    """A grammar pool's job: the tools of `payload` (_payload's) compiled one by one, then
-    the forcing grammar; its text, or None when the request does not force calls."""
-    choice, function, parallel, specs = json.loads(payload)
-    req = ToolRequest(tuple(Tool(n, "", p) for n, p in specs), choice, function, parallel)
-    for i, tool in enumerate(req.tools):
-        try:
-            compiler.check(build.json_schema(tool.parameters, param), param)
-        except GrammarError as e:
-            raise GrammarError(param, f"'tools[{i}].function.parameters': {e}") from None
-    grammar = tool_grammar(req)
-    if grammar is not None:
-        if len(grammar) > MAX_GRAMMAR_CHARS:
-            raise GrammarError(
-                param, f"'tools' is over {MAX_GRAMMAR_CHARS} characters as a grammar"
-            )
-        compiler.check(grammar, param)
-    return grammar
-
-
-def _payload(req: ToolRequest, limits: GrammarLimits) -> tuple[str, str]:
-    """What the grammar needs of `req` as JSON text, each tool's schema within the limit,
-    and its key in the grammar pool (in a thread: O(the tools))."""
-    specs = []
-    for i, tool in enumerate(req.tools):
-        specs.append(f"[{json.dumps(tool.name)}, {limits.tool_schema(i, tool.parameters)}]")
-    head = json.dumps([req.choice, req.function, req.parallel])[:-1]
-    payload = f"{head}, [{', '.join(specs)}]]"
-    return payload, GrammarPool.key(built, payload)
+def _items(
+    req: ToolRequest, limits: GrammarLimits
+) -> tuple[list[tuple[str, str]], str | None, str]:
+    """The pool's items for `req`: each tool's schema (within the limit), then the forcing
+    grammar when there is one; that grammar; their key (in a thread: O(the tools))."""
+    items = [("json", limits.tool_schema(i, t.parameters)) for i, t in enumerate(req.tools)]
+    forced = tool_grammar(req)
+    if forced is not None:
+        if len(forced) > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"'tools' is over {MAX_GRAMMAR_CHARS} characters as a grammar",
+                              "tools")  # fmt: skip
+        items.append(("grammar", forced))
+    return items, forced, GrammarPool.key(items)
 
 
 # --- the prompt -------------------------------------------------------------------------
