@@ -104,6 +104,12 @@ class RouterMetrics:
             "tandem:router_measured_tokens_per_second",
             "Throughput the admission's expected wait divides by", registry=r,
         )  # fmt: skip
+        # HTTP connections (api/connections.py): open ones, and those a limit closed.
+        self.connections = Gauge("tandem:http_connections", "Open HTTP connections", registry=r)
+        self.connections_refused = Counter(
+            "tandem:http_connections_refused", "HTTP connections answered and closed by a "
+            "limit, by the limit's flag", ("limit",), registry=r,
+        )  # fmt: skip
 
     def observe_worker(self, w: ObservedWorker) -> None:
         labels = (w.id, w.role)

@@ -147,8 +147,12 @@ class RouterService(BaseService):
         await self._runner.setup()
         assert self._runner.server is not None  # set up
         # Our listener, not a web.TCPSite: it counts and times connections (connections.py).
-        self._listener = Listener(self._runner.server, limits)
-        self.port = await self._listener.start(cfg.host, cfg.port)
+        refused = state.metrics.connections_refused
+        listener = self._listener = Listener(
+            self._runner.server, limits, lambda limit: refused.labels(limit).inc()
+        )
+        state.metrics.connections.set_function(lambda: listener.open)
+        self.port = await listener.start(cfg.host, cfg.port)
         log.info("router listening", url=f"http://{cfg.host}:{self.port}", model_id=model_id)
 
     async def _on_load(self, msg: Msg) -> None:

@@ -145,6 +145,8 @@ async def test_the_router_serves_while_1000_slow_sockets_are_held_and_then_close
         await drip
         for _, w, _ in socks:
             w.close()
+        async with http.get(f"{router_url}/metrics") as r:
+            metrics = await r.text()
 
     assert refused.startswith(b"HTTP/1.1 429"), refused[:200]
     assert b"--max-connections-per-address" in refused
@@ -170,4 +172,12 @@ async def test_the_router_serves_while_1000_slow_sockets_are_held_and_then_close
         held = c[1] - socks[i][2]
         deadline = BODY_TIMEOUT if i % 3 == 2 else HEADER_TIMEOUT
         assert deadline - 0.5 < held < deadline + 5, (i, held)
+    refused = {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("tandem:http_connections_refused_total{")
+    }
+    assert refused.get("header_timeout", 0) >= 2 * SOCKETS // 3, refused
+    assert refused.get("body_timeout", 0) >= SOCKETS // 3, refused
+    assert refused.get("max_connections_per_address", 0) >= 1, refused
     assert not hostile.dead(), f"exited: {hostile.dead()}"

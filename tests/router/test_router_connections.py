@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import orjson
@@ -49,8 +50,10 @@ async def _hello(request: web.Request) -> web.Response:
 
 
 @contextlib.asynccontextmanager
-async def _serving() -> AsyncIterator[int]:
-    """A real aiohttp server with the router's middlewares and listener; its port."""
+async def _serving(refused: Counter[str] | None = None) -> AsyncIterator[int]:
+    """A real aiohttp server with the router's middlewares and listener; its port. The
+    listener counts its refusals into `refused`, by limit."""
+    counts = Counter[str]() if refused is None else refused
     app = web.Application(middlewares=[connections.track, _errors, connections.read_body])
     connections.install(app, LIMITS)
     app.router.add_post("/echo", _echo)
@@ -58,7 +61,7 @@ async def _serving() -> AsyncIterator[int]:
     runner = web.AppRunner(app, access_log=None, **LIMITS.runner_options())
     await runner.setup()
     assert runner.server is not None
-    listener = Listener(runner.server, LIMITS)
+    listener = Listener(runner.server, LIMITS, lambda limit: counts.update([limit]))
     try:
         yield await listener.start("127.0.0.1", 0)
     finally:
@@ -67,8 +70,13 @@ async def _serving() -> AsyncIterator[int]:
 
 
 @pytest.fixture
-async def port() -> AsyncIterator[int]:
-    async with _serving() as port:
+def refused() -> Counter[str]:
+    return Counter()
+
+
+@pytest.fixture
+async def port(refused: Counter[str]) -> AsyncIterator[int]:
+    async with _serving(refused) as port:
         yield port
 
 
@@ -97,7 +105,7 @@ def _get(path: str = "/hello", extra: str = "") -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: t\r\n{extra}\r\n".encode()
 
 
-async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(port):
+async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(port, refused):
     reader, writer = await _open(port)
     start = time.monotonic()
     data = await asyncio.wait_for(reader.read(), BOUND_S)
@@ -105,6 +113,7 @@ async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeou
     writer.close()
     assert data == b""
     assert LIMITS.header_timeout - 0.1 <= waited < LIMITS.header_timeout + 1.0
+    assert refused == {"header_timeout": 1}
 
 
 async def test_dripped_headers_get_408_at_the_header_timeout(port):
@@ -130,7 +139,7 @@ async def test_dripped_headers_get_408_at_the_header_timeout(port):
     assert waited < LIMITS.header_timeout + 1.0
 
 
-async def test_a_header_block_over_max_header_bytes_gets_431(port):
+async def test_a_header_block_over_max_header_bytes_gets_431(port, refused):
     reader, writer = await _open(port)
     writer.write(_get(extra=f"X-Big: {'a' * LIMITS.max_header_bytes}\r\n"))
     status, body = await _response(reader)
@@ -138,6 +147,7 @@ async def test_a_header_block_over_max_header_bytes_gets_431(port):
     error = orjson.loads(body)["error"]
     assert status == 431 and "--max-header-bytes" in error["message"], error
     assert set(error) == {"message", "type", "param", "code"}
+    assert refused == {"max_header_bytes": 1}
 
 
 async def test_a_client_still_sending_a_huge_header_reads_the_431_not_a_reset(port):
@@ -148,13 +158,14 @@ async def test_a_client_still_sending_a_huge_header_reads_the_431_not_a_reset(po
     assert status == 431 and "--max-header-bytes" in orjson.loads(body)["error"]["message"]
 
 
-async def test_more_header_lines_than_max_headers_get_431(port):
+async def test_more_header_lines_than_max_headers_get_431(port, refused):
     reader, writer = await _open(port)
     lines = "".join(f"X-{i}: v\r\n" for i in range(LIMITS.max_headers + 1))
     writer.write(_get(extra=lines))
     status, body = await _response(reader)
     writer.close()
     assert status == 431 and "--max-headers" in orjson.loads(body)["error"]["message"]
+    assert refused == {"max_headers": 1}
 
 
 async def test_max_headers_header_lines_are_served(port):
@@ -231,13 +242,14 @@ async def test_one_connection_over_the_per_address_cap_gets_429_and_others_are_s
         w.close()
 
 
-async def test_one_connection_over_the_total_cap_gets_503(port):
+async def test_one_connection_over_the_total_cap_gets_503(port, refused):
     per = LIMITS.max_connections_per_address
     sources = [f"127.0.0.{2 + i // per}" for i in range(LIMITS.max_connections)]
     held = [await _served(port, source) for source in sources]
     reader, writer = await _open(port, "127.0.0.99")
     status, body = await _response(reader)
     assert status == 503 and "--max-connections" in body.decode()
+    assert refused == {"max_connections": 1}
     writer.close()
     for w in held:
         w.close()
@@ -245,9 +257,10 @@ async def test_one_connection_over_the_total_cap_gets_503(port):
 
 def test_the_limits_hold_under_uvloop_the_routers_default_loop():
     """uvloop's transports are not asyncio's classes: the same cases, on uvloop."""
+    refused: Counter[str] = Counter()
 
     async def cases() -> None:
-        async with _serving() as port:
+        async with _serving(refused) as port:
             await test_dripped_headers_get_408_at_the_header_timeout(port)
             await test_a_client_still_sending_a_huge_header_reads_the_431_not_a_reset(port)
             await test_a_stalled_body_gets_408_and_the_connection_closes(port)
@@ -255,3 +268,7 @@ def test_the_limits_hold_under_uvloop_the_routers_default_loop():
             await test_one_connection_over_the_per_address_cap_gets_429_and_others_are_served(port)
 
     uvloop.run(cases())
+    assert refused.keys() == {"header_timeout", "max_header_bytes", "body_timeout",
+                              "max_connections_per_address"}, refused  # fmt: skip
+    assert refused["header_timeout"] == refused["max_header_bytes"] == 1, refused
+    assert refused["body_timeout"] == 1, refused

@@ -103,8 +103,14 @@ class Listener:
     """The router's listening socket: each connection admitted under the caps goes to
     aiohttp's `server` (web.AppRunner.server) inside a `Connection`."""
 
-    def __init__(self, server: Callable[[], asyncio.Protocol], limits: ConnectionLimits):
+    def __init__(
+        self,
+        server: Callable[[], asyncio.Protocol],
+        limits: ConnectionLimits,
+        on_refused: Callable[[str], None] = lambda limit: None,
+    ):
         self.limits = limits
+        self.on_refused = on_refused  # called with the flag (no dashes) of each refusal
         self._server = server
         self._listening: asyncio.AbstractServer | None = None
         self.open = 0
@@ -126,6 +132,7 @@ class Listener:
     def admit(self, address: str) -> ApiError | None:
         """Count a new connection from `address`, or the refusal it gets."""
         if self.open >= self.limits.max_connections:
+            self.on_refused("max_connections")
             return ApiError(
                 503,
                 f"the router holds --max-connections ({self.limits.max_connections}) "
@@ -133,6 +140,7 @@ class Listener:
                 code="too_many_connections",
             )
         if self.by_address[address] >= self.limits.max_connections_per_address:
+            self.on_refused("max_connections_per_address")
             return ApiError(
                 429,
                 f"this address holds --max-connections-per-address "
@@ -243,9 +251,11 @@ class Connection(asyncio.Protocol):
         # The request line and each header end with a line end; so does the blank line.
         headers = self._lines - (2 if end >= 0 else 1)
         if self._seen > self.limits.max_header_bytes:
+            self.listener.on_refused("max_header_bytes")
             self._refuse(_too_large(f"--max-header-bytes ({self.limits.max_header_bytes})"))
             return False
         if headers > self.limits.max_headers:
+            self.listener.on_refused("max_headers")
             self._refuse(_too_large(f"--max-headers ({self.limits.max_headers}) header lines"))
             return False
         if end >= 0:
@@ -272,6 +282,7 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        self.listener.on_refused("header_timeout")
         if self.state == "headers" and self._seen:
             limit = f"--header-timeout ({self.limits.header_timeout:g} s)"
             message = f"the request's headers did not arrive within {limit}"
@@ -345,6 +356,9 @@ async def read_body(request: web.Request, handler: Any) -> web.StreamResponse:
             await asyncio.wait_for(request.read(), timeout)
         except TimeoutError:
             request[_CLOSE] = True
+            connection = _connection(request)
+            if connection is not None:
+                connection.listener.on_refused("body_timeout")
             raise ApiError(
                 408,
                 f"the request body did not arrive within --body-timeout ({timeout:g} s)",
