@@ -1,7 +1,8 @@
-"""The router's connection limits (services/router/api/connections.py), each alone, on real
-sockets against a real aiohttp server with the router's middlewares and listener: short
-timeouts so each case takes about a second. tests/hostile/test_slow_connections.py holds
-1,000 such sockets against a real router and workers."""
+"""The router's connection limits (services/router/api/connections.py and
+connection_middleware.py), each alone, on real sockets against a real aiohttp server with
+the router's middlewares and listener: short timeouts so each case takes about a second.
+tests/hostile/test_slow_connections.py holds 1,000 such sockets against a real router and
+workers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from services.router.api import connections
+from services.router.api import connection_middleware as middleware
 from services.router.api.connections import ConnectionLimits, Listener
 from services.router.errors import ApiError
 
@@ -54,8 +55,8 @@ async def _serving(refused: Counter[str] | None = None) -> AsyncIterator[int]:
     """A real aiohttp server with the router's middlewares and listener; its port. The
     listener counts its refusals into `refused`, by limit."""
     counts = Counter[str]() if refused is None else refused
-    app = web.Application(middlewares=[connections.track, _errors, connections.read_body])
-    connections.install(app, LIMITS)
+    app = web.Application(middlewares=[middleware.track, _errors, middleware.read_body])
+    middleware.install(app, LIMITS)
     app.router.add_post("/echo", _echo)
     app.router.add_get("/hello", _hello)
     runner = web.AppRunner(app, access_log=None, **LIMITS.runner_options())

@@ -34,7 +34,8 @@ from services.router.admission.credentials import tenant_of
 from services.router.admission.gate import GATE, Gate
 from services.router.admission.request import TENANT
 from services.router.admission.tenants import DEFAULT, KeyRing
-from services.router.api import connections, models, openapi, pins, render, tokens
+from services.router.api import connection_middleware, models, openapi, pins, render, tokens
+from services.router.api.connections import ConnectionLimits
 from services.router.errors import ApiError
 from services.router.formats.anthropic import shapes as anthropic
 from services.router.requests import lifecycle, messages, responses
@@ -55,9 +56,9 @@ KEYS: web.AppKey[KeyRing] = web.AppKey("api_keys", KeyRing)
 
 def build_app(state: RouterState, keys: KeyRing, gate: Gate) -> web.Application:
     # connections: the header deadline ends as a request starts; its body has a deadline.
-    middlewares = [connections.track, _middleware, connections.read_body]
+    middlewares = [connection_middleware.track, _middleware, connection_middleware.read_body]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
-    connections.install(app, connections.ConnectionLimits.of(state.config))
+    connection_middleware.install(app, ConnectionLimits.of(state.config))
     app[STATE], app[KEYS], app[GATE] = state, keys, gate
     app[responses.STORE] = ResponseStore(state.bus, state.config)
     for method, path, handler in routes():

@@ -3,7 +3,8 @@
 aiohttp closes an idle keep-alive connection (--keepalive-timeout) and reads bodies, but
 it has no deadline for a request's headers or body and no cap on connections: a client
 dripping header bytes, or declaring a large body and stalling, holds a socket forever.
-This module adds what it lacks, around aiohttp's own protocol, through public API only:
+This module and connection_middleware.py add what it lacks, around aiohttp's own
+protocol, through public API only:
 
     Listener   the listening socket; each accepted connection gets a `Connection` that
                counts it (--max-connections in all, --max-connections-per-address per
@@ -13,9 +14,8 @@ This module adds what it lacks, around aiohttp's own protocol, through public AP
                its header block: --header-timeout (408, or a plain close when nothing was
                sent) and --max-header-bytes / --max-headers (431); it sees bytes only,
                the parsing stays aiohttp's
-    track      (outermost middleware) tells the Connection a request began and ended
-    read_body  (innermost middleware) reads the body within --body-timeout (408, and the
-               connection is closed)
+    connection_middleware.py  tells the Connection where each request begins and ends,
+               and reads the body within --body-timeout (408, and the connection closed)
 
 Every answer has OpenAI's error shape; the cost per byte is a length and a search for the
 blank line, whatever the client sends.
@@ -31,7 +31,6 @@ from http import HTTPStatus
 from typing import Any, cast
 
 import orjson
-from aiohttp import web
 
 from libs.common.log import get_logger
 from services.router.errors import ApiError
@@ -44,8 +43,6 @@ _REFUSAL_LINGER_S = 1.0
 # aiohttp's own limits stay a little above ours: ours answer first, with a 431.
 _AIOHTTP_SLACK_HEADERS = 8
 _END = b"\r\n\r\n"
-# A request's mark: force-close its connection after the answer.
-_CLOSE: web.RequestKey[bool] = web.RequestKey("close_connection", bool)
 
 
 @dataclass(frozen=True)
@@ -74,15 +71,6 @@ class ConnectionLimits:
             "max_field_size": self.max_header_bytes,
             "max_headers": self.max_headers + _AIOHTTP_SLACK_HEADERS,
         }
-
-
-LIMITS: web.AppKey[ConnectionLimits] = web.AppKey("connection_limits", ConnectionLimits)
-
-
-def install(app: web.Application, limits: ConnectionLimits) -> None:
-    """Give `app` the limits its middlewares read (the middlewares themselves are in
-    app.py's list: `track` first, `read_body` last)."""
-    app[LIMITS] = limits
 
 
 def error_bytes(error: ApiError, headers: dict[str, str] | None = None) -> bytes:
@@ -312,56 +300,3 @@ class Connection(asyncio.Protocol):
 def _too_large(limit: str) -> ApiError:
     message = f"the request's headers are over {limit}"
     return ApiError(431, message, code="request_header_fields_too_large")
-
-
-def _connection(request: web.Request) -> Connection | None:
-    transport = request.transport
-    protocol = transport.get_protocol() if transport is not None else None
-    return protocol if isinstance(protocol, Connection) else None
-
-
-@web.middleware
-async def track(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Outermost: the connection's header deadline stops here, and its next request's
-    starts once this one's body has been read to its end. A request whose body timed out
-    is answered and its connection closed here: aiohttp would otherwise wait (its
-    lingering time) for the rest of a body that is not coming."""
-    connection = _connection(request)
-    if connection is None:
-        return await handler(request)
-    number = connection.request_started()
-    try:
-        response = await handler(request)
-        if request.get(_CLOSE) and request.transport is not None:
-            response.force_close()
-            await response.prepare(request)
-            await response.write_eof()
-            request.transport.close()  # after what was written
-        return response
-    finally:
-        if request.content.is_eof():
-            connection.request_done(number)
-        else:  # aiohttp reads the rest after the answer (or closes)
-            request.content.on_eof(lambda: connection.request_done(number))
-
-
-@web.middleware
-async def read_body(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Innermost: the body arrives whole within --body-timeout, or the answer is 408 and
-    the connection is closed. The handlers' own reads then return what was read (aiohttp
-    keeps a request's body once read)."""
-    if request.can_read_body:
-        timeout = request.app[LIMITS].body_timeout
-        try:
-            await asyncio.wait_for(request.read(), timeout)
-        except TimeoutError:
-            request[_CLOSE] = True
-            connection = _connection(request)
-            if connection is not None:
-                connection.listener.on_refused("body_timeout")
-            raise ApiError(
-                408,
-                f"the request body did not arrive within --body-timeout ({timeout:g} s)",
-                code="request_timeout",
-            ) from None
-    return await handler(request)
