@@ -19,6 +19,7 @@ from aiohttp import web
 
 from services.router.api import connection_middleware as middleware
 from services.router.api.connections import ConnectionLimits, Listener
+from services.router.config import RouterConfig
 from services.router.errors import ApiError
 
 LIMITS = ConnectionLimits(
@@ -273,3 +274,10 @@ def test_the_limits_hold_under_uvloop_the_routers_default_loop():
                               "max_connections_per_address"}, refused  # fmt: skip
     assert refused["header_timeout"] == refused["max_header_bytes"] == 1, refused
     assert refused["body_timeout"] == 1, refused
+
+
+def test_each_connection_flag_is_checked_and_named():
+    assert ConnectionLimits.of(RouterConfig()).max_connections_per_address == 256
+    for name in ConnectionLimits.__dataclass_fields__:
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}"):
+            RouterConfig(**{name: 0})

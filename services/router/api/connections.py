@@ -47,15 +47,16 @@ _END = b"\r\n\r\n"
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """The flags of docs/security.md, "Connections" (RouterConfig holds and checks them)."""
+    """The flags of docs/security.md, "Connections" (RouterConfig holds their defaults and
+    checks them)."""
 
-    keepalive_timeout: float = 15.0
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    max_header_bytes: int = 32768
-    max_headers: int = 128
-    max_connections: int = 4096
-    max_connections_per_address: int = 256
+    keepalive_timeout: float
+    header_timeout: float
+    body_timeout: float
+    max_header_bytes: int
+    max_headers: int
+    max_connections: int
+    max_connections_per_address: int
 
     @classmethod
     def of(cls, config: Any) -> ConnectionLimits:
