@@ -1,5 +1,6 @@
 """Workers' view of routers' liveness (libs/common/worker/router_watch.py): pure, no processes."""
 
+import asyncio
 import time
 
 from libs.common.messages.control import RouterHeartbeat
@@ -94,3 +95,24 @@ def test_dead_routers_make_room_for_new_ones():
     time.sleep(0.6)  # every one is past its timeout
     assert watch.heard(_beat("new"))
     assert len(watch._heard) == 1
+
+
+async def test_no_router_is_blamed_for_the_workers_own_stall():
+    watch = RouterWatch()
+    watch.heard(_beat("aa", timeout=0.5))
+    since = time.monotonic()
+    sweep = asyncio.create_task(watch.pause(0.05))
+    await asyncio.sleep(0)  # the sweep is asleep now
+    time.sleep(1.0)  # noqa: ASYNC251 - the stall itself: aa's beats would wait unread
+    now = await sweep
+    assert watch.silent("aa", since, now) is None
+    assert watch.silent("aa", since, now + 0.6) is not None  # silence counts from the stall
+
+
+async def test_a_sweep_on_time_leaves_a_silent_router_silent():
+    watch = RouterWatch()
+    watch.reconnected_at = 0.0
+    watch.heard(_beat("aa", timeout=0.5))
+    await asyncio.sleep(0.6)  # aa silent past its timeout; this loop ran meanwhile
+    now = await watch.pause(0.2)
+    assert watch.silent("aa", 0.0, now) is not None

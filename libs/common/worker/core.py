@@ -337,10 +337,9 @@ class WorkerCore:
     async def _routers_loop(self) -> None:
         """Cancel every request whose router has gone silent past its timeout."""
         while True:
-            await asyncio.sleep(_ROUTER_SWEEP_S)
+            now = await self.routers.pause(_ROUTER_SWEEP_S)  # our own stall blames no one
             if not self.bus.connected:  # we hear no one now: nobody is to blame
                 continue
-            now = time.monotonic()
             for key, held in list(self._active.items()):
                 quiet = self.routers.silent(held.router, held.since, now)
                 if quiet is not None and not held.task.done() and not held.task.cancelling():

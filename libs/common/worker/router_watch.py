@@ -8,13 +8,15 @@ worker that has heard nothing from a router for that long (`RouterWatch.silent`)
 every request it holds from it: its client went with it (a kill -9 sends no cancel).
 
 Silence counts from the latest of: the router's last heartbeat, the request's arrival,
-and this worker's last reconnect to NATS (while its own connection is down, or just back,
-it cannot have heard anyone: no router is blamed for that). A request with no router (a
-direct client on the bus) is never watched.
+and this worker's last reconnect to NATS or stall of its own event loop (while its own
+connection is down, or just back, or its loop was blocked, it cannot have heard anyone:
+the beats wait unread; no router is blamed for that). A request with no router (a direct
+client on the bus) is never watched.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from libs.common.messages.control import RouterHeartbeat
@@ -60,6 +62,16 @@ class RouterWatch:
                 return False
         self._heard[beat.router] = (now, timeout)  # at the end: the table is in beat order
         return True
+
+    async def pause(self, seconds: float) -> float:
+        """Sleep `seconds` and return the monotonic time after. A wake-up later than asked
+        by more than `seconds` is this worker's own stall: silence counts again from now."""
+        asked = time.monotonic() + seconds
+        await asyncio.sleep(seconds)
+        now = time.monotonic()
+        if now - asked > seconds:
+            self.reconnected_at = now  # deaf meanwhile, as while disconnected
+        return now
 
     def _forget_dead(self, now: float) -> None:
         """Drop routers silent past their timeout from the front (the least recently heard):
