@@ -62,5 +62,10 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value" if param else None)
 
 
+def busy(what: str, retry_after_s: int = 1) -> ApiError:
+    """429 with Retry-After: a shared resource is full for now, not the request's fault."""
+    return ApiError(429, what, code="busy", headers={"Retry-After": str(retry_after_s)})
+
+
 def no_workers(what: str = "no workers are live") -> ApiError:
     return ApiError(503, what, code="no_workers", headers={"Retry-After": "1"})

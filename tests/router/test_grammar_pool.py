@@ -12,7 +12,7 @@ import pytest
 from libs.common.engine.load.source import default_model_path, load_tokenizer
 from libs.common.grammar import build
 from libs.common.grammar.build import GrammarError
-from libs.common.grammar.pool import GrammarPool
+from libs.common.grammar.pool import GrammarPool, GrammarPoolBusy
 
 DEADLINE = 0.5
 
@@ -32,17 +32,21 @@ async def _run(pool: GrammarPool, kind: str, source: str) -> str:
     return text
 
 
-def test_a_grammar_past_the_deadline_is_400_and_the_pool_serves_the_next_one():
+def test_a_grammar_past_the_deadline_is_refused_and_the_pool_serves_the_next_one():
     tok, _, _ = load_tokenizer(default_model_path())
     pool = GrammarPool(tok.tokenizer.to_str(), tok.vocab_size, tok.eos_token_ids, workers=1,
-                       deadline=DEADLINE)  # fmt: skip
+                       deadline=DEADLINE, max_queued=1)  # fmt: skip
     pool.start()
 
     async def scenario() -> None:
         slow = chain(3000)
         started = time.monotonic()
+        first = asyncio.ensure_future(_run(pool, "ebnf", slow))
+        await asyncio.sleep(0)  # one turn of the loop: `first` holds the only place
+        with pytest.raises(GrammarPoolBusy):  # past max_queued: refused at once
+            await _run(pool, "regex", "[a-z]")
         with pytest.raises(GrammarError) as e:
-            await _run(pool, "ebnf", slow)
+            await first
         assert time.monotonic() - started < DEADLINE + 5  # the deadline, and the kill
         assert e.value.param == "ebnf" and "too complex" in str(e.value)
         assert f"{DEADLINE:g} s" in str(e.value) and pool.timeouts == 1

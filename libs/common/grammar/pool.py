@@ -18,7 +18,10 @@ from the moment a worker takes the job: waiting for a free worker does not count
 
 Answers (texts or the GrammarError, a timeout included) are kept in an LRU keyed by a hash
 of the items, so the same grammar costs a worker once; runs of the same key at the same
-time share one job. The pool knows nothing of requests or of the API.
+time share one job. At most `max_queued` distinct jobs wait or run at once (16 per worker
+by default: a real grammar takes milliseconds); past it run() raises GrammarPoolBusy at
+once rather than hold the request and its source. The pool knows nothing of requests or
+of the API.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class GrammarRefused(GrammarError):
         self.index = index
 
 
+class GrammarPoolBusy(Exception):
+    """Too many distinct grammars are waiting for a worker: try again shortly."""
+
+
 class GrammarPool:
     """`workers` processes, each with a GrammarCompiler for one tokenizer; an LRU of
     `max_entries` answers. Use run() from one event loop."""
@@ -66,6 +73,7 @@ class GrammarPool:
         workers: int = 2,
         deadline: float = 2.0,
         max_entries: int = 256,
+        max_queued: int | None = None,
     ) -> None:
         head = json.dumps([vocab_size, list(eos_token_ids)]).encode()
         init = (head, tokenizer_json.encode())
@@ -75,6 +83,7 @@ class GrammarPool:
             self._idle.put_nowait(worker)
         self.deadline = deadline
         self.max_entries = max_entries
+        self.max_queued = 16 * workers if max_queued is None else max_queued
         self._cache: collections.OrderedDict[str, Reply] = collections.OrderedDict()
         self._inflight: dict[str, asyncio.Future[Reply]] = {}
         self._restarts: set[asyncio.Future[None]] = set()
@@ -104,13 +113,15 @@ class GrammarPool:
     async def run(self, key: str, param: str, items: Items) -> list[str]:
         """Every item built and compiled in a worker, or the cached answer: their texts;
         GrammarRefused naming `param` (or the param a build names) when one is refused or
-        the job is past the deadline."""
+        the job is past the deadline; GrammarPoolBusy past `max_queued` jobs."""
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
         else:
             job = self._inflight.get(key)
             if job is None:  # a task of its own: a client that leaves does not stop it
+                if len(self._inflight) >= self.max_queued:
+                    raise GrammarPoolBusy(f"{len(self._inflight)} grammars are being checked")
                 frame = json.dumps({"param": param, "items": list(items)}).encode()
                 job = asyncio.ensure_future(self._job(key, frame))
                 self._inflight[key] = job

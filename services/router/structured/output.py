@@ -25,8 +25,8 @@ from typing import Any
 
 from libs.common.engine.core.sampling_params import MAX_GRAMMAR_CHARS
 from libs.common.grammar.build import GrammarError
-from libs.common.grammar.pool import GrammarPool
-from services.router.errors import bad_request
+from libs.common.grammar.pool import GrammarPool, GrammarPoolBusy
+from services.router.errors import bad_request, busy
 from services.router.structured.limits import GrammarLimits
 
 FIELDS = (
@@ -88,6 +88,8 @@ async def check(grammar: Grammar, pool: GrammarPool, limits: GrammarLimits) -> s
         (text,) = await pool.run(key, grammar.param, items)
     except GrammarError as e:
         raise _refused(e) from None
+    except GrammarPoolBusy as e:
+        raise busy(f"the grammar checker is busy ({e}); try again") from None
     if len(text) > MAX_GRAMMAR_CHARS:
         raise bad_request(
             f"'{grammar.param}' is over {MAX_GRAMMAR_CHARS} characters as a grammar",

@@ -50,8 +50,8 @@ from typing import Any
 
 from libs.common.engine.core.sampling_params import MAX_GRAMMAR_CHARS
 from libs.common.grammar import build
-from libs.common.grammar.pool import GrammarPool, GrammarRefused
-from services.router.errors import bad_request
+from libs.common.grammar.pool import GrammarPool, GrammarPoolBusy, GrammarRefused
+from services.router.errors import bad_request, busy
 from services.router.structured.limits import GrammarLimits
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -259,6 +259,8 @@ async def check_tool_grammar(
         if "'tools" not in message:
             message = f"'tools': {message}"
         raise bad_request(message, "tools") from None
+    except GrammarPoolBusy as e:
+        raise busy(f"the grammar checker is busy ({e}); try again") from None
     return forced
 
 
