@@ -162,6 +162,18 @@ async def test_a_5s_router_stall_prunes_no_worker_and_drops_no_index_source(clus
     assert "worker left rotation" not in log and "worker forgotten" not in log
 
 
+async def test_a_worker_back_within_the_forget_timeout_keeps_its_index_entries(cluster):
+    workers, routers, url = cluster
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        before = await index_keys(http, url)
+        assert before > 0
+        await stall(workers.procs["b1"].pid, 5.0)  # b1 silent past --worker-timeout (3 s)
+        assert "worker left rotation" in router_log(routers)  # it was dropped
+        health = await wait_healthy(url, {"both": 1}, 30)  # and is back: rejoined
+    assert health["kv_index_keys"] >= before, (health, before)
+    assert "worker forgotten" not in router_log(routers)
+
+
 def beat_process_of(pid: int) -> int:
     """The pid of `pid`'s child running the beat process."""
     for entry in Path("/proc").iterdir():
