@@ -81,6 +81,34 @@ class RouterConfig(CommonConfig):
     max_n: int = field(
         default=16, metadata={"help": "largest accepted `n`, and prompts x n, per request"}
     )
+    # A request's budget before admission (admission/budget.py; docs/api.md "Limits").
+    max_body_bytes: int = field(
+        default=16 << 20,
+        metadata={"help": "largest request body in bytes; beyond it the API answers 413"},
+    )
+    max_body_items: int = field(
+        default=1 << 19,
+        metadata={"help": "JSON items (commas) in a body, counted before it is decoded, 400"},
+    )
+    max_prompt_chars: int = field(
+        default=1 << 20,
+        metadata={"help": "characters of prompt text per request (prompts or messages), 400"},
+    )
+    max_prompt_ids: int = field(
+        default=1 << 17,
+        metadata={"help": "token ids per request given as ids (prompts, /detokenize), 400"},
+    )
+    max_messages: int = field(
+        default=4096, metadata={"help": "messages (or input items) per request, 400"}
+    )
+    max_generated_tokens: int = field(
+        default=1 << 20,
+        metadata={"help": "prompts x n x max_tokens per request (unset max_tokens: the context)"},
+    )
+    max_logprob_values: int = field(
+        default=1 << 18,
+        metadata={"help": "prompts x n x max_tokens x (1 + top logprobs) per request, 400"},
+    )
     worker_timeout: float = field(
         default=3.0, metadata={"help": "seconds without a load report before a worker is dropped"}
     )
@@ -219,6 +247,13 @@ class RouterConfig(CommonConfig):
             "tool_schema_max_chars",
             "grammar_workers",
             "grammar_timeout",
+            "max_body_bytes",
+            "max_body_items",
+            "max_prompt_chars",
+            "max_prompt_ids",
+            "max_messages",
+            "max_generated_tokens",
+            "max_logprob_values",
         ):
             require_positive(self, name)
         if self.heartbeat_max_stall < 0:

@@ -67,5 +67,11 @@ def busy(what: str, retry_after_s: int = 1) -> ApiError:
     return ApiError(429, what, code="busy", headers={"Retry-After": str(retry_after_s)})
 
 
+def too_large(where: str, limit: int) -> ApiError:
+    """The 413 for a body over `limit` bytes (declared, or found while reading)."""
+    return ApiError(413, f"{where}: the request body is over this server's limit of "
+                    f"{limit} bytes (--max-body-bytes)", code="request_too_large")  # fmt: skip
+
+
 def no_workers(what: str = "no workers are live") -> ApiError:
     return ApiError(503, what, code="no_workers", headers={"Retry-After": "1"})

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -20,6 +23,16 @@ from services.router.metrics import RouterMetrics
 from services.router.routing.kv_index import KvIndex
 from services.router.routing.selector import RouteSelector
 from services.router.routing.workers import WorkerTable
+
+T = TypeVar("T")
+# Threads for request work that holds the GIL (decoding and checking bodies, chat templates,
+# response formatting): each one more contends with the event loop for the GIL at every
+# switch interval, so there is one (64 concurrent renders of 2,000 messages: /health's
+# slowest answers ~0.1-0.27 s with 2 threads, ~0.04 s with one; 6 threads, 0.75 s). Small
+# bodies never queue here (formats/bodies.py parses them inline).
+CPU_THREADS = 1
+# Token texts kept for logprobs (state.token_text): a whole vocabulary of most models.
+TOKEN_TEXTS = 1 << 18
 
 
 @dataclass
@@ -75,8 +88,27 @@ class RouterState:
         lens = [n for n in lens if n > 0]
         return min([*lens, self.max_model_len]) if lens else self.max_model_len
 
+    @functools.cached_property
+    def cpu(self) -> ThreadPoolExecutor:
+        """The pool of `cpu_work` (shut down with the service)."""
+        return ThreadPoolExecutor(max_workers=CPU_THREADS, thread_name_prefix="router-cpu")
+
+    async def cpu_work(self, work: Callable[[], T]) -> T:
+        """`work()` on one of CPU_THREADS threads: off the event loop, few at once."""
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, work)
+
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special=False)
+        """One token's text, for logprobs: decoded once per id (an LRU shared by every
+        request; thread-safe, so responses can be formatted off the event loop)."""
+        return self._token_texts(token_id)
+
+    @functools.cached_property
+    def _token_texts(self) -> Callable[[int], str]:
+        @functools.lru_cache(maxsize=TOKEN_TEXTS)
+        def decode(token_id: int) -> str:
+            return self.tokenizer.decode([token_id], skip_special=False)
+
+        return decode
 
 
 STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)

@@ -11,7 +11,7 @@ import pytest
 
 from libs.common import __version__
 from libs.common.engine.load.source import default_model_path, load_tokenizer
-from services.router.api.app import MAX_BODY
+from services.router.config import RouterConfig
 from services.router.requests.prompts import encode, render_chat
 from tests.router.conftest import Routers
 
@@ -120,9 +120,11 @@ async def test_aiohttp_errors_are_openai_shaped(router):
         async with http.get(f"{router}/tokenize") as r:
             assert r.status == 405 and "POST" in r.headers["Allow"]
             four_keys(await r.json())
-        async with http.post(f"{router}/tokenize", data=b"x" * (MAX_BODY + 1)) as r:
+        limit = RouterConfig().max_body_bytes  # the default --max-body-bytes
+        async with http.post(f"{router}/tokenize", data=b"x" * (limit + 1)) as r:
             assert r.status == 413
-            assert four_keys(await r.json())["type"] == "invalid_request_error"
+            error = four_keys(await r.json())
+            assert error["type"] == "invalid_request_error" and str(limit) in error["message"]
 
 
 async def test_chat_render_takes_the_chat_template_fields(router):

@@ -3,6 +3,7 @@
 
     middleware  request id (x-request-id in and out; bound to every log line)
                 -> API key check on /v1/*, /tokenize and /detokenize
+                -> a declared body over --max-body-bytes: 413 before it is read
                 -> handler; ApiError / HTTP errors / anything else -> an error body
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/chat/render (a chat
 request's prompt text, not run), POST /v1/responses, GET and DELETE /v1/responses/{id}
@@ -30,13 +31,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.common.log import get_logger, request_context
+from services.router.admission import budget
 from services.router.admission.credentials import tenant_of
 from services.router.admission.gate import GATE, Gate
 from services.router.admission.request import TENANT
 from services.router.admission.tenants import DEFAULT, KeyRing
 from services.router.api import connection_middleware, models, openapi, pins, render, tokens
 from services.router.api.connections import ConnectionLimits
-from services.router.errors import ApiError
+from services.router.errors import ApiError, too_large
 from services.router.formats.anthropic import shapes as anthropic
 from services.router.requests import lifecycle, messages, responses
 from services.router.requests.stored import ResponseStore
@@ -45,7 +47,6 @@ from services.router.state import STATE, RouterState
 log = get_logger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # must be safe inside a NATS subject
-MAX_BODY = 16 << 20
 _PROTECTED = re.compile(r"^/(v1/|tokenize$|detokenize$)")  # behind the API key
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -57,7 +58,7 @@ KEYS: web.AppKey[KeyRing] = web.AppKey("api_keys", KeyRing)
 def build_app(state: RouterState, keys: KeyRing, gate: Gate) -> web.Application:
     # connections: the header deadline ends as a request starts; its body has a deadline.
     middlewares = [connection_middleware.track, _middleware, connection_middleware.read_body]
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
+    app = web.Application(middlewares=middlewares, client_max_size=state.config.max_body_bytes)
     connection_middleware.install(app, ConnectionLimits.of(state.config))
     app[STATE], app[KEYS], app[GATE] = state, keys, gate
     app[responses.STORE] = ResponseStore(state.bus, state.config)
@@ -108,6 +109,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     with request_context(rid):
         try:
             _authorize(request)
+            budget.body_size(request, state.config)
             response = await handler(request)
         except ApiError as e:
             response = _error(request, e, state)
@@ -143,10 +145,11 @@ def _error(request: web.Request, e: ApiError, state: RouterState) -> web.Respons
 def _http_error(e: web.HTTPException, request: web.Request) -> ApiError:
     """aiohttp's own errors (no route, wrong method, body too large) as ApiErrors."""
     where = f"{request.method} {request.path}"
+    if e.status == 413:
+        return too_large(where, request.app[STATE].config.max_body_bytes)
     message = {
         404: f"{where}: no such route",
         405: f"{where}: method not allowed",
-        413: f"{where}: the request body is over {MAX_BODY} bytes",
     }.get(e.status, f"{where}: {e.reason or 'error'}")
     allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
     return ApiError(e.status, message, code=str(e.status), headers=allow)

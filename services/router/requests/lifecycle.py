@@ -29,6 +29,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import orjson
@@ -36,10 +37,11 @@ from aiohttp import web
 
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import SamplingSpec, TokenChunk
+from services.router.admission import budget
 from services.router.admission.gate import GATE
 from services.router.admission.request import admit
 from services.router.errors import ApiError
-from services.router.formats.bodies import check_model, json_body
+from services.router.formats.bodies import check_model, parsed
 from services.router.formats.openai import shapes as fmt
 from services.router.formats.openai.validation import ApiRequest, parse_request
 from services.router.formats.sse import DONE, SseStream, sse
@@ -107,9 +109,13 @@ async def run_request(
 
 async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiRequest:
     """The body as an ApiRequest for a model this router serves; 400 or 404 otherwise."""
-    body = await json_body(request)
-    check_body(body, GrammarLimits.of(state.config))
-    api = parse_request(endpoint, body, state.config.max_n)
+    config, limits = state.config, GrammarLimits.of(state.config)
+
+    def checked(body: Any) -> ApiRequest:
+        check_body(body, limits)
+        return parse_request(endpoint, budget.raw(body, config), config.max_n)
+
+    api = await parsed(request, checked)
     await check(api, state)
     return api
 
@@ -117,6 +123,7 @@ async def parse(request: web.Request, endpoint: str, state: RouterState) -> ApiR
 async def check(api: ApiRequest, state: RouterState) -> None:
     """The model and the grammars of a parsed request, in whichever format it came; the
     grammar's text goes into its sampling."""
+    budget.check(api, state.config, state.context_len())
     check_model(state, api.model)
     # Grammars are built and compiled in the grammar pool (a deadline, a cache by content);
     # the tools' schemas compile even under "auto", so a schema that cannot be enforced is
@@ -244,8 +251,17 @@ class ChoiceDeltas:
 
 
 async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> web.Response:
-    """Run every choice, then answer with one JSON body."""
+    """Run every choice, then answer with one JSON body: formatted in a thread when it
+    holds logprobs (up to --max-logprob-values entries, each a token's text)."""
     await dispatch(tally.state, choices, tally.add)
+    api = tally.api
+    heavy = api.logprobs is not None or api.vllm.prompt_logprobs is not None
+    body = await tally.state.cpu_work(lambda: collected(tally)) if heavy else collected(tally)
+    return web.Response(body=body, content_type="application/json")
+
+
+def collected(tally: Tally) -> bytes:
+    """The JSON body of a request whose choices have all finished."""
     api, prompts = tally.api, tally.prompts
     model, created = api.model, int(time.time())
     if api.endpoint == "chat":
@@ -266,7 +282,7 @@ async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> 
             lp = fmt.joined_logprobs(tally.prompt_lps.get(c.index), lp)
             out.append(fmt.completion_choice(c, lp) | tally.vllm.choice(c))
         body = fmt.completion_body(tally.rid, created, model, out, tally.totals)
-    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+    return orjson.dumps(body)
 
 
 async def stream(request: web.Request, tally: Tally, choices: list[Choice]) -> web.StreamResponse:

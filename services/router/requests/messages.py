@@ -17,18 +17,19 @@ Errors on these paths have Anthropic's shape (api/app.py asks shapes.error_body)
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from aiohttp import web
 
+from services.router.admission import budget
 from services.router.admission.request import light
 from services.router.errors import ApiError
 from services.router.formats.anthropic import request as anthropic
 from services.router.formats.anthropic import shapes
-from services.router.formats.bodies import check_model, json_body
+from services.router.formats.bodies import check_model, parsed
 from services.router.formats.openai import shapes as fmt
+from services.router.formats.openai.validation import ApiRequest
 from services.router.formats.sse import SseStream
 from services.router.requests import lifecycle
 from services.router.requests.chat_text import ChatText, message_parts
@@ -40,7 +41,7 @@ from services.router.structured.limits import GrammarLimits, check_body
 
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    api = anthropic.parse(await _body(request, state), "/v1/messages")
+    api = await _parsed(request, state, "/v1/messages")
     await lifecycle.check(api, state)
     return await lifecycle.run_request(request, api, "msg_", stream if api.stream else collect)
 
@@ -49,7 +50,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as /v1/messages would run it (chat template and tools
     included), without running it."""
     state = request.app[STATE]
-    api = anthropic.parse(await _body(request, state), "/v1/messages/count_tokens")
+    api = await _parsed(request, state, "/v1/messages/count_tokens")
+    budget.prompt_sizes(api, state.config)
     check_model(state, api.model)
 
     def count() -> int:  # template and tokenizer: CPU, off the loop
@@ -57,14 +59,19 @@ async def count_tokens(request: web.Request) -> web.Response:
         return len(encode(state.tokenizer, text))
 
     async with light(request, api.messages):
-        return web.json_response({"input_tokens": await asyncio.to_thread(count)})
+        return web.json_response({"input_tokens": await state.cpu_work(count)})
 
 
-async def _body(request: web.Request, state: RouterState) -> Any:
-    """The JSON body, its tools counted against --max-tools before they are read."""
-    body = await json_body(request)
-    check_body(body, GrammarLimits.of(state.config))
-    return body
+async def _parsed(request: web.Request, state: RouterState, path: str) -> ApiRequest:
+    """The body as the chat ApiRequest, its tools counted against --max-tools and its
+    prompt fields against the budget before they are read (off the loop when large)."""
+    config, limits = state.config, GrammarLimits.of(state.config)
+
+    def checked(body: Any) -> ApiRequest:
+        check_body(body, limits)
+        return anthropic.parse(budget.raw(body, config), path)
+
+    return await parsed(request, checked)
 
 
 async def collect(request: web.Request, tally: Tally, choices: list[Choice]) -> web.Response:

@@ -23,8 +23,9 @@ import orjson
 from aiohttp import web
 
 from libs.common.messages.responses import StoredResponse
+from services.router.admission import budget
 from services.router.errors import ApiError, bad_request
-from services.router.formats.bodies import json_body
+from services.router.formats.bodies import off_loop, parsed
 from services.router.formats.responses import shapes
 from services.router.formats.responses.events import ResponseEvents, encode
 from services.router.formats.responses.request import (
@@ -47,9 +48,13 @@ STORE: web.AppKey[ResponseStore] = web.AppKey("responses_store", ResponseStore)
 
 async def create(request: web.Request) -> web.StreamResponse:
     state, store = request.app[STATE], request.app[STORE]
-    body = await json_body(request)
-    check_body(body, GrammarLimits.of(state.config))
-    req = read_body(body)
+    config, limits = state.config, GrammarLimits.of(state.config)
+
+    def checked(body: Any) -> ResponsesRequest:
+        check_body(body, limits)
+        return read_body(budget.raw(body, config))
+
+    req = await parsed(request, checked)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = await store.get(req.previous_response_id)
@@ -57,7 +62,9 @@ async def create(request: web.Request) -> web.StreamResponse:
             raise previous_not_found(req.previous_response_id)
         history = previous.messages
     with renamed():
-        api = to_api(req, history, state.config.max_n)
+        # A stored conversation counts as 1 KiB a message: a long one is checked in a thread.
+        size = (request.content_length or 0) + (len(history) << 10)
+        api = await off_loop(size, lambda: to_api(req, history, state.config.max_n), state.cpu)
         await lifecycle.check(api, state)
         run = Run(req, store, history)
         return await lifecycle.run_request(request, api, "resp_",
@@ -137,7 +144,9 @@ class Run:
         content, calls = parts.content, parts.calls
         output = []
         if content or not calls:
-            lp = tally.logprobs(0, c.logprobs, c.text)  # None unless asked (no tools then)
+            lp = None  # unless asked (no tools then); formatted in a thread: entries x top
+            if tally.api.logprobs is not None:
+                lp = await tally.state.cpu_work(lambda: tally.logprobs(0, c.logprobs, c.text))
             item_id = shapes.new_id("msg")
             output.append(shapes.message_item(item_id, content, status, lp and lp["content"]))
         for call in calls:
