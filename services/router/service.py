@@ -1,8 +1,10 @@
 """The router service: loads the tokenizer, follows the workers and the KV events, serves HTTP.
 
 on_start: tokenizer (no weights) -> load-report subscription -> KV events stream
-          (replayed into the index) -> liveness task -> heartbeat (workers cancel the
-          requests of a router whose heartbeats stop) -> HTTP listener (connections.py)
+          (replayed into the index) -> liveness task (on a LoopClock: this loop's stalls
+          are not the workers' silence) -> heartbeat, from the loop and a beat process
+          (workers cancel the requests of a router whose heartbeats stop) -> HTTP listener
+          (connections.py)
 on_stop:  HTTP listener closes (in-flight requests get --drain-timeout, then are
           cancelled, which cancels them on the workers) -> tasks -> heartbeat ->
           subscriptions

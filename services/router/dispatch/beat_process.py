@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import orjson
 
-from libs.common.bus.connection import Bus
+from libs.common.bus.connection import Bus, BusError
 from libs.common.log import get_logger, setup_logging
 from libs.common.messages.control import RouterHeartbeat
 
@@ -111,8 +111,13 @@ def main() -> None:
         return
     settings = Settings(**orjson.loads(line))
     setup_logging(settings.log_level, settings.log_format, service="router-heartbeat")
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C of `make run` reaches us too
+    try:
         asyncio.run(Beater(settings, sys.stdin.fileno()).run())
+    except BusError as e:  # the router beats from its loop; it starts us again later
+        log.warning("heartbeat process could not connect", error=str(e))
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C of `make run` reaches us too
+        pass
 
 
 if __name__ == "__main__":
