@@ -101,9 +101,11 @@ class GrammarPool:
         return digest.hexdigest()
 
     def start(self) -> None:
-        """Start every worker (blocking: run it off the event loop)."""
+        """Start every worker, all at once (blocking: run it off the event loop)."""
         for worker in self._workers:
-            worker.start()
+            worker.launch()
+        for worker in self._workers:
+            worker.wait_ready()
 
     def close(self) -> None:
         """Stop every worker; safe twice and on a pool never started."""
@@ -182,6 +184,11 @@ class _Worker:
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """A new process (its imports run while the caller launches others)."""
         self.stop()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (_ROOT, env.get("PYTHONPATH"))))
@@ -193,7 +200,14 @@ class _Worker:
             bufsize=0,
         )
         self._process = process
+
+    def wait_ready(self) -> None:
+        """Send the tokenizer (the process reads it once its imports are done), then wait
+        for its "ready"."""
+        process = self._process
         try:
+            if process is None:
+                raise RuntimeError("a grammar worker was not launched")
             for frame in self._init:
                 _write(process, frame)
             if _read(process, _START_S) != "ready":
