@@ -1,45 +1,33 @@
-"""The worst grammars and tools a client can send, through a real router (one `--role both`
-worker, the default model, nats-server): each is refused with a 400 naming its field and
-the limit, or served correctly, while a /health poll every 15 ms never waits over 100 ms
-(the conversion and compilation run in the grammar pool's processes, never on the loop)."""
+"""The worst grammars and tools a client can send, through the hostile cluster's router
+(real workers, the default model): each is refused with a 400 naming its field and the
+limit, or served correctly, while a /health poll every 15 ms never waits over 100 ms (the
+conversion and compilation run in the grammar pool's processes, never on the loop)."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
-from scripts.cluster import LocalCluster
-from tests.router.conftest import router_env, router_port
-from tests.router.e2e_cluster import wait_healthy
+from tests.hostile.conftest import Hostile
 from tests.router.test_grammar_pool import chain
 
-pytestmark = pytest.mark.slow
-
-WORKER_ARGS = ["--role", "both", "--num-threads", "1", "--kv-cache-mb", "64",
-               "--transport", "tcp", "--no-pool", "true"]  # fmt: skip
 POLL_EVERY_S, STALL_S = 0.015, 0.100
 KIB = 1024
 
 
 @pytest.fixture(scope="module")
-def port(module_nats, tmp_path_factory) -> Iterator[int]:
-    local = LocalCluster(module_nats.url, env=router_env(),
-                         capture=tmp_path_factory.mktemp("frontdoor-grammar"))  # fmt: skip
-    try:
-        local.start_one("decode", "--service-id", "w1", *WORKER_ARGS, label="w1")
-        local.start_one("router", "--service-id", "router-fg", "--port", "0")
-        router = asyncio.run(router_port(module_nats.url, "router-fg", 240))
-        asyncio.run(wait_healthy(f"http://127.0.0.1:{router}", {"both": 1}, 240, local.procs))
-        yield router
-    finally:
-        local.stop()
+def router(hostile: Hostile) -> tuple[int, dict[str, str]]:
+    """The hostile router's port and the headers its API key needs."""
+    port = urlsplit(hostile.url).port
+    assert port is not None
+    return port, hostile.headers
 
 
 class HealthPoller(threading.Thread):
@@ -63,10 +51,10 @@ class HealthPoller(threading.Thread):
         conn.close()
 
 
-def post(port: int, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+def post(port: int, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        conn.request("POST", path, body, {"Content-Type": "application/json", **headers})
         r = conn.getresponse()
         return r.status, json.loads(r.read())
     finally:
@@ -170,7 +158,8 @@ def idle_waits(port: int, seconds: float = 0.5) -> list[float]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_hostile_grammar_or_tools_never_hold_the_router_loop(port, case):
+def test_a_hostile_grammar_or_tools_never_hold_the_router_loop(router, case):
+    port, headers = router
     (path, body), check = CASES[case]
     # A poll may wait STALL_S more than the slowest poll with no request at all: on a quiet
     # machine that is ~STALL_S; on a loaded one the scheduler's own delays are not counted.
@@ -178,7 +167,7 @@ def test_a_hostile_grammar_or_tools_never_hold_the_router_loop(port, case):
     poller = HealthPoller(port)
     poller.start()
     try:
-        status, out = post(port, path, body)
+        status, out = post(port, path, body, headers)
     finally:
         poller.done.set()
         poller.join(30)
