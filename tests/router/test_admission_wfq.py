@@ -234,3 +234,29 @@ async def test_max_pending_counts_waiting_and_running_requests():
     assert e.value.status == 429 and e.value.code == "too_many_requests"
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_a_waiter_past_the_queue_timeout_is_429_and_leaves_no_trace():
+    g = gate(capacity=1, queue_timeout=0.05)
+    first = await g.enter(A, 10)
+    with pytest.raises(ApiError) as e:
+        await g.enter(B, 10)
+    assert e.value.status == 429 and e.value.code == "queue_timeout"
+    assert len(g.queue) == 0 and g.held == 1
+    g.leave(first, 10)
+    assert g.held == 0 and g.running == 0
+
+
+async def test_a_wide_head_that_gives_up_lets_the_next_one_start():
+    g = gate(capacity=2)
+    first = await g.enter(A, 10)
+    wide = asyncio.ensure_future(g.enter(B, 10, slots=2))  # does not fit beside `first`
+    await asyncio.sleep(0)
+    narrow = asyncio.ensure_future(g.enter(A, 10))  # fits, but the fairest head blocks it
+    await asyncio.sleep(0)
+    assert not narrow.done()
+    wide.cancel()
+    await asyncio.gather(wide, return_exceptions=True)
+    g.leave(await asyncio.wait_for(narrow, 1), 10)
+    g.leave(first, 10)
+    assert g.held == 0 and g.running == 0 and len(g.queue) == 0

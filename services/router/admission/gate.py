@@ -222,6 +222,7 @@ class Gate:
                 self.queue.remove(entry)
                 self.held -= 1
                 self._refund(ticket.tenant, ticket.cost)
+                self.pump()  # it may have been the head that did not fit
             if isinstance(e, TimeoutError):
                 what = (
                     "its deadline passed"

@@ -97,7 +97,8 @@ async def run_request(
             tally = Tally(state, api, prompts, id_prefix + label)
             return await respond(request, tally, choices)
     finally:  # every way out (an error, a cancel, the client gone) gives the slot back
-        used = tally.totals.prompt_tokens + tally.totals.completion_tokens if tally else 0
+        totals = tally.running_totals() if tally else None  # a cancelled one's tokens too
+        used = totals.prompt_tokens + totals.completion_tokens if totals else 0
         request.app[GATE].leave(ticket, used)
         state.pending -= 1
         state.metrics.running.labels(state.metrics.model).dec()
