@@ -41,6 +41,13 @@ class RouterConfig(CommonConfig):
         default=256,
         metadata={"help": "requests in flight at once; beyond it the API answers 429"},
     )
+    max_running: int = field(
+        default=0,
+        metadata={
+            "help": "generations the router runs at once (choices); more wait in the tenants' "
+            "fair queues (0: the sum of the live decode workers' reported --max-num-seqs)"
+        },
+    )
     max_queue_wait: float = field(
         default=10.0,
         metadata={
@@ -265,6 +272,8 @@ class RouterConfig(CommonConfig):
                 f"--worker-forget-timeout: must be at least --worker-timeout "
                 f"({self.worker_timeout:g}), got {self.worker_forget_timeout:g}"
             )
+        if self.max_running < 0:
+            raise ValueError(f"--max-running: must be >= 0, got {self.max_running}")
         if self.heartbeat_timeout < 2 * self.heartbeat_interval:
             raise ValueError(
                 f"--heartbeat-timeout: must be at least 2 x --heartbeat-interval "

@@ -139,7 +139,8 @@ class RouterService(BaseService):
         limits = ConnectionLimits.of(cfg)
         admission = Limits(cfg.max_pending, cfg.max_queue_wait, cfg.queue_timeout)
         live = lambda: bool(state.selector.eligible("decode"))  # noqa: E731
-        self._gate = Gate(admission, functools.partial(decode_capacity, workers), live)
+        capacity = functools.partial(decode_capacity, workers, cfg.max_running)
+        self._gate = Gate(admission, capacity, live)
         self._runner = web.AppRunner(
             build_app(state, keys, self._gate),
             access_log=None,
@@ -231,11 +232,15 @@ class RouterService(BaseService):
                 log.debug("load subscription not removed", error=str(e))
 
 
-def decode_capacity(workers: WorkerTable) -> int | None:
-    """The requests the live decode (and `both`) workers run at once, by their reports;
-    None while any of them does not say (an older worker): --max-pending bounds alone."""
+def decode_capacity(workers: WorkerTable, most: int = 0) -> int | None:
+    """The requests the live decode (and `both`) workers run at once, by their reports, at
+    most `most` (--max-running, 0: no bound of its own); None while a worker does not say
+    (an older worker) and no --max-running is set: --max-pending bounds alone."""
     slots = [w.report.max_running for w in workers.live("decode", "both")]
-    return sum(slots) if slots and all(slots) else None
+    known = sum(slots) if slots and all(slots) else None
+    if not most:
+        return known
+    return most if known is None else min(most, known)
 
 
 def load_defaults(model: str, flags: Mapping[str, int | float | None]) -> SamplingDefaults:

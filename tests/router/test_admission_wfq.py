@@ -8,11 +8,13 @@ import asyncio
 
 import pytest
 
+from libs.common.messages.control import LoadReport
 from services.router.admission.gate import Gate, Limits
 from services.router.admission.limits import START_TOKENS_PER_S, Throughput, TokenBucket
 from services.router.admission.tenants import Tenant
 from services.router.admission.wfq import Entry, FairQueue
 from services.router.errors import ApiError
+from services.router.routing.workers import WorkerTable
 
 
 def anyone(_: Entry) -> bool:
@@ -260,3 +262,21 @@ async def test_a_wide_head_that_gives_up_lets_the_next_one_start():
     g.leave(await asyncio.wait_for(narrow, 1), 10)
     g.leave(first, 10)
     assert g.held == 0 and g.running == 0 and len(g.queue) == 0
+
+
+def test_capacity_is_the_decode_workers_reported_slots_bounded_by_max_running():
+    from services.router.service import decode_capacity
+
+    def report(wid: str, role: str, slots: int) -> LoadReport:
+        return LoadReport(worker=wid, role=role, model_id="m", page_size=16, kv_dtype="f",
+                          waiting=0, running=0, waiting_prefill_tokens=0, free_pages=1,
+                          total_pages=1, tokens_per_s=0.0, max_model_len=64, timestamp=0.0,
+                          max_running=slots)  # fmt: skip
+
+    table = WorkerTable(3.0)
+    assert decode_capacity(table) is None and decode_capacity(table, 4) == 4
+    for r in (report("d1", "decode", 8), report("b1", "both", 4), report("p1", "prefill", 99)):
+        table.update(r)
+    assert decode_capacity(table) == 12 and decode_capacity(table, 5) == 5
+    table.update(report("d2", "decode", 0))  # an older worker: unknown
+    assert decode_capacity(table) is None and decode_capacity(table, 5) == 5
