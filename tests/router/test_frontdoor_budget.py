@@ -87,8 +87,11 @@ class HealthPoll:
         this shared 2-core host one poll in a few hundred may wait for a core, not for
         the router's loop (the stalls fixed here were 0.75 to 4 s)."""
         waits = sorted(self.waits)
+        p99 = waits[int(len(waits) * 0.99)] if waits else float("nan")
+        print(f"\n/health beside it: {len(waits)} polls, p99 {p99 * 1000:.1f} ms, "
+              f"max {waits[-1] * 1000 if waits else float('nan'):.1f} ms")  # fmt: skip
         assert len(waits) >= 3, waits
-        assert waits[int(len(waits) * 0.99)] < HEALTH_BOUND, waits[-5:]
+        assert p99 < HEALTH_BOUND, waits[-5:]
         assert waits[-1] < STALL, waits[-5:]
 
 
