@@ -25,7 +25,7 @@ from services.router.structured.reasoning import (
     split_reasoning,
     think_tags,
 )
-from services.router.structured.tools import request as tools
+from services.router.structured.tools.grammar import tool_grammar
 from tests.router import tiny_qwen3
 from tests.router.tool_cases import call_block, tool_request
 
@@ -148,7 +148,7 @@ GRAMMARS = {
     "json_schema": (build.json_schema(PERSON), '{"age": 7}', '{"age": "x"}'),
     "regex": (build.regex("Hi|Yo"), "Yo", "Hey"),
     "tools": (
-        tools.tool_grammar(tool_request("required", parallel=False)),
+        tool_grammar(tool_request("required", parallel=False)),
         call_block("get_time", {"zone": "A"}),
         "I will not call.",
     ),

@@ -16,6 +16,11 @@ from libs.common.grammar.pool import GrammarPool
 from services.router.errors import ApiError
 from services.router.structured.limits import GrammarLimits
 from services.router.structured.tools import request as tools
+from services.router.structured.tools.grammar import (
+    MAX_PARALLEL_CALLS,
+    check_tool_grammar,
+    tool_grammar,
+)
 from tests.router.tool_cases import TIME, WEATHER, call_block, tool_request
 
 SMOL_TEMPLATE = (
@@ -172,14 +177,14 @@ def _accepts(compiler, tokenizer, grammar: str, text: str) -> bool:
 
 
 def test_auto_and_none_have_no_grammar():
-    assert tools.tool_grammar(tool_request("auto")) is None
-    assert tools.tool_grammar(tool_request("none")) is None
+    assert tool_grammar(tool_request("auto")) is None
+    assert tool_grammar(tool_request("none")) is None
 
 
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize(("choice", "function"), [("required", None), ("function", "get_time")])
 def test_forcing_grammars_compile(choice, function, parallel, compiler):
-    compiler.check(tools.tool_grammar(tool_request(choice, function, parallel)), "tools")
+    compiler.check(tool_grammar(tool_request(choice, function, parallel)), "tools")
 
 
 @pytest.mark.parametrize(
@@ -194,7 +199,7 @@ def test_forcing_grammars_compile(choice, function, parallel, compiler):
     ],
 )
 def test_required_grammar_accepts_calls_to_any_tool(text, compiler, tokenizer):
-    assert _accepts(compiler, tokenizer, tools.tool_grammar(tool_request("required")), text)
+    assert _accepts(compiler, tokenizer, tool_grammar(tool_request("required")), text)
 
 
 @pytest.mark.parametrize(
@@ -208,38 +213,38 @@ def test_required_grammar_accepts_calls_to_any_tool(text, compiler, tokenizer):
     ],
 )
 def test_required_grammar_refuses_anything_but_valid_calls(text, compiler, tokenizer):
-    assert not _accepts(compiler, tokenizer, tools.tool_grammar(tool_request("required")), text)
+    assert not _accepts(compiler, tokenizer, tool_grammar(tool_request("required")), text)
 
 
 def test_a_named_function_grammar_refuses_the_other_tools(compiler, tokenizer):
-    grammar = tools.tool_grammar(tool_request("function", "get_time"))
+    grammar = tool_grammar(tool_request("function", "get_time"))
     assert _accepts(compiler, tokenizer, grammar, call_block("get_time", {"zone": "CET"}))
     assert not _accepts(compiler, tokenizer, grammar, call_block("get_weather", {"city": "Rome"}))
 
 
 def test_without_parallel_calls_the_grammar_takes_exactly_one(compiler, tokenizer):
     one = call_block("get_time", {"zone": "UTC"})
-    serial = tools.tool_grammar(tool_request("required", parallel=False))
+    serial = tool_grammar(tool_request("required", parallel=False))
     assert _accepts(compiler, tokenizer, serial, one)
     assert not _accepts(compiler, tokenizer, serial, one + "\n" + one)
 
 
 def test_forced_parallel_calls_are_bounded(compiler, tokenizer):
     one = call_block("get_time", {"zone": "UTC"})
-    grammar = tools.tool_grammar(tool_request("required"))
-    most = "\n".join([one] * tools.MAX_PARALLEL_CALLS)
+    grammar = tool_grammar(tool_request("required"))
+    most = "\n".join([one] * MAX_PARALLEL_CALLS)
     assert _accepts(compiler, tokenizer, grammar, most)
     assert not _accepts(compiler, tokenizer, grammar, most + "\n" + one)
 
 
 def test_a_named_function_is_called_once(compiler, tokenizer):
     one = call_block("get_time", {"zone": "UTC"})
-    grammar = tools.tool_grammar(tool_request("function", "get_time"))
+    grammar = tool_grammar(tool_request("function", "get_time"))
     assert not _accepts(compiler, tokenizer, grammar, one + "\n" + one)
 
 
 def _check(req: tools.ToolRequest, pool: GrammarPool) -> str | None:
-    return asyncio.run(tools.check_tool_grammar(req, pool, GrammarLimits()))
+    return asyncio.run(check_tool_grammar(req, pool, GrammarLimits()))
 
 
 def test_an_unenforceable_parameters_schema_is_400_naming_tools(grammar_pool):
@@ -256,7 +261,7 @@ def test_enforceable_tools_pass_the_grammar_check_and_forced_ones_give_their_gra
     grammar_pool,
 ):
     forced = tool_request("required")
-    assert _check(forced, grammar_pool) == tools.tool_grammar(forced)
+    assert _check(forced, grammar_pool) == tool_grammar(forced)
     assert _check(tool_request("auto"), grammar_pool) is None
 
 
@@ -265,7 +270,7 @@ def test_a_parameters_schema_over_the_limit_is_400_naming_its_tool(grammar_pool)
     req = tools.parse_tools({"tools": [_tool("a", TIME), _tool("b", big)]})
     assert req is not None
     with pytest.raises(ApiError) as e:
-        asyncio.run(tools.check_tool_grammar(req, grammar_pool, GrammarLimits(
+        asyncio.run(check_tool_grammar(req, grammar_pool, GrammarLimits(
             max_tool_schema_chars=100)))  # fmt: skip
     assert e.value.param == "tools" and "tools[1]" in e.value.message
     assert "--tool-schema-max-chars" in e.value.message
@@ -361,7 +366,7 @@ def test_tool_choice_none_adds_no_tools_prompt_either_way():
 def test_a_past_call_renders_in_the_format_the_grammar_forces(compiler, tokenizer):
     messages = [{"role": "assistant", "content": None, "tool_calls": [_call()]}]
     out, _ = tools.render_messages(messages, None, False)
-    grammar = tools.tool_grammar(tool_request("required"))
+    grammar = tool_grammar(tool_request("required"))
     assert _accepts(compiler, tokenizer, grammar, out[0]["content"])
 
 

@@ -50,7 +50,7 @@ from services.router.requests.tally import Delta, Tally
 from services.router.state import STATE, RouterState
 from services.router.structured import output as structured
 from services.router.structured.limits import GrammarLimits, check_body
-from services.router.structured.tools import request as tools
+from services.router.structured.tools.grammar import check_tool_grammar
 
 log = get_logger(__name__)
 
@@ -132,7 +132,7 @@ async def check(api: ApiRequest, state: RouterState) -> None:
     limits = GrammarLimits.of(state.config)
     forced = None
     if api.tools is not None:
-        forced = await tools.check_tool_grammar(api.tools, state.grammars, limits)
+        forced = await check_tool_grammar(api.tools, state.grammars, limits)
     if api.grammar is not None and api.grammar.kind == "tools":
         api.sampling["grammar"] = forced
     elif api.grammar is not None:
