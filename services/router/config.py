@@ -70,6 +70,13 @@ class RouterConfig(CommonConfig):
         default=30.0,
         metadata={"help": "seconds for a request's whole body to arrive; past it 408 and close"},
     )
+    send_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds an answer may wait for a client that has stopped reading; past "
+            "it the connection is aborted and the request cancelled"
+        },
+    )
     max_header_bytes: int = field(
         default=32768,
         metadata={"help": "bytes of a request line and headers together; over it 431"},
@@ -244,6 +251,7 @@ class RouterConfig(CommonConfig):
             "keepalive_timeout",
             "header_timeout",
             "body_timeout",
+            "send_timeout",
             "max_header_bytes",
             "max_headers",
             "max_connections",

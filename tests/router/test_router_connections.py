@@ -26,6 +26,7 @@ LIMITS = ConnectionLimits(
     keepalive_timeout=1.0,
     header_timeout=0.5,
     body_timeout=0.5,
+    send_timeout=0.5,
     max_header_bytes=2048,
     max_headers=16,
     max_connections=6,
@@ -51,6 +52,20 @@ async def _hello(request: web.Request) -> web.Response:
     return web.Response(text="hello")
 
 
+MIB = 1 << 20
+
+
+async def _big(request: web.Request) -> web.StreamResponse:
+    """?mib= MiB, a MiB a write."""
+    response = web.StreamResponse()
+    response.content_length = int(request.query["mib"]) * MIB
+    await response.prepare(request)
+    for _ in range(int(request.query["mib"])):
+        await response.write(b"x" * MIB)
+    await response.write_eof()
+    return response
+
+
 @contextlib.asynccontextmanager
 async def _serving(refused: Counter[str] | None = None) -> AsyncIterator[int]:
     """A real aiohttp server with the router's middlewares and listener; its port. The
@@ -60,6 +75,7 @@ async def _serving(refused: Counter[str] | None = None) -> AsyncIterator[int]:
     middleware.install(app, LIMITS)
     app.router.add_post("/echo", _echo)
     app.router.add_get("/hello", _hello)
+    app.router.add_get("/big", _big)
     runner = web.AppRunner(app, access_log=None, **LIMITS.runner_options())
     await runner.setup()
     assert runner.server is not None
@@ -212,6 +228,32 @@ async def test_an_idle_keep_alive_connection_outlives_the_header_timeout_not_kee
     closed_after = await _eof_after(reader)  # then nothing: keep-alive closes it
     writer.close()
     assert LIMITS.keepalive_timeout - 0.2 <= closed_after < LIMITS.keepalive_timeout + 2.0
+
+
+async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(port, refused):
+    _, writer = await _open(port)
+    writer.write(_get("/big?mib=256"))  # far more than the sockets' buffers; never read
+    start = time.monotonic()
+    for _ in range(100):  # the server aborts; its handler ends (bounded: 100 x 0.1 s)
+        if refused:
+            break
+        await asyncio.sleep(0.1)
+    waited = time.monotonic() - start
+    writer.close()
+    assert refused == {"send_timeout": 1}
+    assert LIMITS.send_timeout <= waited < LIMITS.send_timeout + 5
+
+
+async def test_a_slow_but_steady_reader_gets_the_whole_answer(port, refused):
+    reader, writer = await _open(port)
+    writer.write(_get("/big?mib=16"))
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND_S)
+    got = 0
+    while got < 16 * MIB:  # a MiB, then a pause well under the send timeout
+        got += len(await asyncio.wait_for(reader.readexactly(MIB), BOUND_S))
+        await asyncio.sleep(LIMITS.send_timeout / 5)
+    writer.close()
+    assert got == 16 * MIB and "send_timeout" not in refused
 
 
 async def _served(port: int, source: str):

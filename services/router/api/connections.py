@@ -13,7 +13,9 @@ protocol, through public API only:
     Connection from the first byte of a request (or the connection's open) to the end of
                its header block: --header-timeout (408, or a plain close when nothing was
                sent) and --max-header-bytes / --max-headers (431); it sees bytes only,
-               the parsing stays aiohttp's
+               the parsing stays aiohttp's. While an answer waits for a client that has
+               stopped reading (the transport paused our writing): --send-timeout, then
+               the connection is aborted
     connection_middleware.py  tells the Connection where each request begins and ends,
                and reads the body within --body-timeout (408, and the connection closed)
 
@@ -53,6 +55,7 @@ class ConnectionLimits:
     keepalive_timeout: float
     header_timeout: float
     body_timeout: float
+    send_timeout: float
     max_header_bytes: int
     max_headers: int
     max_connections: int
@@ -166,6 +169,7 @@ class Connection(asyncio.Protocol):
         self.admitted = False  # counted by the listener
         self.state = "headers"
         self._timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None  # while writing is paused
         self._seen = 0  # bytes of the current header block so far
         self._lines = 0  # line ends in it
         self._tail = b""  # its last 3 bytes: the blank line may straddle two reads
@@ -204,18 +208,38 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._send_disarm()
         if self.admitted:
             self.listener.release(self.address)
         if self.inner is not None:
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        # The client reads slower than we write: it must read again within --send-timeout.
+        self._send_disarm()
+        loop = asyncio.get_running_loop()
+        self._send_timer = loop.call_later(self.limits.send_timeout, self._send_stalled)
         if self.inner is not None:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self._send_disarm()
         if self.inner is not None:
             self.inner.resume_writing()
+
+    def _send_stalled(self) -> None:
+        """The client has read nothing for --send-timeout while an answer waits: abort (a
+        close would wait for the unread bytes); aiohttp cancels the request."""
+        self._send_timer = None
+        if self.transport is not None:
+            log.info("connection aborted: the client stopped reading", address=self.address)
+            self.listener.on_refused("send_timeout")
+            self.transport.abort()
+
+    def _send_disarm(self) -> None:
+        timer, self._send_timer = self._send_timer, None
+        if timer is not None:
+            timer.cancel()
 
     # The request's boundaries, from the middlewares.
 
