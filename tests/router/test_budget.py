@@ -60,6 +60,13 @@ def test_decode_leaves_the_garbage_collector_as_it_found_it():
     assert e.value.status == 400 and gc.isenabled()
 
 
+def test_a_list_of_prompts_past_max_n_is_refused_before_it_is_walked():
+    e = refused(lambda: budget.raw({"prompt": ["a"] * 17}, CONFIG), "prompt", "--max-n")
+    assert "17 prompts" in e.message
+    refused(lambda: budget.raw({"prompt": [[1]] * 17}, CONFIG), "prompt", "--max-n")
+    budget.raw({"prompt": ["a"] * 16}, CONFIG)
+
+
 def test_prompts_of_ids_count_together():
     refused(lambda: checked("completions", {"prompt": [[1] * 30, [2] * 21]}), "prompt",
             "--max-prompt-ids")  # fmt: skip

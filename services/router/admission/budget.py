@@ -41,15 +41,23 @@ def decoded(raw_body: bytes, config: RouterConfig) -> Any:
 
 def raw(body: Any, config: RouterConfig) -> Any:
     """`body` (decoded JSON) once its top-level prompt fields are within the limits, O(1):
-    a flat list of ids, or a list of prompts, has no more items than ids."""
+    a flat list of ids within --max-prompt-ids, a list of prompts within --max-n."""
     if not isinstance(body, dict):
         return body  # the parser refuses it
     for name in ("prompt", "input"):
         value = body.get(name)
         if isinstance(value, str):
             _chars(len(value), name, config)
-    if isinstance(body.get("prompt"), list):
-        _ids(len(body["prompt"]), "prompt", config)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) > config.max_n:  # each prompt is at least one choice
+            raise bad_request(
+                f"'prompt' holds {len(prompt)} prompts, over this server's limit of "
+                f"{config.max_n} per request (--max-n)",
+                "prompt",
+            )
+    elif isinstance(prompt, list):
+        _ids(len(prompt), "prompt", config)
     if isinstance(body.get("tokens"), list):
         _ids(len(body["tokens"]), "tokens", config)
     for name in ("messages", "input"):
