@@ -5,6 +5,8 @@ pool serves the next one, and answers are cached by content."""
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
 import time
 
 import pytest
@@ -81,3 +83,24 @@ def test_a_refused_grammar_names_its_param_and_the_worker_keeps_serving(grammar_
         asyncio.run(_run(grammar_pool, "ebnf", "root ::= missing_rule"))
     assert e.value.param == "ebnf" and "missing_rule" in str(e.value)
     assert asyncio.run(_run(grammar_pool, "regex", "ok|no")) == build.regex("ok|no")
+
+
+def test_a_worker_whose_pipes_are_past_fd_1024_still_answers():
+    """A busy router holds thousands of sockets: a worker restarted then gets pipes past
+    select()'s FD_SETSIZE (1024); its replies must still be read."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048 and hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 2048: cannot open 1,100 files")
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    tok, _, _ = load_tokenizer(default_model_path())
+    pool = GrammarPool(tok.tokenizer.to_str(), tok.vocab_size, tok.eos_token_ids, workers=1)
+    try:
+        pool.start()
+        assert asyncio.run(_run(pool, "regex", "high|fd")) == build.regex("high|fd")
+    finally:
+        pool.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -259,8 +259,9 @@ def _read(process: subprocess.Popen[bytes], timeout: float) -> Any:
     stdout = process.stdout
     if stdout is None:
         raise OSError("no pipe from the grammar worker")
-    ready, _, _ = select.select([stdout], [], [], timeout)
-    if not ready:
+    poller = select.poll()  # not select.select: a busy router's new pipes are past fd 1024
+    poller.register(stdout.fileno(), select.POLLIN)
+    if not poller.poll(timeout * 1000):
         return None
     size = int.from_bytes(_exactly(stdout.fileno(), 4), "big")
     return json.loads(_exactly(stdout.fileno(), size))
