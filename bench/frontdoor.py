@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeat)")
     p.add_argument("--slow-sockets", type=int, default=1000)
-    p.add_argument("--hold", type=float, default=20.0, help="seconds the slow sockets are held")
+    p.add_argument("--hold", type=float, default=35.0, help="seconds the slow sockets are held")
     p.add_argument("--capacity", type=int, default=16, help="streams the stack serves at once")
     p.add_argument("--seconds", type=float, default=40.0, help="per overload level")
     p.add_argument("--ttft-slo", type=float, default=3.0, help="goodput's TTFT limit, seconds")

@@ -146,14 +146,18 @@ def cases(model: str) -> list[Case]:
 async def hold_slow_sockets(host: str, port: int, count: int, hold_s: float, auth: str) -> dict:
     """`count` sockets that never finish a request (a third idle, a third dripping header
     bytes, a third a 10 MB body stalled after 1 KiB), held `hold_s` seconds: how many
-    opened, and how many the router closed meanwhile (and after how long)."""
+    opened, and how many the router closed meanwhile (and after how long). On loopback they
+    come from four addresses, as from four clients."""
     opened, closed_after = 0, []
     t0 = time.monotonic()
 
     async def one(i: int) -> None:
         nonlocal opened
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+            # Spread over 127.0.0.2-5 on loopback: four clients, each under a per-address cap.
+            local = (f"127.0.0.{2 + i % 4}", 0) if host == "127.0.0.1" else None
+            opening = asyncio.open_connection(host, port, local_addr=local)
+            reader, writer = await asyncio.wait_for(opening, 5)
         except (OSError, TimeoutError):
             return
         opened += 1
