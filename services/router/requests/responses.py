@@ -24,6 +24,7 @@ from aiohttp import web
 
 from libs.common.messages.responses import StoredResponse
 from services.router.admission import budget
+from services.router.admission.request import light
 from services.router.errors import ApiError, bad_request
 from services.router.formats.bodies import off_loop, parsed
 from services.router.formats.responses import shapes
@@ -105,7 +106,11 @@ async def list_input_items(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     store = request.app[STORE]
-    if not valid_response_id(response_id) or not await store.delete(response_id):
+    if not valid_response_id(response_id):
+        raise _not_found(response_id)
+    async with light(request, None):  # the tenant's rate and concurrency
+        deleted = await store.delete(response_id)
+    if not deleted:
         raise _not_found(response_id)
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -114,7 +119,8 @@ async def _stored(request: web.Request) -> StoredResponse:
     response_id = request.match_info["response_id"]
     stored = None
     if valid_response_id(response_id):
-        stored = await request.app[STORE].get(response_id)
+        async with light(request, None):  # the tenant's rate and concurrency
+            stored = await request.app[STORE].get(response_id)
     if stored is None:
         raise _not_found(response_id)
     return stored
