@@ -123,3 +123,13 @@ def test_a_tenants_salt_never_equals_another_scopes_or_a_clients():
     assert cache_salt(DEFAULT, "") == "" and cache_salt(DEFAULT, "x") == "x"
     shared = Tenant("s", cache_scope="shared")
     assert cache_salt(shared, cache_salt(a, "")) != cache_salt(a, "")
+
+
+def test_the_cost_estimate_counts_texts_and_ids_without_walking_the_ids():
+    from services.router.admission.request import estimate_tokens
+
+    assert estimate_tokens("abcd" * 100) == 101
+    assert estimate_tokens(list(range(5000))) == 5000
+    assert estimate_tokens([[1, 2, 3], [4, 5]]) == 5
+    messages = [{"role": "user", "content": "x" * 400}, {"role": "assistant", "content": ""}]
+    assert 100 <= estimate_tokens(messages) <= 110

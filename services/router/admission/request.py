@@ -73,8 +73,9 @@ def deadline_of(request: web.Request) -> float | None:
 
 def estimate_tokens(value: Any, depth: int = 0) -> int:
     """Tokens in a prompt, list of prompts or messages before tokenizing: a text's
-    characters / CHARS_PER_TOKEN, an id list's length. Cheap next to the JSON parse that
-    made `value` (one pass, nesting bounded)."""
+    characters / CHARS_PER_TOKEN, an id list's length (not walked: it may hold millions).
+    Cheap next to the JSON parse that made `value` (one pass over the texts and messages,
+    which the budget bounds; nesting bounded)."""
     if isinstance(value, str):
         return len(value) // CHARS_PER_TOKEN + 1
     if isinstance(value, int):
@@ -82,6 +83,8 @@ def estimate_tokens(value: Any, depth: int = 0) -> int:
     if depth > 4:
         return 0
     if isinstance(value, list | tuple):
+        if value and isinstance(value[0], int):  # token ids: counted, not walked
+            return len(value)
         return sum(estimate_tokens(v, depth + 1) for v in value)
     if isinstance(value, dict):
         return sum(estimate_tokens(v, depth + 1) for v in value.values())
