@@ -280,3 +280,26 @@ def test_capacity_is_the_decode_workers_reported_slots_bounded_by_max_running():
     assert decode_capacity(table) == 12 and decode_capacity(table, 5) == 5
     table.update(report("d2", "decode", 0))  # an older worker: unknown
     assert decode_capacity(table) is None and decode_capacity(table, 5) == 5
+
+
+async def test_a_deadline_before_a_slot_is_expected_to_free_is_refused_at_once():
+    clock = Clock()
+    g = gate(capacity=1, clock=clock)
+    g.leave(await g.enter(A, 10), 10)  # no run time measured before: nothing to refuse on
+    clock.now = 1.0
+    g.leave(await g.enter(A, 10), 10)  # ran 0 s... then one that runs 1 s:
+    running = await g.enter(A, 10)
+    clock.now = 2.0
+    g.leave(running, 10)
+    assert g._duration is not None and g._duration > 0
+    running = await g.enter(A, 10)  # started at 2.0, expected to end near 2.0 + duration
+    clock.now = 2.01
+    with pytest.raises(ApiError) as e:
+        await g.enter(B, 10, deadline=2.02)
+    assert e.value.code == "deadline_unreachable"
+    waiting = asyncio.ensure_future(g.enter(B, 10, deadline=5.0))  # time enough: it waits
+    await asyncio.sleep(0)
+    assert not waiting.done() and len(g.queue) == 1
+    g.leave(running, 10)
+    g.leave(await asyncio.wait_for(waiting, 1), 10)
+    assert g.held == 0 and g.running == 0

@@ -240,14 +240,16 @@ async def test_over_the_expected_wait_or_deadline_is_429_at_once_and_cancelled_s
                 )
                 assert status == 429 and reply["error"]["code"] == "deadline_unreachable"
                 assert int(headers["Retry-After"]) >= 1
-                # "light" has nothing ahead in the queue, but no slot frees in 200 ms.
+                # "light" has nothing ahead in the queue, but no slot frees in 200 ms: refused
+                # at once when the measured run times say so, else when its deadline passes.
                 started = time.monotonic()
                 status, _, reply = await post(
                     http, url, "light", body(4), headers={"x-request-deadline-ms": "200"}
                 )
                 took = time.monotonic() - started
-                assert status == 429 and reply["error"]["code"] == "deadline_passed", reply
-                assert 0.2 <= took < 1.0, took
+                code = reply["error"]["code"]
+                assert status == 429 and code in ("deadline_unreachable", "deadline_passed")
+                assert took < 1.0 and (code == "deadline_unreachable" or took >= 0.2), took
                 status, _, reply = await post(
                     http, url, "light", body(4), headers={"x-request-deadline-ms": "soon"}
                 )

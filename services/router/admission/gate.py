@@ -43,6 +43,7 @@ class Ticket:
     tenant: Tenant
     cost: int
     slots: int
+    entry: Entry
 
 
 def too_many(message: str, code: str, retry_after: float = 1.0) -> ApiError:
@@ -71,6 +72,8 @@ class Gate:
         self._tenant_running: dict[str, int] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self.throughput = Throughput(clock())
+        self._live: set[Entry] = set()  # running requests
+        self._duration: float | None = None  # a request's measured run time (moving average)
 
     # --- generation requests ----------------------------------------------------------
 
@@ -85,13 +88,13 @@ class Gate:
         self._check_held()
         now = self.clock()
         self._charge(tenant, cost, now)
-        ticket = Ticket(tenant, cost, slots)
         entry = Entry(tenant.name, tenant.weight, cost, slots, priority, tenant.max_concurrency)
+        ticket = Ticket(tenant, cost, slots, entry)
         if not len(self.queue) and self._tenant_may_run(entry) and self._fits(entry):
             self._start(entry)
             return ticket
         try:
-            self._check_wait(tenant, priority, deadline, now)
+            self._check_wait(entry, tenant, deadline, now)
         except ApiError:
             self._refund(tenant, cost)
             raise
@@ -107,6 +110,9 @@ class Gate:
         if not self._tenant_running[name]:
             del self._tenant_running[name]
         self._refund(ticket.tenant, ticket.cost - used_tokens)
+        self._live.discard(ticket.entry)
+        took = now - ticket.entry.started
+        self._duration = took if self._duration is None else 0.9 * self._duration + 0.1 * took
         self.throughput.finished(used_tokens, now)
         self.throughput.running(self.running > 0, now)
         self.pump()
@@ -178,20 +184,28 @@ class Gate:
         if bucket is not None and tokens > 0:
             bucket.give_back(tokens, self.clock())
 
-    def _check_wait(
-        self, tenant: Tenant, priority: int, deadline: float | None, now: float
-    ) -> None:
+    def slot_wait(self, now: float) -> float:
+        """Seconds until a running request is expected to end (its start plus the measured
+        run time), 0 before any request has ended."""
+        if self._duration is None or not self._live:
+            return 0.0
+        return max(0.0, min(e.started for e in self._live) + self._duration - now)
+
+    def _check_wait(self, entry: Entry, tenant: Tenant, deadline: float | None, now: float):
+        priority = entry.priority
         bound = tenant.max_queue
         if bound and self.queue.queued(tenant.name) >= bound:
             raise too_many(
                 f"tenant {tenant.name!r}'s queue is full ({bound} requests)", "tenant_queue_full"
             )
         wait = self.expected_wait(tenant, priority)
-        if deadline is not None and now + wait > deadline:
+        # A deadline also waits for a slot to free (the wait bound counts the queue alone).
+        slot = 0.0 if self._fits(entry) else self.slot_wait(now)
+        if deadline is not None and now + wait + slot > deadline:
             raise too_many(
-                f"the request cannot start before its deadline (expected wait {wait:.2f} s)",
+                f"the request cannot start before its deadline (expected wait {wait + slot:.2f} s)",
                 "deadline_unreachable",
-                wait,
+                wait + slot,
             )
         if wait > self.limits.max_queue_wait:
             raise too_many(
@@ -238,6 +252,8 @@ class Gate:
         if entry.waiter is None:
             self.held += 1
         self.running += entry.slots
+        entry.started = self.clock()
+        self._live.add(entry)
         self._tenant_running[entry.tenant] = self._tenant_running.get(entry.tenant, 0) + entry.slots
         self.throughput.running(True, self.clock())
 

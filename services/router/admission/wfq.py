@@ -30,6 +30,7 @@ class Entry:
     limit: int = 0  # the tenant's max concurrency in slots (0: none of its own)
     seq: int = 0
     waiter: Any = None  # the gate's future
+    started: float = 0.0  # when it started running (the gate's clock)
     removed: bool = field(default=False, repr=False)
 
 
