@@ -104,3 +104,11 @@ def test_a_worker_whose_pipes_are_past_fd_1024_still_answers():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_cached_refusal_names_the_field_of_the_request_that_asks(grammar_pool):
+    for param in ("regex", "guided_regex", "regex"):
+        items = [("regex", "(unclosed")]
+        with pytest.raises(GrammarError) as e:
+            asyncio.run(grammar_pool.run(GrammarPool.key(items), param, items))
+        assert e.value.param == param

@@ -115,7 +115,9 @@ class GrammarPool:
     async def run(self, key: str, param: str, items: Items) -> list[str]:
         """Every item built and compiled in a worker, or the cached answer: their texts;
         GrammarRefused naming `param` (or the param a build names) when one is refused or
-        the job is past the deadline; GrammarPoolBusy past `max_queued` jobs."""
+        the job is past the deadline; GrammarPoolBusy past `max_queued` jobs. `key` is
+        GrammarPool.key(items); the param is part of the cache key, as refusals name it."""
+        key = f"{param}\0{key}"
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
