@@ -63,7 +63,8 @@ class GrammarPoolBusy(Exception):
 
 class GrammarPool:
     """`workers` processes, each with a GrammarCompiler for one tokenizer; an LRU of
-    `max_entries` answers. Use run() from one event loop."""
+    `max_entries` answers; `log` is the workers' log level and format (setup_logging's).
+    Use run() from one event loop."""
 
     def __init__(
         self,
@@ -74,8 +75,9 @@ class GrammarPool:
         deadline: float = 2.0,
         max_entries: int = 256,
         max_queued: int | None = None,
+        log: tuple[str, str] = ("info", "auto"),
     ) -> None:
-        head = json.dumps([vocab_size, list(eos_token_ids)]).encode()
+        head = json.dumps([vocab_size, list(eos_token_ids), *log]).encode()
         init = (head, tokenizer_json.encode())
         self._workers = [_Worker(init) for _ in range(workers)]
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()

@@ -1,8 +1,9 @@
 """A grammar pool's worker process: `python -m libs.common.grammar.worker` (pool.py starts it).
 
 It reads frames on stdin and writes frames on stdout; a frame is a 4-byte big-endian length
-and that many bytes. First the tokenizer: a JSON frame `[vocab_size, [eos ids]]`, then the
-tokenizer's JSON as one frame; the worker answers "ready". Then jobs, one at a time:
+and that many bytes. First a JSON frame `[vocab_size, [eos ids], log level, log format]`,
+then the tokenizer's JSON as one frame; the worker answers "ready". Then jobs, one at a
+time:
 
     {"param": "ebnf", "items": [["ebnf", "root ::= ..."], ...]}   (kinds: build.from_source)
     -> ["ok", [text, ...]]                 each item built and compiled, in order
@@ -22,6 +23,7 @@ from typing import BinaryIO
 
 from libs.common.grammar.build import GrammarError, from_source
 from libs.common.grammar.compiler import GrammarCompiler
+from libs.common.log import setup_logging
 
 
 def read_frame(stream: BinaryIO) -> bytes | None:
@@ -63,7 +65,8 @@ def main() -> None:
     head, tokenizer = read_frame(stdin), read_frame(stdin)
     if head is None or tokenizer is None:
         return
-    vocab_size, eos = json.loads(head)
+    vocab_size, eos, level, fmt = json.loads(head)
+    setup_logging(level, fmt, service="grammar-worker")
     compiler = GrammarCompiler(tokenizer.decode(), vocab_size, tuple(eos))
     write_frame(stdout, b'"ready"')
     while (frame := read_frame(stdin)) is not None:
