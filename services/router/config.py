@@ -119,6 +119,13 @@ class RouterConfig(CommonConfig):
         default=1 << 20,
         metadata={"help": "prompts x n x max_tokens per request (unset max_tokens: the context)"},
     )
+    cpu_threads: int = field(
+        default=1,
+        metadata={
+            "help": "threads for requests' CPU work (decoding bodies, templates, tokenizing, "
+            "formatting); each more one contends with the event loop"
+        },
+    )
     max_logprob_values: int = field(
         default=1 << 18,
         metadata={"help": "prompts x n x max_tokens x (1 + top logprobs) per request, 400"},
@@ -269,6 +276,7 @@ class RouterConfig(CommonConfig):
             "max_messages",
             "max_generated_tokens",
             "max_logprob_values",
+            "cpu_threads",
         ):
             require_positive(self, name)
         if self.heartbeat_max_stall < 0:

@@ -25,12 +25,6 @@ from services.router.routing.selector import RouteSelector
 from services.router.routing.workers import WorkerTable
 
 T = TypeVar("T")
-# Threads for request work that holds the GIL (decoding and checking bodies, chat templates,
-# response formatting): each one more contends with the event loop for the GIL at every
-# switch interval, so there is one (64 concurrent renders of 2,000 messages: /health's
-# slowest answers ~0.1-0.27 s with 2 threads, ~0.04 s with one; 6 threads, 0.75 s). Small
-# bodies never queue here (formats/bodies.py parses them inline).
-CPU_THREADS = 1
 # Token texts kept for logprobs (state.token_text): a whole vocabulary of most models.
 TOKEN_TEXTS = 1 << 18
 
@@ -92,10 +86,11 @@ class RouterState:
     @functools.cached_property
     def cpu(self) -> ThreadPoolExecutor:
         """The pool of `cpu_work` (shut down with the service)."""
-        return ThreadPoolExecutor(max_workers=CPU_THREADS, thread_name_prefix="router-cpu")
+        threads = self.config.cpu_threads
+        return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="router-cpu")
 
     async def cpu_work(self, work: Callable[[], T]) -> T:
-        """`work()` on one of CPU_THREADS threads: off the event loop, few at once."""
+        """`work()` on one of --cpu-threads threads: off the event loop, few at once."""
         return await asyncio.get_running_loop().run_in_executor(self.cpu, work)
 
     def token_text(self, token_id: int) -> str:

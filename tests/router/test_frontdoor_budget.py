@@ -1,15 +1,17 @@
 """The worst input of each kind through a real router (and one real `--role both`
 worker): refused by its limit, or served, while a /health poll beside it (every 15 ms,
-from a thread and a connection of its own) waits under 100 ms (p99; none over 0.5 s):
+from a process and a connection of its own) waits under 100 ms (p99; none over 0.5 s):
 nothing proportional to the input runs on the router's event loop (admission/budget.py,
 formats/bodies.py, api/render.py, requests/lifecycle.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import http.client
+import json
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -46,41 +48,51 @@ def router(tmp_path_factory) -> Iterator[str]:
         deployment.stop()
 
 
+# The poller: its own process (the test's own work must not hold its GIL), one keep-alive
+# connection, GET /health every 15 ms; "ready" after the first answer; stops at EOF on
+# stdin once it has 3 answers (or after 120 s or 8000 polls); prints every wait as JSON.
+POLL = """
+import http.client, json, select, sys, time
+conn = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=10)
+waits, deadline = [], time.monotonic() + 120
+while len(waits) < 8000 and time.monotonic() < deadline:
+    start = time.perf_counter()
+    conn.request("GET", "/health")
+    conn.getresponse().read()
+    waits.append(time.perf_counter() - start)
+    if len(waits) == 1:
+        print("ready", flush=True)
+    if select.select([sys.stdin], [], [], 0.015)[0] and len(waits) >= 3:
+        break
+print(json.dumps(waits), flush=True)
+"""
+
+
 class HealthPoll:
-    """GET /health every 15 ms from a thread of its own, on its own keep-alive connection,
-    for at most 120 s and 8000 polls; `waits` holds each answer's time."""
+    """GET /health every 15 ms from a process of its own while the block runs;
+    `waits` holds each answer's time."""
 
     def __init__(self, url: str):
         self.address = urlsplit(url)
         self.waits: list[float] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> HealthPoll:
-        self.thread.start()
+        args = [sys.executable, "-c", POLL, str(self.address.hostname), str(self.address.port)]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline() == b"ready\n"
         return self
 
     def __exit__(self, *exc: object) -> None:
-        deadline = time.monotonic() + 2  # a few polls even when the request was quick
-        while len(self.waits) < 3 and time.monotonic() < deadline and self.thread.is_alive():
-            time.sleep(0.015)
-        self.stop.set()
-        self.thread.join(timeout=10)
-
-    def _run(self) -> None:
-        conn = http.client.HTTPConnection(self.address.hostname, self.address.port, timeout=10)
-        deadline = time.monotonic() + 120
+        assert self.proc is not None
         try:
-            while not self.stop.is_set() and len(self.waits) < 8000:
-                if time.monotonic() > deadline:
-                    break
-                start = time.perf_counter()
-                conn.request("GET", "/health")
-                conn.getresponse().read()
-                self.waits.append(time.perf_counter() - start)
-                self.stop.wait(0.015)
+            out, _ = self.proc.communicate(timeout=30)  # closes stdin: the poller stops
         finally:
-            conn.close()
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self.waits = json.loads(out)
 
     def check(self) -> None:
         """The p99 wait under HEALTH_BOUND (the issue's figure), and none over STALL: on
@@ -216,6 +228,21 @@ async def test_64_concurrent_renders_of_2000_messages_leave_the_loop_free(router
     assert {status for status, _ in results} == {200}
     prompts = {out["prompt"] for _, out in results}
     assert len(prompts) == 1 and "message 1999" in prompts.pop()
+    poll.check()
+
+
+async def test_64_concurrent_chats_of_2000_messages_leave_the_loop_free(router):
+    """Each rendered and tokenized (~22K tokens), then refused past the context."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"}
+                for i in range(2000)]  # fmt: skip
+    body = orjson.dumps({"model": "default", "messages": messages, "max_tokens": 1})
+    with HealthPoll(router) as poll:
+        results = await asyncio.gather(
+            *(post(router, "/v1/chat/completions", body) for _ in range(64))
+        )
+    assert {status for status, _ in results} == {400}
+    for _, out in results:
+        error(out, "messages", "maximum context length")
     poll.check()
 
 

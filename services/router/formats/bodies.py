@@ -65,7 +65,7 @@ async def read(request: web.Request) -> bytes:
 
 async def off_loop(size: int, work: Callable[[], T], pool: Executor | None = None) -> T:
     """`work()`, for input of `size` bytes: inline when small, else on a thread of `pool`
-    (RouterState.cpu; None: asyncio's default)."""
+    (RouterState.cpu, --cpu-threads; None: asyncio's default)."""
     if size <= INLINE_BYTES:
         return work()
     return await asyncio.get_running_loop().run_in_executor(pool, work)

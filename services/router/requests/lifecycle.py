@@ -90,9 +90,10 @@ async def run_request(
         with request_context(label, wire_id=rid):
             if api.user:  # user (OpenAI), metadata.user_id (Anthropic): for the operator
                 log.info("request from end user", user=api.user[:256])
-            prompts = await asyncio.to_thread(
-                prepare, api, state.tokenizer, state.context_len(), state.sampling_defaults
-            )
+            # On the router's CPU threads (--cpu-threads): the template holds the GIL, and
+            # tokenizers more than the cores contend with the loop for the CPU.
+            context, defaults = state.context_len(), state.sampling_defaults
+            prompts = await state.cpu_work(lambda: prepare(api, state.tokenizer, context, defaults))
             choices = make_choices(rid, api, prompts, arrived, label)
             tally = Tally(state, api, prompts, id_prefix + label)
             return await respond(request, tally, choices)
