@@ -1,4 +1,5 @@
-"""Tenants and admission on a real cluster (issue 39): nats-server, one `--role both`
+"""Tenants and admission on a real cluster (issue 39): nats-server, a cache master (for
+/v1/pins), one `--role both`
 worker (the default model) that runs 2 requests at once (`--max-num-seqs 2`), and a
 router with a .toml keys file; real sockets, the official clients where they fit, raw
 HTTP where a client would refuse the bytes.
@@ -53,6 +54,7 @@ def cluster(module_nats, tmp_path_factory):
     (work / "keys.toml").write_text(keys_file())
     local = LocalCluster(module_nats.url, env=router_env(), capture=work / "logs")
     try:
+        local.start_one("cache_master", "--service-id", "m1", "--election", "false")  # pins
         local.start_one("decode", "--service-id", "b1", *WORKER, label="b1")
         local.start_one("router", "--service-id", "router-t", "--port", "0",
                         "--api-keys-file", str(work / "keys.toml"), "--max-queue-wait", "1",
@@ -317,3 +319,25 @@ async def test_a_tenants_cache_is_its_own_unless_its_group_shares_it(url):
         # Two tenants of one cache_group share.
         m, _ = await cached(http, url, "g1", PROMPT + " (g)")
         assert (await cached(http, url, "g2", PROMPT + " (g)"))[1] >= m - 32
+
+
+async def test_a_tenant_sees_and_deletes_only_its_own_pins(url):
+    async with aiohttp.ClientSession() as http:
+        pin = {"prompt": PROMPT + " (pinned)", "ttl_s": 30, "label": "mine"}
+        status, _, made = await post(http, url, "a", pin, "/v1/pins")
+        assert status == 200 and made["label"] == "mine", made
+
+        async def listed(tenant: str) -> dict[str, str]:
+            async with http.get(f"{url}/v1/pins", headers=auth(tenant)) as r:
+                assert r.status == 200
+                return {p["id"]: p["label"] for p in (await r.json())["data"]}
+
+        async def delete(tenant: str) -> int:
+            async with http.delete(f"{url}/v1/pins/{made['id']}", headers=auth(tenant)) as r:
+                return r.status
+
+        assert (await listed("a")).get(made["id"]) == "mine"
+        assert made["id"] not in await listed("b")
+        assert await delete("b") == 404
+        assert await delete("a") == 200
+        assert made["id"] not in await listed("a")

@@ -63,9 +63,10 @@ async def create_pin(request: web.Request) -> web.Response:
     ttl = body.get("ttl_s")
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
         raise bad_request("'ttl_s' must be a number of seconds > 0", "ttl_s")
-    label = body.get("label", "")
-    if not isinstance(label, str) or len(label) > MAX_PIN_LABEL:
-        raise bad_request(f"'label' must be a string of at most {MAX_PIN_LABEL} chars", "label")
+    label, owner = body.get("label", ""), _owner(request)
+    most = MAX_PIN_LABEL - len(owner)
+    if not isinstance(label, str) or len(label) > most:
+        raise bad_request(f"'label' must be a string of at most {most} chars", "label")
     salt = ""
     if body.get("cache_salt") is not None:
         try:
@@ -82,16 +83,18 @@ async def create_pin(request: web.Request) -> web.Response:
     if len(keys) > MAX_PIN_KEYS:
         raise bad_request(f"the prefix has {len(keys)} pages; at most {MAX_PIN_KEYS}",
                           _source(body))  # fmt: skip
-    pin = PoolPin(keys, float(ttl), label, len(token_ids))
+    pin = PoolPin(keys, float(ttl), owner + label, len(token_ids))
     async with light(request, None):
         info = await _ask(state, "pin", pin, PoolPinInfo)
-    return web.json_response(pin_body(info))
+    return web.json_response(pin_body(info, owner))
 
 
 async def list_pins(request: web.Request) -> web.Response:
+    owner = _owner(request)
     async with light(request, None):
         listed = await _ask(request.app[STATE], "pins", PoolPinList(), PoolPinList)
-    return web.json_response({"object": "list", "data": [pin_body(p) for p in listed.pins],
+    mine = [pin_body(p, owner) for p in listed.pins if p.label.startswith(owner)]
+    return web.json_response({"object": "list", "data": mine,
                               "held_bytes": listed.held_bytes,
                               "budget_bytes": listed.budget_bytes})  # fmt: skip
 
@@ -100,13 +103,26 @@ async def delete_pin(request: web.Request) -> web.Response:
     pin_id = request.match_info["pin_id"]
     if not PIN_ID.match(pin_id):
         raise ApiError(404, f"no pin {pin_id[:80]!r}", param="pin_id", code="pin_not_found")
+    owner, state = _owner(request), request.app[STATE]
     async with light(request, None):
-        info = await _ask(request.app[STATE], "unpin", PoolPinRef(pin_id), PoolPinInfo)
+        if owner:  # another tenant's pin is as unknown as no pin
+            listed = await _ask(state, "pins", PoolPinList(), PoolPinList)
+            if not any(p.pin_id == pin_id and p.label.startswith(owner) for p in listed.pins):
+                raise ApiError(404, f"no pin {pin_id!r}", param="pin_id", code="pin_not_found")
+        info = await _ask(state, "unpin", PoolPinRef(pin_id), PoolPinInfo)
     return web.json_response({"object": "pin.deleted", "id": info.pin_id, "deleted": True})
 
 
-def pin_body(info: PoolPinInfo) -> dict[str, Any]:
-    return {"object": "pin", "id": info.pin_id, "label": info.label, "tokens": info.tokens,
+def _owner(request: web.Request) -> str:
+    """The prefix of the pins' labels of the request's tenant: tenants of a .toml keys file
+    see and delete only their own pins; without one, every pin is everyone's."""
+    who = tenant(request)
+    return f"{who.name}/" if who.cache_scope else ""
+
+
+def pin_body(info: PoolPinInfo, owner: str = "") -> dict[str, Any]:
+    label = info.label.removeprefix(owner)
+    return {"object": "pin", "id": info.pin_id, "label": label, "tokens": info.tokens,
             "pages": info.pages, "present": info.present, "held": info.held,
             "bytes": info.bytes, "expires_at": info.expires_at,
             "created_at": info.created_at}  # fmt: skip
