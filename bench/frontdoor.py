@@ -10,6 +10,10 @@ router's answer (status, seconds), the /health p99 and max over the case's windo
 whether both streams finished with the text they give alone. Then a thousand sockets that
 never finish a request are held open meanwhile, the same way.
 
+Fairness: a light client's five requests, one at a time, alone and then beside a flood of
+32 closed-loop streams from another key (another tenant, in a stack of its own: the bench
+writes a .toml keys file of three tenants). The issue measured 14.7x before tenants.
+
 Part 2, overload: closed-loop clients (each sends its next request when the last ends;
 after a 429 it waits Retry-After, at most 1 s) at capacity, 2x and 4x. Goodput is the
 requests per second that finished with TTFT under --ttft-slo; a refusal is a 429 and its
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import http.client
 import multiprocessing as mp
 import secrets
@@ -239,6 +244,49 @@ async def overload(base: str, model: str, headers: dict, capacity: int, *, secon
     return out
 
 
+async def fairness(base: str, model: str, light: dict, flood: dict, streams: int,
+                   requests: int) -> dict[str, Any]:  # fmt: skip
+    """A light client's `requests` streamed requests (one at a time) alone, then beside
+    `streams` closed-loop streams of another client (`flood`: its own key, so its own
+    tenant where the router has tenants)."""
+    timeout = aiohttp.ClientTimeout(total=300)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+
+        async def light_run(tag: str) -> list[dict[str, Any]]:
+            return [await stream_chat(http, base, model, light, 32, f"{tag} {i}: {STREAM_PROMPT}")
+                    for i in range(requests)]  # fmt: skip
+
+        async def flood_client(i: int) -> None:
+            for n in range(10_000):
+                r = await stream_chat(
+                    http, base, model, flood, 64, f"flood {i} {n}: {STREAM_PROMPT}"
+                )
+                if r["status"] != 200:
+                    await asyncio.sleep(min(1.0, r.get("retry_after", 1.0)))
+
+        alone = await light_run("alone")
+        tasks = [asyncio.ensure_future(flood_client(i)) for i in range(streams)]
+        try:
+            await asyncio.sleep(3.0)  # the flood fills the router's slots and queues first
+            beside = await light_run("beside")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        ok = [r for r in runs if r["status"] == 200 and r["ttft"] is not None]
+        return {"ok": len(ok), "of": len(runs),
+                "e2e_median_s": round(_pct([r["seconds"] for r in ok], 0.5), 3),
+                "ttft_median_s": round(_pct([r["ttft"] for r in ok], 0.5), 3)}  # fmt: skip
+
+    a, b = stats(alone), stats(beside)
+    return {"flood_streams": streams, "alone": a, "beside": b,
+            "e2e_ratio": round(b["e2e_median_s"] / a["e2e_median_s"], 2),
+            "ttft_ratio": round(b["ttft_median_s"] / a["ttft_median_s"], 2)}  # fmt: skip
+
+
 def verdicts(res: dict[str, Any]) -> dict[str, bool]:
     v: dict[str, bool] = {}
     for name, r in res.get("hostile", {}).items():
@@ -252,25 +300,48 @@ def verdicts(res: dict[str, Any]) -> dict[str, bool]:
     return v
 
 
+def keys_file(workdir: Path) -> tuple[Path, dict[str, str]]:
+    """A .toml keys file with three tenants of weight 1: `bench` (the hostile inputs and the
+    overload), `light` and `flood` (fairness); returns it and each tenant's key."""
+    keys = {t: f"sk-{t}-" + secrets.token_hex(8) for t in ("bench", "light", "flood")}
+    lines = [f"[tenants.{t}]" for t in keys]
+    for t, k in keys.items():
+        lines += ["[[keys]]", f'hash = "sha256:{hashlib.sha256(k.encode()).hexdigest()}"',
+                  f'tenant = "{t}"']  # fmt: skip
+    path = workdir / "keys.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path, keys
+
+
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     deployment = None
-    key = a.api_key
+    keys = {
+        "bench": a.api_key,
+        "light": a.light_key or a.api_key,
+        "flood": a.flood_key or a.api_key,
+    }
     if not a.base_url:
-        key = key or "sk-frontdoor-" + secrets.token_hex(6)
         workdir = Path(tempfile.mkdtemp(prefix="frontdoor-"))
+        path, keys = keys_file(workdir)
         worker = ["--num-threads", "1", "--transport", "tcp"]
-        topo = Topology("frontdoor", 1, 1, worker_args=worker,
-                        router_args=["--api-key", key, *a.router_arg])  # fmt: skip
-        deployment = Deployment(topo, workdir)
+        router = ["--api-keys-file", str(path), "--max-running", str(a.capacity),
+                  "--max-queue-wait", str(a.max_queue_wait), *a.router_arg]  # fmt: skip
+        deployment = Deployment(Topology("frontdoor", 1, 1, worker_args=worker,
+                                         router_args=router), workdir)  # fmt: skip
         print(f"starting a stack in {workdir}", file=sys.stderr)
         await deployment.start()
     base = a.base_url or (deployment.url if deployment else "")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    auth = {t: {"Authorization": f"Bearer {k}"} if k else {} for t, k in keys.items()}
+    headers = auth["bench"]
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     res: dict[str, Any] = {"base_url": base, "date": now}
     try:
         if not a.skip_hostile:
             res["hostile"] = await hostile(base, a.model, headers, a.slow_sockets, a.hold, a.only)
+        if a.flood:
+            res["fairness"] = await fairness(base, a.model, auth["light"], auth["flood"],
+                                             a.flood, a.light_requests)  # fmt: skip
+            print(f"fairness: {res['fairness']}", file=sys.stderr)
         if not a.skip_overload:
             load = {"seconds": a.seconds, "ttft_slo": a.ttft_slo, "max_tokens": a.max_tokens}
             res["overload"] = await overload(base, a.model, headers, a.capacity, **load)
@@ -286,12 +357,27 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.frontdoor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--base-url", default="", help="an existing stack's /v1 (default: start one)")
-    p.add_argument("--api-key", default="")
+    p.add_argument("--api-key", default="", help="with --base-url: the key of the requests")
+    p.add_argument("--light-key", default="", help="with --base-url: the light client's key")
+    p.add_argument("--flood-key", default="", help="with --base-url: the flooding client's key")
+    p.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=2.0,
+        help="the router's --max-queue-wait in a stack of its own",
+    )
+    p.add_argument("--flood", type=int, default=32, help="fairness: flood streams (0: skip)")
+    p.add_argument("--light-requests", type=int, default=5, help="fairness: light requests")
     p.add_argument("--model", default="default")
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeat)")
     p.add_argument("--slow-sockets", type=int, default=1000)
     p.add_argument("--hold", type=float, default=35.0, help="seconds the slow sockets are held")
-    p.add_argument("--capacity", type=int, default=16, help="streams the stack serves at once")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=16,
+        help="streams the stack serves at once (its router's --max-running)",
+    )
     p.add_argument("--seconds", type=float, default=40.0, help="per overload level")
     p.add_argument("--ttft-slo", type=float, default=3.0, help="goodput's TTFT limit, seconds")
     p.add_argument("--max-tokens", type=int, default=32, help="per overload request")
