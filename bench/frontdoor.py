@@ -326,6 +326,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         worker = ["--num-threads", "1", "--transport", "tcp"]
         router = ["--api-keys-file", str(path), "--max-running", str(a.capacity),
                   "--max-queue-wait", str(a.max_queue_wait), *a.router_arg]  # fmt: skip
+        if a.one_key:  # a router before issue 39: one key, no tenants, no admission flags
+            keys = dict.fromkeys(keys, keys["bench"])
+            router = ["--api-key", keys["bench"], *a.router_arg]
         deployment = Deployment(Topology("frontdoor", 1, 1, worker_args=worker,
                                          router_args=router), workdir)  # fmt: skip
         print(f"starting a stack in {workdir}", file=sys.stderr)
@@ -365,6 +368,12 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=2.0,
         help="the router's --max-queue-wait in a stack of its own",
+    )
+    p.add_argument(
+        "--one-key",
+        action="store_true",
+        help="a stack of its own with one --api-key and no admission flags "
+        "(as a router before issue 39 takes)",
     )
     p.add_argument("--flood", type=int, default=32, help="fairness: flood streams (0: skip)")
     p.add_argument("--light-requests", type=int, default=5, help="fairness: light requests")
