@@ -65,7 +65,7 @@ class RouterState:
         first use is off the loop, at the router's start)."""
         tok, cfg = self.tokenizer, self.config
         pool = GrammarPool(tok.tokenizer.to_str(), tok.vocab_size, tok.eos_token_ids,
-                           cfg.grammar_workers, cfg.grammar_timeout,
+                           workers=cfg.grammar_workers, deadline=cfg.grammar_timeout,
                            log=(cfg.log_level, cfg.log_format))  # fmt: skip
         pool.start()
         return pool

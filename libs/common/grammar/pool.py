@@ -71,6 +71,7 @@ class GrammarPool:
         tokenizer_json: str,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
+        *,
         workers: int = 2,
         deadline: float = 2.0,
         max_entries: int = 256,
