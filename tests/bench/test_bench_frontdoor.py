@@ -9,7 +9,7 @@ import time
 import orjson
 from aiohttp import web
 
-from bench import frontdoor
+from bench import frontdoor, frontdoor_load
 from bench.frontdoor_cases import hold_slow_sockets
 
 
@@ -71,7 +71,7 @@ async def test_overload_counts_what_the_server_served_and_refused():
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        res = await frontdoor.overload(f"http://127.0.0.1:{port}/v1", "m", {}, capacity=2,
+        res = await frontdoor_load.overload(f"http://127.0.0.1:{port}/v1", "m", {}, capacity=2,
                                        seconds=1.0, ttft_slo=5.0, max_tokens=3)  # fmt: skip
     finally:
         await runner.cleanup()
