@@ -112,28 +112,24 @@ def check_text(text: str, param: str, config: RouterConfig) -> None:
 
 
 def _chars(n: int, param: str, config: RouterConfig) -> None:
-    if n > config.max_prompt_chars:
-        raise bad_request(
-            f"'{param}' holds {n} characters, over this server's limit of "
-            f"{config.max_prompt_chars} per request (--max-prompt-chars)",
-            param,
-        )
+    _over(n, "characters", "max_prompt_chars", param, config)
 
 
 def _ids(n: int, param: str, config: RouterConfig) -> None:
-    if n > config.max_prompt_ids:
-        raise bad_request(
-            f"'{param}' holds {n} token ids, over this server's limit of "
-            f"{config.max_prompt_ids} per request (--max-prompt-ids)",
-            param,
-        )
+    _over(n, "token ids", "max_prompt_ids", param, config)
 
 
 def _messages(n: int, param: str, config: RouterConfig) -> None:
-    if n > config.max_messages:
+    _over(n, "messages", "max_messages", param, config)
+
+
+def _over(n: int, what: str, flag: str, param: str, config: RouterConfig) -> None:
+    """A 400 naming `param` when `n` is over the flag's limit (`flag`: its config field)."""
+    limit = getattr(config, flag)
+    if n > limit:
         raise bad_request(
-            f"'{param}' holds {n} messages, over this server's limit of "
-            f"{config.max_messages} per request (--max-messages)",
+            f"'{param}' holds {n} {what}, over this server's limit of {limit} per request "
+            f"(--{flag.replace('_', '-')})",
             param,
         )
 
