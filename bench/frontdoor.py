@@ -148,15 +148,26 @@ async def hostile(base: str, model: str, headers: dict, slow_sockets: int, hold_
 
 
 def verdicts(res: dict[str, Any]) -> dict[str, bool]:
+    """The issue's goals, per run: each hostile case refused (4xx) or served (200), never a
+    5xx, /health p99 under 100 ms and both streams correct; the slow sockets all closed by
+    the router; at 4x some requests refused, each 429 within 50 ms; goodput at 2x (and 4x)
+    at least 90% of goodput at capacity."""
     v: dict[str, bool] = {}
     for name, r in res.get("hostile", {}).items():
-        v[f"{name}: /health p99 < 100 ms and streams correct"] = (
-            r["health"]["p99_ms"] < 100 and r["streams_ok"]
+        no_5xx = all(s < 500 for s in r.get("statuses", []) if s)
+        v[f"{name}: no 5xx, /health p99 < 100 ms, streams correct"] = (
+            no_5xx and r["health"]["p99_ms"] < 100 and r["streams_ok"]
         )
+        if "closed_by_router" in r:
+            v[f"{name}: every socket closed by the router"] = r["closed_by_router"] == r["opened"]
     ov = res.get("overload")
     if ov:
-        v["4x: every refusal within 50 ms"] = (ov["4x"]["refused_max_ms"] or 0) <= 50
+        four = ov["4x"]
+        v["4x: excess refused, each 429 within 50 ms"] = (
+            four["refused_429"] > 0 and (four["refused_max_ms"] or 0) <= 50
+        )
         v["2x goodput >= 90% of 1x"] = ov["goodput_2x_over_1x"] >= 0.9
+        v["4x goodput >= 90% of 1x"] = ov["goodput_4x_over_1x"] >= 0.9
     return v
 
 

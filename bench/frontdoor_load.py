@@ -108,6 +108,7 @@ async def overload(base: str, model: str, headers: dict, capacity: int, *, secon
         print(f"overload {factor}x: {out[f'{factor}x']}", file=sys.stderr)
     base_good = out["1x"]["goodput_rps"] or float("nan")
     out["goodput_2x_over_1x"] = round(out["2x"]["goodput_rps"] / base_good, 3)
+    out["goodput_4x_over_1x"] = round(out["4x"]["goodput_rps"] / base_good, 3)
     return out
 
 

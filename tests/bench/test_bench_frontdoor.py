@@ -21,17 +21,25 @@ def test_window_takes_the_polls_that_overlap_it():
     assert frontdoor.window(polls, 5.0, 6.0)["polls"] == 0
 
 
-def test_verdicts_fail_on_a_slow_health_or_a_wrong_stream():
-    good = {"health": {"p99_ms": 20.0}, "streams_ok": True}
+def test_verdicts_fail_on_a_5xx_a_slow_health_a_wrong_stream_or_an_open_socket():
+    good = {"statuses": [400], "health": {"p99_ms": 20.0}, "streams_ok": True}
     res = {
         "hostile": {"a": good, "b": {**good, "streams_ok": False},
-                    "c": {**good, "health": {"p99_ms": 150.0}}},
-        "overload": {"4x": {"refused_max_ms": 60.0}, "goodput_2x_over_1x": 0.95},
+                    "c": {**good, "health": {"p99_ms": 150.0}},
+                    "d": {**good, "statuses": [401, 500]},
+                    "e": {**good, "statuses": [], "opened": 10, "closed_by_router": 9}},
+        "overload": {"4x": {"refused_429": 3, "refused_max_ms": 60.0},
+                     "goodput_2x_over_1x": 0.95, "goodput_4x_over_1x": 0.5},
     }  # fmt: skip
     v = frontdoor.verdicts(res)
-    assert [v[k] for k in sorted(v) if k[0] in "abc"] == [True, False, False]
-    assert v["4x: every refusal within 50 ms"] is False
+    health = [v[k] for k in sorted(v) if k[0] in "abcde" and "p99" in k]
+    assert health == [True, False, False, False, True]
+    assert v["e: every socket closed by the router"] is False
+    assert v["4x: excess refused, each 429 within 50 ms"] is False
     assert v["2x goodput >= 90% of 1x"] is True
+    assert v["4x goodput >= 90% of 1x"] is False
+    res["overload"]["4x"] = {"refused_429": 0, "refused_max_ms": None}  # none refused: not met
+    assert frontdoor.verdicts(res)["4x: excess refused, each 429 within 50 ms"] is False
 
 
 class Limited:
