@@ -133,3 +133,42 @@ def test_the_cost_estimate_counts_texts_and_ids_without_walking_the_ids():
     assert estimate_tokens([[1, 2, 3], [4, 5]]) == 5
     messages = [{"role": "user", "content": "x" * 400}, {"role": "assistant", "content": ""}]
     assert 100 <= estimate_tokens(messages) <= 110
+
+
+async def test_a_large_body_is_sized_not_walked_for_the_estimate():
+    """Past WALK_BYTES the estimate is the body's bytes / CHARS_PER_TOKEN (content-length
+    or chunked), through a real aiohttp server; a small body is walked."""
+    import aiohttp
+    import orjson
+    from aiohttp import web
+
+    from services.router.admission.request import CHARS_PER_TOKEN, WALK_BYTES, _estimate
+
+    async def handler(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        return web.json_response({"estimate": await _estimate(request, body["messages"])})
+
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_post("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    many = orjson.dumps({"messages": [{"role": "user", "content": "x"}] * 20000})
+    small = orjson.dumps({"messages": [{"role": "user", "content": "x" * 400}]})
+    assert len(many) > WALK_BYTES > len(small)
+
+    async def chunked(data: bytes):
+        yield data
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            got = []
+            for data in (many, chunked(many), small):
+                async with http.post(url, data=data) as r:
+                    got.append((await r.json())["estimate"])
+    finally:
+        await runner.cleanup()
+    assert got[0] == got[1] == len(many) // CHARS_PER_TOKEN + 1
+    assert 100 <= got[2] <= 110  # walked: the text's 400 characters

@@ -22,6 +22,7 @@ from services.router.formats.openai.validation import ApiRequest
 DEADLINE_HEADER = "x-request-deadline-ms"
 MAX_DEADLINE_MS = 3_600_000
 CHARS_PER_TOKEN = 4  # the estimate of a text's tokens before it is tokenized
+WALK_BYTES = 64 << 10  # bodies up to this size are walked for the estimate; larger: sized
 UNSET_MAX_TOKENS = 1024  # the completion a request without max_tokens is counted for
 TENANT = "tenant"  # request[TENANT]: set by the app's middleware (api/app.py)
 
@@ -38,7 +39,7 @@ async def admit(request: web.Request, api: ApiRequest, context_len: int) -> Tick
     if salt:
         api.sampling["cache_salt"] = salt
     prompts = max(1, len(api.prompts))
-    prompt_tokens = estimate_tokens(api.prompts or api.messages)
+    prompt_tokens = await _estimate(request, api.prompts or api.messages)
     unset = min(UNSET_MAX_TOKENS, context_len - prompt_tokens)
     completion = max(1, api.max_tokens if api.max_tokens is not None else unset)
     cost = prompts * (prompt_tokens + api.n * completion)
@@ -51,7 +52,7 @@ async def admit(request: web.Request, api: ApiRequest, context_len: int) -> Tick
 async def light(request: web.Request, body: Any) -> AsyncIterator[None]:
     """A request that runs no generation, through its tenant's rate and concurrency
     checks (body: what it will tokenize or render, for its cost)."""
-    async with request.app[GATE].light(tenant(request), estimate_tokens(body)):
+    async with request.app[GATE].light(tenant(request), await _estimate(request, body)):
         yield
 
 
@@ -69,6 +70,18 @@ def deadline_of(request: web.Request) -> float | None:
         )
     arrived = request.get("arrived", time.monotonic())
     return float(arrived) + int(raw) / 1000.0
+
+
+async def _estimate(request: web.Request, value: Any) -> int:
+    """`estimate_tokens(value)` for a body of up to WALK_BYTES; past that, its size in bytes
+    / CHARS_PER_TOKEN, so the event loop never walks a large body (a body may hold half a
+    million items: a walk of it would hold the loop for a quarter of a second)."""
+    size = request.content_length
+    if size is None and request.body_exists:
+        size = len(await request.read())  # chunked: aiohttp keeps the bytes it read
+    if size is not None and size > WALK_BYTES:
+        return size // CHARS_PER_TOKEN + 1
+    return estimate_tokens(value)
 
 
 def estimate_tokens(value: Any, depth: int = 0) -> int:
