@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeat)")
     p.add_argument("--slow-sockets", type=int, default=1000)
-    p.add_argument("--hold", type=float, default=35.0, help="seconds the slow sockets are held")
+    p.add_argument("--hold", type=float, default=45.0, help="seconds the slow sockets are held")
     p.add_argument(
         "--capacity",
         type=int,

@@ -177,15 +177,26 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_takes_no_slot():
 async def test_an_expected_wait_over_the_bound_is_429_at_once_with_retry_after():
     g = gate(capacity=1, wait=1.0)
     await g.enter(A, 10)
-    queued = [asyncio.ensure_future(g.enter(A, 600)) for _ in range(2)]  # 1.2 s at 1000/s
+    # Each waits for the tokens ahead of it: 0 and 0.6 s at the start value of 1000/s.
+    queued = [asyncio.ensure_future(g.enter(A, 600)) for _ in range(2)]
     await asyncio.sleep(0)
+    assert not any(q.done() for q in queued)  # both waiting, neither refused
     with pytest.raises(ApiError) as e:
-        await g.enter(A, 10)
+        await g.enter(A, 10)  # 1.2 s ahead
     assert e.value.status == 429 and e.value.code == "queue_wait"
     assert int(e.value.headers["Retry-After"]) >= 1
     for q in queued:
         q.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
+
+
+async def test_the_throughput_counts_the_prompt_estimate_and_the_tokens_generated():
+    clock = Clock()
+    g = gate(capacity=4, clock=clock)
+    ticket = await g.enter(A, 100, prompt_cost=20)
+    clock.now += 1.0
+    g.leave(ticket, used_tokens=90, completion_tokens=40)  # a 50-token prompt measured
+    assert g.throughput.per_s(clock()) == pytest.approx(60.0)  # 20 estimated + 40
 
 
 async def test_a_deadline_before_the_expected_start_is_refused_at_once():
@@ -303,3 +314,20 @@ async def test_a_deadline_before_a_slot_is_expected_to_free_is_refused_at_once()
     g.leave(running, 10)
     g.leave(await asyncio.wait_for(waiting, 1), 10)
     assert g.held == 0 and g.running == 0
+
+
+async def test_a_tenant_under_its_share_starts_past_a_full_gate_by_a_quarter_at_most():
+    g = gate(capacity=4, max_pending=16)
+    flood = [await g.enter(A, 10) for _ in range(4)]  # every slot A's
+    more_a = asyncio.ensure_future(g.enter(A, 10))  # A is over its share (2 of 4): waits
+    light = await asyncio.wait_for(g.enter(B, 10), 1)  # B runs nothing: starts at once
+    assert g.running == 5
+    second_b = asyncio.ensure_future(g.enter(B, 10))  # past capacity + a quarter: waits
+    await asyncio.sleep(0)
+    assert not more_a.done() and not second_b.done()
+    g.leave(light, 10)  # B's slot back: its second request is the fairer head and starts
+    await asyncio.wait_for(second_b, 1)
+    assert not more_a.done()
+    for t in flood:
+        g.leave(t, 10)
+    await asyncio.wait_for(more_a, 1)

@@ -222,8 +222,9 @@ async def test_over_the_expected_wait_or_deadline_is_429_at_once_and_cancelled_s
 ):
     """Two long requests take both slots and a third waits (4,000 tokens ahead): the
     flood's next request expects a wait over --max-queue-wait (1 s) and is refused at
-    once with Retry-After; so is a request whose deadline is too near, and a request
-    still waiting at its deadline leaves the queue with a 429. Then every held request is
+    once with Retry-After; so is a request whose deadline is too near; another tenant's
+    first request starts at once (its share), and its second, still waiting at its
+    deadline, leaves the queue with a 429. Then every held request is
     cancelled (the client goes away): their slots and places come back, and the next
     request runs at once."""
     async with aiohttp.ClientSession() as held_http:
@@ -233,8 +234,17 @@ async def test_over_the_expected_wait_or_deadline_is_429_at_once_and_cancelled_s
             await wait_queued(url, 2, name="admitted_slots")
             # It waits (nothing ahead of it); 4,000 tokens ahead of the next: over 1 s at
             # any throughput this machine measures.
-            held.append(asyncio.ensure_future(post(held_http, url, "flood", body(4000))))
-            await wait_queued(url, 1)
+            # (When the running requests' measured run time already says no slot frees
+            # within --max-queue-wait, it is refused as the next one is.)
+            third = asyncio.ensure_future(post(held_http, url, "flood", body(4000)))
+            held.append(third)
+            limit = time.monotonic() + 60
+            while not third.done() and await metric(url, "tandem:router_queued_requests") < 1:
+                assert time.monotonic() < limit, "the 4,000-token request neither waits nor ends"
+                await asyncio.sleep(0.05)
+            if third.done():
+                status, _, reply = third.result()
+                assert status == 429 and reply["error"]["code"] == "queue_wait", reply
             async with aiohttp.ClientSession() as http:
                 started = time.monotonic()
                 status, headers, reply = await post(http, url, "flood", body(4))
@@ -246,8 +256,12 @@ async def test_over_the_expected_wait_or_deadline_is_429_at_once_and_cancelled_s
                 )
                 assert status == 429 and reply["error"]["code"] == "deadline_unreachable"
                 assert int(headers["Retry-After"]) >= 1
-                # "light" has nothing ahead in the queue, but no slot frees in 200 ms: refused
-                # at once when the measured run times say so, else when its deadline passes.
+                # "light" runs nothing: under its share of the slots (1 of 2) it starts at
+                # once past the full gate. Its second request is over its share: it waits,
+                # no slot frees in 200 ms, and it is refused at once when the measured run
+                # times say so, else when its deadline passes.
+                held.append(asyncio.ensure_future(post(held_http, url, "light", body(1200))))
+                await wait_queued(url, 3, name="admitted_slots")
                 started = time.monotonic()
                 status, _, reply = await post(
                     http, url, "light", body(4), headers={"x-request-deadline-ms": "200"}

@@ -44,6 +44,7 @@ class Ticket:
     cost: int
     slots: int
     entry: Entry
+    prompt_cost: int = 0  # the prompts' part of `cost` (the estimate the queue counts)
 
 
 def too_many(message: str, code: str, retry_after: float = 1.0) -> ApiError:
@@ -70,6 +71,7 @@ class Gate:
         self.held = 0  # requests running or waiting (the --max-pending bound)
         self.running = 0  # slots of running requests
         self._tenant_running: dict[str, int] = {}
+        self._weights: dict[str, float] = {}  # the weight of each tenant seen
         self._buckets: dict[str, TokenBucket] = {}
         self.throughput = Throughput(clock())
         self._live: set[Entry] = set()  # running requests
@@ -79,18 +81,23 @@ class Gate:
 
     async def enter(
         self, tenant: Tenant, cost: int, slots: int = 1, priority: int = 0,
-        deadline: float | None = None,
+        deadline: float | None = None, *, prompt_cost: int = 0,
     ) -> Ticket:  # fmt: skip
         """Admit a request (at once or after its wait in the queue) or raise ApiError.
-        `deadline` is on this gate's clock: the latest time it may start."""
+        `deadline` is on this gate's clock: the latest time it may start; `prompt_cost` the
+        prompts' part of `cost`."""
         if not self.live():
             raise no_workers("no decode worker is live; retry shortly")
         self._check_held()
         now = self.clock()
         self._charge(tenant, cost, now)
         entry = Entry(tenant.name, tenant.weight, cost, slots, priority, tenant.max_concurrency)
-        ticket = Ticket(tenant, cost, slots, entry)
-        if not len(self.queue) and self._tenant_may_run(entry) and self._fits(entry):
+        self._weights[tenant.name] = tenant.weight
+        ticket = Ticket(tenant, cost, slots, entry, prompt_cost)
+        # At once when nothing waits and it fits, or when its tenant is under its share of
+        # the slots (nothing waiting is fairly ahead of it).
+        fits_now = (not len(self.queue) and self._fits(entry)) or self._under_share(entry)
+        if self._tenant_may_run(entry) and fits_now:
             self._start(entry)
             return ticket
         try:
@@ -100,8 +107,14 @@ class Gate:
             raise
         return await self._wait(ticket, entry, deadline, now)
 
-    def leave(self, ticket: Ticket, used_tokens: int) -> None:
-        """A request admitted by `enter` ended (any way): its slots and unused tokens back."""
+    def leave(self, ticket: Ticket, used_tokens: int, completion_tokens: int | None = None) -> None:
+        """A request admitted by `enter` ended (any way): its slots and unused tokens back.
+
+        The throughput counts what the queue counts (`expected_wait` divides one by the
+        other): the prompts' estimate and the tokens generated (`completion_tokens`; when
+        not given, `used_tokens`). A measured prompt (the chat template's tokens too) is
+        longer than the estimate the queue holds, so counting it would make the queue
+        look faster than it drains."""
         now = self.clock()
         self.held -= 1
         self.running -= ticket.slots
@@ -113,7 +126,10 @@ class Gate:
         self._live.discard(ticket.entry)
         took = now - ticket.entry.started
         self._duration = took if self._duration is None else 0.9 * self._duration + 0.1 * took
-        self.throughput.finished(used_tokens, now)
+        measured = used_tokens
+        if completion_tokens is not None:
+            measured = ticket.prompt_cost + completion_tokens
+        self.throughput.finished(measured, now)
         self.throughput.running(self.running > 0, now)
         self.pump()
 
@@ -121,7 +137,7 @@ class Gate:
         """Start the waiting requests that may run now (after a request ended, or when the
         workers' capacity may have grown: the service calls it on each load report)."""
         while len(self.queue):
-            entry = self.queue.pop(self._tenant_may_run, self._fits)
+            entry = self.queue.pop(self._tenant_may_run, self._fits, self._under_share)
             if entry is None:
                 return
             if entry.waiter is not None and not entry.waiter.done():
@@ -199,13 +215,13 @@ class Gate:
                 f"tenant {tenant.name!r}'s queue is full ({bound} requests)", "tenant_queue_full"
             )
         wait = self.expected_wait(tenant, priority)
-        # A deadline also waits for a slot to free (the wait bound counts the queue alone).
-        slot = 0.0 if self._fits(entry) else self.slot_wait(now)
-        if deadline is not None and now + wait + slot > deadline:
+        if not self._fits(entry):  # every slot busy: it starts when one frees, after those ahead
+            wait += self.slot_wait(now)
+        if deadline is not None and now + wait > deadline:
             raise too_many(
-                f"the request cannot start before its deadline (expected wait {wait + slot:.2f} s)",
+                f"the request cannot start before its deadline (expected wait {wait:.2f} s)",
                 "deadline_unreachable",
-                wait + slot,
+                wait,
             )
         if wait > self.limits.max_queue_wait:
             raise too_many(
@@ -262,10 +278,28 @@ class Gate:
         return not entry.limit or not running or running + entry.slots <= entry.limit
 
     def _fits(self, entry: Entry) -> bool:
+        """Whether `entry` may start now: the slots are free, or its tenant runs less than
+        its share of them (capacity x weight / the weights of the tenants running or
+        waiting), up to a quarter of the capacity past it. Without the share a light
+        tenant beside a flood waits for the flood's requests to end, which come in waves
+        (requests that start together end together)."""
         capacity = self.capacity()
         if capacity is None:
             return True  # --max-pending alone
-        return not self.running or self.running + entry.slots <= capacity
+        if not self.running or self.running + entry.slots <= capacity:
+            return True
+        return self._under_share(entry)
+
+    def _under_share(self, entry: Entry) -> bool:
+        """Its tenant runs less than its share of the slots, and the gate is at most a
+        quarter of the capacity past it with `entry`."""
+        capacity = self.capacity()
+        if capacity is None or self.running + entry.slots > capacity + max(1, capacity // 4):
+            return False
+        active = {*self._tenant_running, *self.queue.tenants(), entry.tenant}
+        total = sum(self._weights.get(t, 1.0) for t in active)
+        share = capacity * entry.weight / total
+        return self._tenant_running.get(entry.tenant, 0) + entry.slots <= share
 
 
 GATE: web.AppKey[Gate] = web.AppKey("admission_gate", Gate)

@@ -45,7 +45,8 @@ async def admit(request: web.Request, api: ApiRequest, context_len: int) -> Tick
     cost = prompts * (prompt_tokens + api.n * completion)
     deadline = deadline_of(request)
     gate = request.app[GATE]
-    return await gate.enter(who, cost, prompts * api.n, api.priority, deadline)
+    return await gate.enter(who, cost, prompts * api.n, api.priority, deadline,
+                            prompt_cost=prompts * prompt_tokens)  # fmt: skip
 
 
 @contextlib.asynccontextmanager

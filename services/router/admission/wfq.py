@@ -47,6 +47,10 @@ class FairQueue:
     def __len__(self) -> int:
         return self._len
 
+    def tenants(self) -> list[str]:
+        """The tenants with requests waiting."""
+        return list(self._heads)
+
     def queued(self, tenant: str) -> int:
         return self._count.get(tenant, 0)
 
@@ -68,22 +72,34 @@ class FairQueue:
         self._trim(entry.tenant)
         return True
 
-    def pop(self, eligible: Callable[[Entry], bool], fits: Callable[[Entry], bool]) -> Entry | None:
+    def pop(
+        self,
+        eligible: Callable[[Entry], bool],
+        fits: Callable[[Entry], bool],
+        under_share: Callable[[Entry], bool] | None = None,
+    ) -> Entry | None:
         """The next entry to run, or None. Tenants whose head `eligible` refuses (the
         tenant's own bound) are passed over; when the fairest other head does not `fit` the
-        free slots, nothing is served (no smaller request overtakes it forever)."""
-        best: tuple[float, int, Entry] | None = None
-        for tenant, heap in self._heads.items():
-            head = heap[0][2]
-            start = max(self.vtime, self._finish.get(tenant, 0.0))
-            if best is None or (start, head.seq) < best[:2]:
-                if eligible(head):
-                    best = (start, head.seq, head)
-        if best is None or not fits(best[2]):
+        free slots, nothing is served (no smaller request overtakes it forever), but for
+        the fairest head whose tenant is `under_share` (its share of the slots, which a
+        flood must not take from it)."""
+        ranked = sorted(
+            (max(self.vtime, self._finish.get(tenant, 0.0)), heap[0][2].seq, heap[0][2])
+            for tenant, heap in self._heads.items()
+            if eligible(heap[0][2])
+        )
+        if not ranked:
             return None
-        start, _, entry = best
+        chosen = ranked[0]
+        if not fits(chosen[2]):
+            shares = (r for r in ranked[1:] if under_share is not None and under_share(r[2]))
+            found = next(shares, None)
+            if found is None:
+                return None
+            chosen = found
+        start, _, entry = chosen
         heapq.heappop(self._heads[entry.tenant])
-        self.vtime = start
+        self.vtime = max(self.vtime, start)
         self._finish[entry.tenant] = start + entry.cost / entry.weight
         entry.removed = True
         self._forget(entry)

@@ -100,7 +100,7 @@ async def run_request(
     finally:  # every way out (an error, a cancel, the client gone) gives the slot back
         totals = tally.running_totals() if tally else None  # a cancelled one's tokens too
         used = totals.prompt_tokens + totals.completion_tokens if totals else 0
-        request.app[GATE].leave(ticket, used)
+        request.app[GATE].leave(ticket, used, totals.completion_tokens if totals else 0)
         state.pending -= 1
         state.metrics.running.labels(state.metrics.model).dec()
         state.metrics.e2e.labels(state.metrics.model).observe(time.monotonic() - arrived)
