@@ -4,12 +4,13 @@ Checked after parsing and before tokenizing, so a refused request costs no CPU. 
 503 when no decode worker is live; 429 when the router holds `--max-pending` requests
 (running and waiting); 429 with Retry-After when the tenant is over its tokens per minute,
 when its queue is full, when the expected wait (tokens queued ahead / the measured
-throughput) is over `--max-queue-wait`, or when the request's deadline (its
-x-request-deadline-ms header) would pass before it starts. Otherwise it runs at once when
-the workers have a free slot (their reported max running requests) and the tenant is
-under its max concurrency, or waits in its tenant's queue (wfq.py) for `--queue-timeout`
-seconds at most. Every admitted request gives its slot back through `leave`, whatever
-way it ends.
+throughput, plus the time until a slot frees when none is free) is over
+`--max-queue-wait`, or when the request's deadline (its x-request-deadline-ms header)
+would pass before it starts. Otherwise it runs at once when the workers have a free slot
+(their reported max running requests) or its tenant is under its share of the slots (a
+quarter past the capacity at most), and the tenant is under its max concurrency; or it
+waits in its tenant's queue (wfq.py) for `--queue-timeout` seconds at most. Every
+admitted request gives its slot back through `leave`, whatever way it ends.
 """
 
 from __future__ import annotations
