@@ -34,6 +34,7 @@ from services.router.formats.openai.chat_template import (
     cut_after_final,
 )
 from services.router.formats.openai.validation import ApiRequest
+from services.router.requests import token_cache
 from services.router.structured import reasoning
 from services.router.structured.tools import request as tools
 
@@ -201,15 +202,26 @@ def encode(tokenizer: TextTokenizer, text: str, limit: int | None = None) -> lis
     ~5-14 s on this host in which no other thread runs); `encode_batch_fast` releases it
     while Rust works and builds no offsets, so only the id list's conversion holds it
     (~0.08 s for 3M ids), and past `limit` tokens not even that: `PromptTooLong` carries
-    the count, which is all a refusal needs. The BOS rule is TextTokenizer.encode's.
+    the count, which is all a refusal needs. The BOS rule is TextTokenizer.encode's. A
+    text seen before is not tokenized again (token_cache.py: ids kept by its hash).
     """
-    encoding = tokenizer.tokenizer.encode_batch_fast([text], add_special_tokens=True)[0]
-    if limit is not None and len(encoding) > limit:
-        raise PromptTooLong(len(encoding) + (1 if tokenizer.add_bos else 0))
-    ids = encoding.ids
-    bos = tokenizer.bos_token_id  # set whenever add_bos is
-    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-        ids = [bos, *ids]
+    key = token_cache.IDS.key(tokenizer, text)
+    hit = token_cache.IDS.get(key) if key is not None else None
+    if hit is not None:
+        ids, counted = hit
+    else:
+        encoding = tokenizer.tokenizer.encode_batch_fast([text], add_special_tokens=True)[0]
+        counted = len(encoding)
+        if limit is not None and counted > limit:
+            raise PromptTooLong(counted + (1 if tokenizer.add_bos else 0))
+        ids = encoding.ids
+        bos = tokenizer.bos_token_id  # set whenever add_bos is
+        if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        if key is not None:
+            token_cache.IDS.put(key, ids, counted)
+    if limit is not None and counted > limit:
+        raise PromptTooLong(counted + (1 if tokenizer.add_bos else 0))
     return ids
 
 
