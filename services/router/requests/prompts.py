@@ -14,9 +14,11 @@ held it would stall the event loop, every other stream and the heartbeat just th
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import msgspec
+import orjson
 
 from libs.common.engine.core.sampling_params import (
     MAX_GRAMMAR_CHARS,
@@ -34,7 +36,7 @@ from services.router.formats.openai.chat_template import (
     cut_after_final,
 )
 from services.router.formats.openai.validation import ApiRequest
-from services.router.requests import token_cache
+from services.router.requests import prompt_cache
 from services.router.structured import reasoning
 from services.router.structured.tools import request as tools
 
@@ -171,6 +173,37 @@ def render_chat(
 ) -> str:
     """The prompt text the model's chat template makes of `messages`, as `template` asks
     (chat_template.py); a 400 naming "messages" when the template refuses them."""
+    cached = _render_key(tokenizer, messages, tool_request, template)
+    text = prompt_cache.TEXTS.get(cached) if cached is not None else None
+    if text is not None:
+        return text
+    text = _render(tokenizer, messages, tool_request, template)
+    if cached is not None:
+        prompt_cache.TEXTS.put(cached, text)
+    return text
+
+
+def _render_key(
+    tokenizer: TextTokenizer,
+    messages: list[dict],
+    tool_request: tools.ToolRequest | None,
+    template: TemplateArgs,
+) -> bytes | None:
+    """The cache key of a chat's render: the hash of everything it depends on (orjson
+    writes the dataclasses), or None when what was sent is not JSON (it is, from HTTP)."""
+    try:
+        data = orjson.dumps((messages, tool_request, template))
+    except TypeError:
+        return None
+    return prompt_cache.key(tokenizer, data)
+
+
+def _render(
+    tokenizer: TextTokenizer,
+    messages: list[dict],
+    tool_request: tools.ToolRequest | None,
+    template: TemplateArgs,
+) -> str:
     try:
         has_tools = tools.template_has_tools(tokenizer.chat_template)
         rendered, extra = tools.render_messages(messages, tool_request, has_tools)
@@ -203,12 +236,12 @@ def encode(tokenizer: TextTokenizer, text: str, limit: int | None = None) -> lis
     while Rust works and builds no offsets, so only the id list's conversion holds it
     (~0.08 s for 3M ids), and past `limit` tokens not even that: `PromptTooLong` carries
     the count, which is all a refusal needs. The BOS rule is TextTokenizer.encode's. A
-    text seen before is not tokenized again (token_cache.py: ids kept by its hash).
+    text seen before is not tokenized again (prompt_cache.py: ids kept by its hash).
     """
-    key = token_cache.IDS.key(tokenizer, text)
-    hit = token_cache.IDS.get(key) if key is not None else None
-    if hit is not None:
-        ids, counted = hit
+    key = prompt_cache.text_key(tokenizer, text)
+    hit = prompt_cache.IDS.get(key) if key is not None else None
+    if hit is not None:  # kept with the count the limit is checked on, first
+        counted, ids = hit[0], hit[1:].tolist()
     else:
         encoding = tokenizer.tokenizer.encode_batch_fast([text], add_special_tokens=True)[0]
         counted = len(encoding)
@@ -219,7 +252,7 @@ def encode(tokenizer: TextTokenizer, text: str, limit: int | None = None) -> lis
         if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]
         if key is not None:
-            token_cache.IDS.put(key, ids, counted)
+            prompt_cache.IDS.put(key, array("I", [counted, *ids]))
     if limit is not None and counted > limit:
         raise PromptTooLong(counted + (1 if tokenizer.add_bos else 0))
     return ids
