@@ -149,6 +149,8 @@ async def hold_slow_sockets(host: str, port: int, count: int, hold_s: float, aut
     opened, and how many the router closed meanwhile (and after how long). On loopback they
     come from four addresses, as from four clients."""
     opened, closed_after = 0, []
+    kinds = ("idle", "dripping headers", "stalled body")
+    open_by_kind = dict.fromkeys(kinds, 0)
     t0 = time.monotonic()
 
     async def one(i: int) -> None:
@@ -162,6 +164,7 @@ async def hold_slow_sockets(host: str, port: int, count: int, hold_s: float, aut
             return
         opened += 1
         kind = i % 3
+        open_by_kind[kinds[kind]] += 1
         try:
             if kind == 1:
                 writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
@@ -180,13 +183,16 @@ async def hold_slow_sockets(host: str, port: int, count: int, hold_s: float, aut
                     continue
                 if not data:  # the router closed it
                     closed_after.append(time.monotonic() - t0)
+                    open_by_kind[kinds[kind]] -= 1
                     return
                 while await reader.read(4096):  # an error answer: read to the close
                     pass
                 closed_after.append(time.monotonic() - t0)
+                open_by_kind[kinds[kind]] -= 1
                 return
         except (ConnectionError, OSError):
             closed_after.append(time.monotonic() - t0)
+            open_by_kind[kinds[kind]] -= 1
         finally:
             writer.close()
 
@@ -196,6 +202,7 @@ async def hold_slow_sockets(host: str, port: int, count: int, hold_s: float, aut
         "sockets": count,
         "opened": opened,
         "closed_by_router": len(closed_after),
+        "still_open_by_kind": open_by_kind,
         "held_s": hold_s,
         "first_closed_s": round(closed_after[0], 2) if closed_after else None,
         "last_closed_s": round(closed_after[-1], 2) if closed_after else None,
