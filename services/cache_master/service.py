@@ -110,6 +110,7 @@ class CacheMasterService(BaseService):
                                        config.service_id, config.election_lease,
                                        config.election_bucket_bytes)  # fmt: skip
         self.election.on_elected, self.election.on_deposed = self._lead, self._deposed
+        self.election.on_resumed = lambda: log.info("serving the pool again", epoch=self.epoch)
         pin_limits = PinLimits(config.max_pinned_fraction, config.max_pins, config.max_pin_ttl)
         saved = (SavedPins(self.bus, self.election.bucket, config.election_bucket_bytes)
                  if config.elected else None)  # fmt: skip
@@ -261,7 +262,8 @@ class CacheMasterService(BaseService):
         """`handler` behind the fence; the metadata's refusals become its error replies."""
 
         async def guarded(req: Any) -> Message:
-            self.election.check_lease()  # a leader whose lease ran out is fenced now
+            if not self.election.check_lease():  # lapsed: JetStream away past the lease
+                raise HandlerError(503, "the master's lease lapsed; retry shortly")
             self.fence.check()  # requests queued before the endpoints went away
             try:
                 return await handler(req)
@@ -351,6 +353,8 @@ class CacheMasterService(BaseService):
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval)
+            if self.election.lapsed:
+                continue  # no lease: nothing is published until it is renewed
             try:
                 await self.sweep()
             except Exception:  # a sweep bug must not stop the next sweeps

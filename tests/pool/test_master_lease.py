@@ -29,8 +29,9 @@ from tests.pool.conftest import master_and_client, master_role
 
 MASTERS = ("master", "master-b")
 KEYS = [f"lease-{i}" for i in range(16)]
+BEGIN = ("elected pool master leader", "leader lease renewed after it lapsed; serving again")
 STEP_DOWN = (
-    "leader lease expired unrenewed (JetStream unreachable); stepping down",
+    "leader lease expired unrenewed (JetStream unreachable); not serving until it is renewed",
     "another master holds the leadership; stepping down",
     "a master with a higher epoch exists; this one stops serving (restart it to take over)",
     "leadership released",
@@ -105,7 +106,7 @@ def _leaderships(pool_procs, sid: str) -> list[tuple[float, float]]:
         except ValueError:
             continue
         at = datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
-        if entry.get("event") == "elected pool master leader" and began is None:
+        if entry.get("event") in BEGIN and began is None:
             began = at
         elif entry.get("event") in STEP_DOWN and began is not None:
             spans.append((began, at))
@@ -211,19 +212,24 @@ async def test_jetstream_gone_for_most_of_the_lease_keeps_the_leader_and_the_poo
 async def test_a_jetstream_pause_longer_than_the_lease_hands_over_without_two_leaders(
     pool_procs, nats_server, nats_url
 ):
-    """Paused for two leases: the leader steps down at its lease's end (as a process it
-    exits, for its supervisor to start again as a standby); one master leads afterwards
-    with a higher epoch and the stores mount on it."""
+    """Paused for two leases: the leader stops serving at its lease's end; one master
+    leads afterwards (the old one if its renewal at its own revision lands first: the
+    same epoch; else the standby, with a higher epoch, and the old one exits, for its
+    supervisor to start again as a standby), never two at once, and the stores mount
+    on it."""
     async with _pool(pool_procs, nats_url, "1.5") as (pool, leader, epoch):
         with _paused(nats_server):
             await asyncio.sleep(3.0)
         roles = await _roles(pool.bus)
         assert list(roles.values()).count("leader") == 1, roles
         stats = await _stats(pool, 1)
-        assert stats.epoch > epoch
         spans = _never_two_leaders(pool_procs)
         assert spans[0][0] == leader and spans[0][2] < float("inf"), spans
         assert len(spans) == 2 and spans[1][2] == float("inf"), spans
-        print(f"\nlease 1.5s, JetStream paused 3s: {spans[0][0]} stepped down, "
+        if spans[1][0] == leader:  # it renewed its own claim: nobody claimed meanwhile
+            assert stats.epoch == epoch
+        else:
+            assert stats.epoch > epoch
+        print(f"\nlease 1.5s, JetStream paused 3s: {spans[0][0]} stopped serving, "
               f"{spans[1][0]} led {spans[1][1] - spans[0][2]:.2f}s later")  # fmt: skip
         await _reads_back(pool)

@@ -9,8 +9,11 @@ the key's current one; that compare-and-set is the whole election:
   lease runs, on its own monotonic clock, from the moment it *sent* its last renewal that
   JetStream acknowledged: a renewal that fails (JetStream away, paused, slow) is retried
   every `lease / 25` seconds and costs nothing while the lease lasts; a leader whose lease
-  runs out unrenewed steps down (`on_deposed(None)`: it stops serving, and a request that
-  reaches it after the expiry is refused before it is served, `check_lease`).
+  runs out unrenewed lapses (`on_lapsed`: it serves nothing, and a request that reaches it
+  after the expiry is refused before it is served, `check_lease`) and keeps renewing: a
+  renewal that lands at its own revision (nobody claimed meanwhile) resumes it with the
+  same epoch and metadata (`on_resumed`: a nats-server restart does not cost a lone
+  master its pool); another claim on the key deposes it.
 - A standby reads the key every `lease / 10` seconds and notes when its revision last
   changed. It claims (an update at the revision it read, or a create where there is no
   key) when the claim has not changed for `lease` seconds (the leader died or cannot
@@ -24,7 +27,7 @@ the key's current one; that compare-and-set is the whole election:
   leader has stepped down before any standby may claim. An outage of JetStream shorter
   than the lease (less a renewal interval) leaves the leader leading with its epoch; a
   longer one hands the pool to whichever master claims first once JetStream is back,
-  with a higher epoch.
+  with a higher epoch (the lapsed leader's renewal at its old revision then fails).
 - The winner's epoch is above the claim it replaced (`max(clock epoch, previous + 1)`),
   so stores, which follow the highest epoch they have seen, refuse the old leader
   (epoch.py) even if it comes back.
@@ -145,6 +148,9 @@ class LeaderElection:
         self.expires = 0.0  # while leading: the monotonic end of our lease
         self.on_elected: Callable[[int], Awaitable[None]] | None = None
         self.on_deposed: Callable[[Claim | None], None] | None = None
+        self.lapsed = False  # our lease ran out unrenewed: serve nothing until renewed
+        self.on_lapsed: Callable[[], None] | None = None
+        self.on_resumed: Callable[[], None] | None = None
         self.claim: Claim | None = None  # ours, while leading
         self.revision = 0
         self._kv: Any = None
@@ -192,27 +198,40 @@ class LeaderElection:
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
 
-    def check_lease(self) -> None:
-        """A leader whose lease ran out unrenewed steps down now (before it serves a request
-        that reached it late: the election task may be late on a busy loop)."""
-        if self._ours() is not None and time.monotonic() >= self.expires:
-            self.abandon()
-            self._expire()
+    def check_lease(self) -> bool:
+        """Whether this leader may serve now: False once its lease ran out unrenewed (it
+        lapses now, before it serves a request that reached it late: the election task
+        may be late on a busy loop), until a renewal lands again."""
+        if self._ours() is not None and not self.lapsed and time.monotonic() >= self.expires:
+            self._lapse()
+        return not self.lapsed
 
-    def _expire(self) -> None:
+    def _lapse(self) -> None:
+        """Our lease ran out unrenewed: serve nothing until a renewal of our claim lands
+        (nobody else claimed meanwhile: the metadata is still the pool's, and nothing
+        was served without a lease) or another claim is found (deposed)."""
         late = time.monotonic() - self.expires
-        log.error("leader lease expired unrenewed (JetStream unreachable); stepping down",
-                  epoch=self.claim.epoch if self.claim else 0, lease=self.lease,
-                  late=round(late, 3), failures=self._failures)  # fmt: skip
-        self.claim = None
-        if self.on_deposed is not None:
-            self.on_deposed(None)
+        log.error("leader lease expired unrenewed (JetStream unreachable); not serving "
+                  "until it is renewed", epoch=self.claim.epoch if self.claim else 0,
+                  lease=self.lease, late=round(late, 3), failures=self._failures)  # fmt: skip
+        self.lapsed = True
+        if self.on_lapsed is not None:
+            self.on_lapsed()
+
+    def _resume(self) -> None:
+        self.lapsed = False
+        log.info("leader lease renewed after it lapsed; serving again",
+                 epoch=self.claim.epoch if self.claim else 0)  # fmt: skip
+        if self.on_resumed is not None:
+            self.on_resumed()
 
     def _pause(self) -> float:
         """A leader renews every lease / 10, and retries a failed renewal every lease / 25
         (never past its lease); a standby reads every lease / 10."""
-        if self._ours() is None or not self._failures:
+        if self._ours() is None or not (self._failures or self.lapsed):
             return self.lease / RENEWALS_PER_LEASE
+        if self.lapsed:
+            return self.lease / RETRIES_PER_LEASE
         return min(self.lease / RETRIES_PER_LEASE, max(0.0, self.expires - time.monotonic()))
 
     async def _run(self) -> None:
@@ -228,15 +247,17 @@ class LeaderElection:
         try:
             if self._ours() is not None:
                 left = self.expires - time.monotonic()
-                if left <= 0:
-                    self._expire()
-                    return False
-                done = await asyncio.wait_for(self._step(), timeout=min(left, self._timeout))
+                if left <= 0 and not self.lapsed:
+                    self._lapse()
+                budget = self._timeout if self.lapsed else min(left, self._timeout)
+                done = await asyncio.wait_for(self._step(), timeout=budget)
             else:
                 done = await self._step()
             if not done:
                 return False
             self._failures = 0
+            if self.lapsed and self._ours() is not None and time.monotonic() < self.expires:
+                self._resume()
         except Exception as e:
             if self._failures == 0:
                 log.warning("leader key unreachable; retrying",
@@ -244,9 +265,8 @@ class LeaderElection:
             self._failures += 1
             if not isinstance(e, TimeoutError):
                 self._kv = None
-        if self._ours() is not None and time.monotonic() >= self.expires:
-            self._expire()
-            return False
+        if self._ours() is not None and not self.lapsed and time.monotonic() >= self.expires:
+            self._lapse()
         return True
 
     @property
