@@ -111,7 +111,13 @@ class Listener:
     async def start(self, host: str, port: int) -> int:
         """Listen; return the bound port (port 0 picks a free one)."""
         loop = asyncio.get_running_loop()
-        self._listening = await loop.create_server(lambda: Connection(self), host, port)
+        # The accept queue holds a burst of --max-connections (the kernel caps it at
+        # net.core.somaxconn): at asyncio's 100, a burst of 1,000 overflowed it, and the
+        # dropped handshakes left idle clients with sockets the router never saw.
+        backlog = self.limits.max_connections
+        self._listening = await loop.create_server(
+            lambda: Connection(self), host, port, backlog=backlog
+        )
         return int(self._listening.sockets[0].getsockname()[1])
 
     def close(self) -> None:
