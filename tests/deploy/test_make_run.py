@@ -125,6 +125,15 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
         assert _post(f"{base}/v1/chat/completions", body, timeout=120)["choices"][0]["message"]
         assert any(line.startswith("prefill") and "prefill done" in line for line in lines)
         url, cli = f"nats://127.0.0.1:{nats_port}", secrets / "cli.credentials"
+        # The leader after the kill starts with no metadata; the stores mount on it at their
+        # next heartbeat, and a put before that is refused: ask again, a bounded while.
+        for attempt in range(10):
+            if asyncio.run(_pool_objects_seen_by_the_operator(url, cli)) > 0:
+                break
+            assert time.monotonic() < deadline + 180, "".join(lines[-40:])
+            body["messages"] = [{"role": "user", "content": f"{attempt} {long}"}]
+            _post(f"{base}/v1/chat/completions", body, timeout=120)
+            time.sleep(1.0)
         assert asyncio.run(_pool_objects_seen_by_the_operator(url, cli)) > 0
         assert not [line for line in lines if "permissions violation" in line.lower()]
     finally:
