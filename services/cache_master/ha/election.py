@@ -157,6 +157,7 @@ class LeaderElection:
         self._seen: Seen | None = None
         self._changed_at = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._abandoned = False  # stop claiming (a cancel alone can be lost: see _run)
         self._failures = 0  # JetStream calls failed in a row
         self._opened = False  # the bucket's bounds were checked (the first open)
         self._warned = False  # a live duplicate of our id was logged
@@ -195,6 +196,7 @@ class LeaderElection:
 
     def abandon(self) -> None:
         """Stop claiming and renewing now (fenced: the claim is no longer ours to keep)."""
+        self._abandoned = True
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
 
@@ -235,7 +237,10 @@ class LeaderElection:
         return min(self.lease / RETRIES_PER_LEASE, max(0.0, self.expires - time.monotonic()))
 
     async def _run(self) -> None:
-        while True:
+        # The flag, not the cancel alone, ends the loop: on Python 3.11 asyncio.wait_for
+        # returns its result when the cancel lands as the awaited call completes, and the
+        # cancel is lost (a master's stop then waited forever; fixed in 3.12).
+        while not self._abandoned:
             await asyncio.sleep(self._pause())
             if not await self._attempt():
                 return
