@@ -4,7 +4,8 @@ Four builds of the one C translation unit (kernels.c, which #includes its parts,
 files beside it): `avx512vnni` (x86-64-v4 plus AVX512-VNNI), `avx512` (x86-64-v4), `avx2`
 (x86-64-v3: AVX2, FMA, F16C) and `generic` (x86-64-v2, or the compiler's default off x86).
 `library()` picks the best one the CPU's flags allow, logs the choice (`quant.kernels`),
-and loads it with ctypes.
+and loads it with ctypes. `TANDEM_KERNELS=<variant>` forces a build instead (to run and
+time the avx2 kernels on an AVX-512 host, say); a variant the CPU cannot run is refused.
 
 Where the builds live: $TANDEM_KERNEL_DIR when set (an image builds them there ahead of
 time: `python -m libs.common.engine.model.quant.native DIR`), else
@@ -63,6 +64,7 @@ class KernelsUnavailable(RuntimeError):
     """No build of the kernels can be loaded here (no compiler and no prebuilt library)."""
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     try:
         text = pathlib.Path("/proc/cpuinfo").read_text()
@@ -170,12 +172,36 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=4)
+def forced_variant() -> str | None:
+    """The build `TANDEM_KERNELS` names, or None when it is unset or empty."""
+    return os.environ.get("TANDEM_KERNELS", "").strip() or None
+
+
 def library(variant: str | None = None) -> tuple[ctypes.CDLL, str]:
-    """The loaded kernels for this CPU (or the named variant, which the CPU must run) and
-    the variant's name; built on first use."""
+    """The loaded kernels for this CPU and the variant's name; built on first use. A
+    variant named here, or else by `TANDEM_KERNELS`, is loaded instead of the best one
+    the CPU's flags allow, and refused (KernelsUnavailable) if the CPU cannot run it."""
     flags = cpu_flags()
-    variant = variant or choose_variant(flags)
+    forced = variant or forced_variant()
+    if forced is None:
+        return _load(choose_variant(flags), False)
+    if forced not in VARIANTS:
+        raise KernelsUnavailable(
+            f"TANDEM_KERNELS={forced!r} is no kernel build: one of {', '.join(VARIANTS)}"
+        )
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    missing = sorted(VARIANTS[forced][1] - flags) if x86 else []
+    if missing or (not x86 and forced != "generic"):
+        raise KernelsUnavailable(
+            f"this CPU cannot run the {forced} kernels (TANDEM_KERNELS): it lacks "
+            f"{', '.join(missing) or 'x86-64'}; unset TANDEM_KERNELS to use the best it runs"
+        )
+    return _load(forced, True)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(variant: str, forced: bool) -> tuple[ctypes.CDLL, str]:
+    flags = cpu_flags()
     env_dir = os.environ.get("TANDEM_KERNEL_DIR")
     folder = pathlib.Path(env_dir) if env_dir else _cache_dir()
     path = folder / f"tq_{variant}.so"
@@ -190,8 +216,9 @@ def library(variant: str | None = None) -> tuple[ctypes.CDLL, str]:
     isa = sorted(flags & {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx2", "fma",
                           "amx_tile"})  # fmt: skip
     batch = BATCH_PRODUCTS[lib.tq_panel_products()]
-    log.info("quant.kernels", variant=variant, path=str(path), built=built, cpu_flags=isa,
-             activation_bits=lib.tq_activation_bits(), batch_products=batch)  # fmt: skip
+    log.info("quant.kernels", variant=variant, forced=forced, path=str(path), built=built,
+             cpu_flags=isa, activation_bits=lib.tq_activation_bits(),
+             batch_products=batch)  # fmt: skip
     return lib, variant
 
 
