@@ -123,7 +123,7 @@ def test_every_variant_this_cpu_runs_computes_the_same_products(variant):
                              x.data_ptr(), num_rows, y.data_ptr(), 40)  # fmt: skip
             assert rc == 0 and relative(y, expected(kind, x, ref, lib)) < 1e-5, (variant, kind)
             assert relative(y, x @ ref.t()) < 1e-4, (variant, kind)  # x's rounding
-        for num_rows in (5, 37):  # tq_gemm: int16 panels (AVX-512) or fp32 tiles
+        for num_rows in (5, 37):  # tq_gemm: int16 panels (AVX-512, AVX2) or fp32 tiles
             x = torch.randn(num_rows, 512)
             y = torch.empty(num_rows, 40)
             rc = lib.tq_gemm(w.type_id, w.data.data_ptr(), w.data.stride(0), 40, 512,
@@ -171,8 +171,8 @@ def test_16_bit_activations_cost_under_1e4_of_the_fp32_product():
 @pytest.mark.parametrize("kind", FORMATS)
 def test_a_row_computes_the_same_bits_alone_or_in_any_batch_of_its_class(kind):
     """Up to GEMV_ROWS rows (a decode step of a few streams) a row's result has the same
-    bits alone or beside others, and so has it among 5-GEMM_ROWS rows (fp32 tiles on x
-    rounded the same way); the two classes agree to summation order."""
+    bits alone or beside others, and so has it among 5 or more rows (int16 panels, or fp32
+    tiles on x rounded the same way); the two classes agree to summation order."""
     w, _ = weight(kind, 70, 512)
     x = torch.randn(40, 512)
     few, many = QuantLinear(w)(x[: QuantLinear.GEMV_ROWS]), QuantLinear(w)(x)
@@ -184,13 +184,24 @@ def test_a_row_computes_the_same_bits_alone_or_in_any_batch_of_its_class(kind):
     assert relative(few, many[: QuantLinear.GEMV_ROWS]) < 1e-6
 
 
+PANEL_VARIANTS = ("avx512vnni", "avx512", "avx2")  # int16 panels: 512-bit, and 256-bit
+
+
+@pytest.mark.parametrize("variant", PANEL_VARIANTS)
 @pytest.mark.parametrize("kind", X16_FORMATS)
-def test_with_int16_panels_a_prefill_row_has_the_bits_of_a_decode_batch_row(kind):
-    """AVX-512 builds multiply any batch of 5+ rows in int16 panels: a row of a
-    2,000-row prefill has the same bits as in a decode batch of 5 (chunked = unchunked)."""
-    if not library()[0].tq_panel_products():
-        pytest.skip("this build multiplies batches in fp32 tiles (no AVX-512BW)")
-    w, ref = weight(kind, 70, 512)  # 70 columns: the last panel of 32 is short
+def test_with_int16_panels_a_prefill_row_has_the_bits_of_a_decode_batch_row(
+    kind, variant, monkeypatch
+):
+    """The AVX-512 and AVX2 builds multiply any batch of 5+ rows in int16 panels (512- or
+    256-bit): a row of a 2,000-row prefill has the same bits as in a decode batch of 5
+    (chunked = unchunked), and the products are gguf-py's weights times x rounded."""
+    if not VARIANTS[variant][1] <= cpu_flags():
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    monkeypatch.setenv("TANDEM_KERNELS", variant)  # QuantLinear takes the forced build
+    assert library()[0].tq_panel_products() == (
+        3 if variant == "avx2" else 1 + (variant == "avx512vnni")
+    )
+    w, ref = weight(kind, 70, 512)  # 70 columns: the last panel of 32 (or 16) is short
     x = torch.randn(2000, 512)
     x[:, ::61] *= 30
     wide = QuantLinear(w)(x)

@@ -94,10 +94,9 @@ class QuantLinear:
     Q4_0, Q4_1 and Q8_0 (X16_FORMATS) on AVX2 / AVX-512: x is rounded to 16-bit integers
     with a scale per 32 values and each block's dot product is an integer sum. Up to
     `GEMV_ROWS` rows (one decode stream) `tq_gemv` reads the weight's blocks directly;
-    more rows, on AVX-512, `tq_gemm` unpacks 32 weight rows at a time into an int16 panel
-    that stays in cache and serves every row of x (quant/panel_products.h; any batch size, a prefill
-    too: a row has the same bits in a batch of 5 or of 2,000). On AVX2, `tq_gemm` runs
-    fp32 tiles over x rounded the same way, up to `GEMM_ROWS` rows.
+    more rows `tq_gemm` unpacks 32 (AVX2: 16) weight rows at a time into an int16 panel
+    that stays in cache and serves every row of x (quant/panel_products.h, panel_avx2.h;
+    any batch size, a prefill too: a row has the same bits in a batch of 5 or of 2,000).
 
     Other formats, and more than `GEMM_ROWS` rows without the panels (a prefill chunk): the
     weight is dequantized `SLICE_VALUES` at a time into a per-thread buffer and each slice
@@ -125,7 +124,8 @@ class QuantLinear:
         # path rounds x the same way, so the two differ by summation order only.
         x16 = lib.tq_activation_bits() == 16 and weight.kind in X16_FORMATS
         self._round_x = lib.tq_round_x16 if x16 else None
-        # int16 panels (AVX-512) beat the dequantized slices at every batch size
+        # int16 panels (AVX-512, and AVX2 against oneDNN's AVX2 kernels) beat the
+        # dequantized slices at every batch size (docs/engine.md)
         self._gemm_rows = 1 << 30 if x16 and lib.tq_panel_products() else self.GEMM_ROWS
 
     @property

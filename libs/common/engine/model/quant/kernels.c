@@ -18,7 +18,8 @@
  *   blocks.h          GGUF's block formats, fp16 scales, one block dequantized
  *   vectors.h         vectors of L floats for the instruction set, a block unpacked to them
  *   x16_products.h    products with x rounded to 16 bits a block (AVX2 and up)
- *   panel_products.h  integer panel products for a batch (AVX-512BW)
+ *   panel_avx2.h      256-bit integer panels for a batch (AVX2 builds)
+ *   panel_products.h  512-bit integer panels (AVX-512BW), the batch product over panels
  *   products.h        tq_gemv, tq_gemm, tq_dequant_rows: the entry points of the products
  *   attention.h       decode attention over the decode mirror
  *   layer_parts.h     RMSNorm, RoPE, SwiGLU, the K/V writes
@@ -38,6 +39,7 @@
 #include "blocks.h"
 #include "vectors.h"
 #include "x16_products.h"
+#include "panel_avx2.h"
 #include "panel_products.h"
 #include "products.h"
 #include "attention.h"
@@ -46,10 +48,13 @@
 #include "argmax.h"
 
 /* How this build multiplies a batch of 5 or more rows with a Q4_0 / Q4_1 / Q8_0 weight:
- * 2 int16 panels with VNNI, 1 int16 panels (vpmaddwd), 0 fp32 tiles (x rounded to 16
- * bits) or the dequantized slices of the caller above 128 rows. */
+ * 2 int16 panels with VNNI, 1 int16 panels (vpmaddwd), 3 256-bit int16 panels (AVX2),
+ * 0 fp32 tiles (x rounded to 16 bits) or the dequantized slices of the caller above 128
+ * rows. */
 int tq_panel_products(void) {
-#if defined(TQ_PANEL) && defined(__AVX512VNNI__)
+#if defined(TQ_PANEL_256)
+    return 3;
+#elif defined(TQ_PANEL) && defined(__AVX512VNNI__)
     return 2;
 #elif defined(TQ_PANEL)
     return 1;

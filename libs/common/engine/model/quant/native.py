@@ -57,7 +57,7 @@ VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
 
 
 # tq_panel_products() -> how a batch of 5+ rows is multiplied with Q4_0 / Q4_1 / Q8_0
-BATCH_PRODUCTS = {0: "fp32-tiles", 1: "int16-panels", 2: "int16-panels-vnni"}
+BATCH_PRODUCTS = {0: "fp32-tiles", 1: "int16-panels", 2: "int16-panels-vnni", 3: "int16-panels-256"}
 
 
 class KernelsUnavailable(RuntimeError):
@@ -222,12 +222,17 @@ def _load(variant: str, forced: bool) -> tuple[ctypes.CDLL, str]:
     return lib, variant
 
 
-@functools.lru_cache(maxsize=1)
 def optional_library() -> ctypes.CDLL | None:
     """The kernels when they can be had, else None (logged once): for the fused RMSNorm and
-    decode attention, which fall back to torch; quantized weights need `library()`."""
+    decode attention, which fall back to torch; quantized weights need `library()`. The
+    build `library()` gives now (TANDEM_KERNELS is read on each call, as there)."""
+    return _optional(forced_variant())
+
+
+@functools.lru_cache(maxsize=4)
+def _optional(forced: str | None) -> ctypes.CDLL | None:
     try:
-        return library()[0]
+        return library(forced)[0]
     except KernelsUnavailable as exc:
         log.warning("quant.kernels_unavailable", reason=str(exc), fallback="torch")
         return None

@@ -1,6 +1,7 @@
 /* Part of kernels.c (one translation unit; included there, never compiled alone).
- * Needs x16_products.h (x quantized to int16); defines TQ_PANEL where the build has
- * AVX-512BW. */
+ * Needs x16_products.h (x quantized to int16) and panel_avx2.h; defines TQ_PANEL where the
+ * build has AVX-512BW, and gemm_panel over either build's panels (PN, PM, build_panel,
+ * panel_tile). */
 
 /* ---- integer panel products for a batch (5 or more rows of x; AVX-512BW) ---------------
  *
@@ -134,6 +135,9 @@ static inline __attribute__((always_inline)) void panel_tile(
     }
 }
 
+#endif
+
+#ifdef TQ_PANEL
 static int gemm_panel(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
                       const float *x, int m, float *y, int ldy) {
     tq_xq_t xq;
