@@ -15,7 +15,7 @@ machine's memory bandwidth. In one run, with the same threads:
   same bytes for both engines: the file's blocks);
 - llama.cpp: `llama-bench -p 0 -n 128 -r 3` (tg128) on the same file.
 Verdicts: issue 40's goals, ours >= 1.0x tg128 and >= 50% of the read-bandwidth bound.
-About 4 minutes on 2 threads (plus the file's first write).
+About 5 minutes on 2 threads (plus ~30 s for the file's first write).
 """
 
 from __future__ import annotations
