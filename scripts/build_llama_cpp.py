@@ -202,8 +202,9 @@ def build(dest: Path, jobs: int, options: list[str], isa: str, work: Path | None
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work.resolve())}
     subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *options],
                    check=True, env=env)  # fmt: skip
-    subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *BINARIES],
-                   check=True, env=env)  # fmt: skip
+    for target in BINARIES:  # llama-bench first: in the build tree while llama-server compiles
+        subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", target],
+                       check=True, env=env)  # fmt: skip
     cache = (build_dir / "CMakeCache.txt").read_text()
     if "GGML_NATIVE:BOOL=ON" in cache and platform.machine() in ("x86_64", "AMD64"):
         raise SystemExit("GGML_NATIVE is ON: -march=native would enable AMX")
