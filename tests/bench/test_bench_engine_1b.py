@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import engine_1b, synthetic_model
+from bench import engine_1b, peer_llama_cpp, synthetic_model
 from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.load.quantized import QuantWeight
@@ -125,3 +125,13 @@ def test_with_the_peer_the_ratio_is_ours_over_tg():
     assert out["ratios"]["llama_cpp_fraction_of_read_bandwidth_bound"] == 0.5
     assert out["verdicts"] == {"single_stream_50%_read_bandwidth_bound": False,
                                "single_stream_vs_tg128_1.0x": False}  # fmt: skip
+
+
+def test_the_built_llama_bench_reads_the_synthetic_file(small_file):
+    folder = peer_llama_cpp.DEFAULT_DIR
+    why = peer_llama_cpp.missing(folder)
+    if why:
+        pytest.skip(f"llama.cpp peer {why}")
+    out = peer_llama_cpp.run_llama_bench(folder, small_file, 1, [0], 4, repetitions=1,
+                                         timeout=120)  # fmt: skip
+    assert set(out) == {"tg4"} and out["tg4"]["tok_s"] > 0
