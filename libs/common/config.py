@@ -340,6 +340,22 @@ class WorkerConfig(TransferConfig):
             "choices": ("native", "fp32", "bf16"),
         },
     )
+    kernel_choice: str = field(
+        default="measure",
+        metadata={
+            "help": "measure: at start-up time each quantized weight shape's candidate "
+            "products per batch size class and keep the clearly fastest; native: the "
+            "built-in kernels, nothing timed",
+            "choices": ("measure", "native"),
+        },
+    )
+    kernel_copy_mb: int = field(
+        default=64,
+        metadata={
+            "help": "MiB the measured choice may spend on fp32 copies of quantized "
+            "weights for oneDNN (0: none)"
+        },
+    )
     load_interval: float = field(default=0.25, metadata={"help": "seconds between load reports"})
     handoff_timeout: float = field(
         default=300.0,
@@ -358,5 +374,7 @@ class WorkerConfig(TransferConfig):
             require_positive(self, name)
         if self.num_threads < 0:
             raise ValueError(f"--num-threads: must be >= 0, got {self.num_threads}")
+        if self.kernel_copy_mb < 0:
+            raise ValueError(f"--kernel-copy-mb: must be >= 0, got {self.kernel_copy_mb}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens: must be >= --max-num-seqs")

@@ -39,6 +39,15 @@ def _parser() -> argparse.ArgumentParser:
         help="matrices as stored (native: quantized blocks), dequantized fp32, or bf16",
     )
     gen.add_argument("--kv-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    gen.add_argument(
+        "--kernel-choice",
+        choices=("measure", "native"),
+        default="measure",
+        help="measure: time the quantized products per shape at start-up, keep the fastest",
+    )
+    gen.add_argument(
+        "--kernel-copy-mb", type=int, default=64, help="MiB of fp32 weight copies allowed"
+    )
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--log-level", default="warning")
@@ -52,7 +61,9 @@ def generate(args: argparse.Namespace) -> dict:
 
     start = time.perf_counter()
     config = EngineConfig(model=args.model, num_threads=args.threads, kv_cache_mb=256,
-                          weights=args.weights, kv_dtype=args.kv_dtype)  # fmt: skip
+                          weights=args.weights, kv_dtype=args.kv_dtype,
+                          kernel_choice=args.kernel_choice,
+                          kernel_copy_mb=args.kernel_copy_mb)  # fmt: skip
     core = EngineCore(config)
     tok = core.tokenizer
     if tok is None:

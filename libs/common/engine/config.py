@@ -10,6 +10,8 @@ from libs.common.engine.model.attention import BACKENDS
 
 # Flag value -> torch dtype name.
 KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# How quantized weights' products are chosen (model/kernel_choice.py MODES).
+KERNEL_CHOICES = ("measure", "native")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,6 +34,11 @@ class EngineConfig:
       GGUF's quantized blocks read by the quantized kernels, an HF folder's bf16 as
       bf16), "fp32" (the reference) or "bf16". It changes the KV a model computes, so it
       is part of every page key with the KV dtype (`kv_format`);
+    - `kernel_choice`: "measure" (at start-up, time the candidate products of each
+      quantized weight's shape per row class and keep the clearly fastest:
+      model/kernel_choice.py) or "native" (the built-in paths, nothing timed);
+    - `kernel_copy_mb`: memory the measured choice may spend on fp32 copies of quantized
+      weights for oneDNN's products (0: none);
     - `worker_id` / `tier`: how KV events name this cache.
     """
 
@@ -49,12 +56,19 @@ class EngineConfig:
     tier: str = "L1"
     kv_dtype: str = "fp32"
     weights: str = "native"
+    kernel_choice: str = "measure"
+    kernel_copy_mb: int = 64
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.kernel_choice not in KERNEL_CHOICES:
+            known = ", ".join(KERNEL_CHOICES)
+            raise ValueError(f"kernel_choice must be one of {known}, got {self.kernel_choice!r}")
+        if not isinstance(self.kernel_copy_mb, int) or self.kernel_copy_mb < 0:
+            raise ValueError(f"kernel_copy_mb must be an int >= 0, got {self.kernel_copy_mb!r}")
         for name in ("num_pages", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

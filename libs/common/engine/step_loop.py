@@ -28,6 +28,7 @@ from libs.common.engine.load.source import load_model
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.engine.model.attention import backend_class
 from libs.common.engine.model.grammar_mask import GrammarMasks
+from libs.common.engine.model.kernel_choice import choose_kernels
 from libs.common.engine.model.kv_cache import KVCache
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.model.runner import ModelRunner
@@ -58,6 +59,7 @@ class EngineCore:
         if model is None:
             loaded, tokenizer = load_model(config.model, config.weights)
             model = LlamaModel(loaded)
+        choose_kernels(model, config.kernel_choice, config.kernel_copy_mb)
         self.model, self.tokenizer = model, tokenizer
         c = model.config
         kv_dtype = config.kv_torch_dtype

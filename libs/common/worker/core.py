@@ -213,6 +213,8 @@ class WorkerCore:
                 decode_mirror=not self.config.no_decode_mirror,
                 kv_dtype=self.config.kv_dtype,
                 weights=self.config.weights,
+                kernel_choice=self.config.kernel_choice,
+                kernel_copy_mb=self.config.kernel_copy_mb,
                 num_threads=self.config.num_threads or None,
                 tier="device",
             ),

@@ -85,6 +85,16 @@ class Linear:
 
 # Formats whose products take x as 16-bit integers in the AVX2 / AVX-512 builds.
 X16_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+# Row counts of x whose products take one path each (QuantLinear.GEMV_ROWS, GEMM_ROWS): a
+# row's bits do not depend on the batch it is in within a class.
+ROW_CLASSES = ("1-4", "5-128", ">128")
+
+
+def row_class(rows: int) -> int:
+    """The index in ROW_CLASSES of a product of `rows` rows."""
+    if rows <= QuantLinear.GEMV_ROWS:
+        return 0
+    return 1 if rows <= QuantLinear.GEMM_ROWS else 2
 
 
 class QuantLinear:
@@ -104,6 +114,12 @@ class QuantLinear:
     enough rows; x is rounded first as the integer path rounds it. Up to `GEMV_ROWS` rows
     `tq_gemv` dequantizes each block once, in registers; `tq_gemm` dequantizes four weight
     rows at a time into a buffer that stays in cache.
+
+    Those are the native paths of each row class (ROW_CLASSES); `use` can route a class
+    through another candidate (`candidates`): the dequantized slices, or "copy", a oneDNN
+    product on an fp32 copy of the weight made once. The engine picks them at start-up by
+    measurement (model/kernel_choice.py). Every path of a class computes one function (x
+    rounded alike), so they differ by fp32 summation order only.
     """
 
     GEMV_ROWS = 4
@@ -111,8 +127,8 @@ class QuantLinear:
     SLICE_VALUES = 1 << 21  # 8 MiB of fp32 a slice
     _buffers = threading.local()
 
-    __slots__ = ("_bias", "_gemm", "_gemm_rows", "_gemv", "_round_x", "_weight", "in_features",
-                 "out_features")  # fmt: skip
+    __slots__ = ("_bias", "_copy", "_gemm", "_gemv", "_native", "_paths", "_round_x", "_weight",
+                 "in_features", "out_features")  # fmt: skip
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -126,7 +142,10 @@ class QuantLinear:
         self._round_x = lib.tq_round_x16 if x16 else None
         # int16 panels (AVX-512, and AVX2 against oneDNN's AVX2 kernels) beat the
         # dequantized slices at every batch size (docs/engine.md)
-        self._gemm_rows = 1 << 30 if x16 and lib.tq_panel_products() else self.GEMM_ROWS
+        wide = "gemm" if x16 and lib.tq_panel_products() else "sliced"
+        self._native: tuple[str, ...] = ("gemv", "gemm", wide)
+        self._paths: tuple[str, ...] = self._native
+        self._copy: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -140,30 +159,83 @@ class QuantLinear:
     def bias(self) -> torch.Tensor | None:
         return self._bias
 
+    @property
+    def native_paths(self) -> tuple[str, ...]:
+        """The path of each row class without a measured choice."""
+        return self._native
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The path each row class runs now."""
+        return self._paths
+
+    def candidates(self, row_class: int) -> list[str]:
+        """The paths that can run `row_class` (an index into ROW_CLASSES), native first.
+        1-4 rows stay on tq_gemv: the fused decode layer calls it in C, and a product of a
+        few rows is bound by reading the weight, which an fp32 copy makes 4-7x larger."""
+        native = self._native[row_class]
+        if row_class == 0:
+            return [native]
+        found = [native, *(["sliced"] if native != "sliced" else [])]
+        return [*found, "copy"] if onednn_usable(torch.device("cpu")) else found
+
+    def use(self, paths: tuple[str, ...]) -> None:
+        """Run row class i through paths[i]; the fp32 copy exists while a path needs it."""
+        for i, path in enumerate(paths):
+            if path not in self.candidates(i):
+                kind = self._weight.kind
+                raise ValueError(f"{path!r} cannot run {ROW_CLASSES[i]} rows of {kind}")
+        if "copy" in paths and self._copy is None:
+            self._copy = self.make_copy()
+        elif "copy" not in paths:
+            self._copy = None
+        self._paths = tuple(paths)
+
+    def make_copy(self) -> torch.Tensor:
+        """The weight dequantized to fp32, reordered for oneDNN's inner product."""
+        full = dequantize(self._weight)
+        return torch.ops.mkldnn._reorder_linear_weight(full, None)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if x.dtype != torch.float32:
             raise TypeError(f"QuantLinear takes fp32 activations, got {x.dtype}")
-        rows, w = x.shape[0], self._weight
-        if rows > self._gemm_rows:
-            y = self._sliced(x)
-        else:
-            y = torch.empty(rows, self.out_features, dtype=torch.float32)
-            kernel = self._gemv if rows <= self.GEMV_ROWS else self._gemm
-            n, k = self.out_features, self.in_features
-            rc = kernel(w.type_id, w.data.data_ptr(), w.data.stride(0), n, k, x.data_ptr(),
-                        rows, y.data_ptr(), n)  # fmt: skip
-            if rc != 0:
-                raise RuntimeError(f"quantized product failed ({rc}) for {w.kind} {w.shape}")
+        y = self.product(self._paths[row_class(x.shape[0])], x)
         if self._bias is not None:
             y += self._bias
         return y
 
+    def product(self, path: str, x: torch.Tensor, copy: torch.Tensor | None = None):
+        """x @ W^T through `path` (no bias); x contiguous fp32. `copy`: make_copy()'s
+        result, for "copy" when this weight keeps none."""
+        if path == "sliced":
+            return self._sliced(x)
+        if path == "copy":
+            packed = self._copy if copy is None else copy
+            if packed is None:
+                raise ValueError("the copy path needs the weight's fp32 copy (use)")
+            return torch.ops.mkldnn._linear_pointwise(self._rounded(x), packed, None, "none",
+                                                      [], "")  # fmt: skip
+        rows, w = x.shape[0], self._weight
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        kernel = self._gemv if path == "gemv" else self._gemm
+        n, k = self.out_features, self.in_features
+        rc = kernel(w.type_id, w.data.data_ptr(), w.data.stride(0), n, k, x.data_ptr(), rows,
+                    y.data_ptr(), n)  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"quantized product failed ({rc}) for {w.kind} {w.shape}")
+        return y
+
+    def _rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the integer products see it (rounded to 16 bits a block), else x."""
+        if self._round_x is None:
+            return x
+        rounded = torch.empty_like(x)
+        self._round_x(x.data_ptr(), x.shape[0], self.in_features, rounded.data_ptr())
+        return rounded
+
     def _sliced(self, x: torch.Tensor) -> torch.Tensor:
-        if self._round_x is not None:
-            rounded = torch.empty_like(x)
-            self._round_x(x.data_ptr(), x.shape[0], self.in_features, rounded.data_ptr())
-            x = rounded
+        x = self._rounded(x)
         step = max(1, self.SLICE_VALUES // self.in_features)
         y = None  # a single slice's product is the result as it is (no copy)
         need = min(step, self.out_features) * self.in_features
