@@ -350,7 +350,7 @@ class WorkerConfig(TransferConfig):
         },
     )
     kernel_copy_mb: int = field(
-        default=64,
+        default=0,
         metadata={
             "help": "MiB the measured choice may spend on fp32 copies of quantized "
             "weights for oneDNN (0: none)"

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         help="measure: time the quantized products per shape at start-up, keep the fastest",
     )
     gen.add_argument(
-        "--kernel-copy-mb", type=int, default=64, help="MiB of fp32 weight copies allowed"
+        "--kernel-copy-mb", type=int, default=0, help="MiB of fp32 weight copies allowed"
     )
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")

@@ -57,7 +57,7 @@ class EngineConfig:
     kv_dtype: str = "fp32"
     weights: str = "native"
     kernel_choice: str = "measure"
-    kernel_copy_mb: int = 64
+    kernel_copy_mb: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):

@@ -35,7 +35,7 @@ from libs.common.engine.model.quant.native import library
 log = structlog.get_logger(__name__)
 
 MARGIN = 0.9  # another path must take at most 90% of the native path's time
-SAMPLE_ROWS = (1, 32, 512)  # rows of x timed per class (class 0 is not timed)
+SAMPLE_ROWS = (1, 32, 256)  # rows of x timed per class (class 0 is not timed)
 SAMPLE_OUT = 1024  # output rows of the weight timed at most
 ROUNDS = (3, 20)  # timed rounds per class: at least, at most
 CLASS_SECONDS = 0.03  # time spent per class and shape before stopping at ROUNDS[0]
