@@ -8,6 +8,10 @@ static inline float h2f(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
 #if defined(__F16C__)
     return _cvtsh_ss(h);
+#elif defined(TQ_NEON)
+    __fp16 f16;
+    memcpy(&f16, &h, 2);
+    return (float)f16;
 #endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {

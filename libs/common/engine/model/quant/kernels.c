@@ -17,7 +17,7 @@
  * beside its callers, as when this was one file):
  *   blocks.h          GGUF's block formats, fp16 scales, one block dequantized
  *   vectors.h         vectors of L floats for the instruction set, a block unpacked to them
- *   x16_products.h    products with x rounded to 16 bits a block (AVX2 and up)
+ *   x16_products.h    products with x rounded to 16 bits a block (AVX2 and up, NEON)
  *   panel_avx2.h      256-bit integer panels for a batch (AVX2 builds)
  *   panel_products.h  512-bit integer panels (AVX-512BW), the batch product over panels
  *   products.h        tq_gemv, tq_gemm, tq_dequant_rows: the entry points of the products
@@ -34,6 +34,9 @@
 #include <stdlib.h>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(TQ_NEON)
+#include <arm_neon.h>
 #endif
 
 #include "blocks.h"

@@ -1,11 +1,15 @@
 """The quantized-product kernels (kernels.c): built per instruction set, chosen at start-up.
 
-Four builds of the one C translation unit (kernels.c, which #includes its parts, the *.h
-files beside it): `avx512vnni` (x86-64-v4 plus AVX512-VNNI), `avx512` (x86-64-v4), `avx2`
-(x86-64-v3: AVX2, FMA, F16C) and `generic` (x86-64-v2, or the compiler's default off x86).
-`library()` picks the best one the CPU's flags allow, logs the choice (`quant.kernels`),
-and loads it with ctypes. `TANDEM_KERNELS=<variant>` forces a build instead (to run and
-time the avx2 kernels on an AVX-512 host, say); a variant the CPU cannot run is refused.
+Builds of the one C translation unit (kernels.c, which #includes its parts, the *.h files
+beside it), per machine: on x86-64 `avx512vnni` (x86-64-v4 plus AVX512-VNNI), `avx512`
+(x86-64-v4), `avx2` (x86-64-v3: AVX2, FMA, F16C) and `generic` (x86-64-v2); on ARM64
+`neon-dotprod` (armv8.2-a with the dot product instructions), `neon` (armv8-a) and
+`generic` (the same target without the NEON intrinsics); elsewhere `generic` (the
+compiler's default target). `library()` picks the best one the CPU's flags allow (x86:
+/proc/cpuinfo's `flags`; ARM64: its `Features`, asimd and asimddp), logs the choice
+(`quant.kernels`), and loads it with ctypes. `TANDEM_KERNELS=<variant>` forces a build
+instead (to run and time the avx2 kernels on an AVX-512 host, say); a variant the CPU
+cannot run is refused.
 
 Where the builds live: $TANDEM_KERNEL_DIR when set (an image builds them there ahead of
 time: `python -m libs.common.engine.model.quant.native DIR`), else
@@ -54,6 +58,25 @@ VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
     "avx2": (["-march=x86-64-v3"], frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})),
     "generic": ([], frozenset()),
 }
+# ARM64: NEON (asimd) is in every CPU; the intrinsics paths are opted into with TQ_NEON so
+# that `generic` stays the plain C reference. Dot products (sdot) need asimddp.
+ARM64_VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "neon-dotprod": (["-march=armv8.2-a+dotprod", "-DTQ_NEON"], frozenset({"asimd", "asimddp"})),
+    "neon": (["-march=armv8-a", "-DTQ_NEON"], frozenset({"asimd"})),
+    "generic": (["-march=armv8-a"], frozenset()),
+}
+_X86 = ("x86_64", "AMD64")
+_ARM64 = ("aarch64", "arm64")
+
+
+def variants(machine: str | None = None) -> dict[str, tuple[list[str], frozenset[str]]]:
+    """The builds for a machine (platform.machine() by default), best first."""
+    machine = machine or platform.machine()
+    if machine in _X86:
+        return VARIANTS
+    if machine in _ARM64:
+        return ARM64_VARIANTS
+    return {"generic": ([], frozenset())}
 
 
 # tq_panel_products() -> how a batch of 5+ rows is multiplied with Q4_0 / Q4_1 / Q8_0
@@ -70,24 +93,29 @@ def cpu_flags() -> frozenset[str]:
         text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
+    return parse_cpu_flags(text)
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The first CPU's flags in /proc/cpuinfo's text: `flags` on x86, `Features` on ARM64."""
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
 
 
 def choose_variant(flags: frozenset[str], machine: str | None = None) -> str:
-    """The best build whose instructions the CPU has (off x86: generic)."""
+    """The best build for the machine whose instructions the CPU has (at worst generic)."""
+    return next(name for name, (_, needs) in variants(machine).items() if needs <= flags)
+
+
+def compile_flags(variant: str, machine: str | None = None) -> list[str]:
+    """The C compiler's flags for a variant on a machine (platform.machine() by default)."""
     machine = machine or platform.machine()
-    if machine not in ("x86_64", "AMD64"):
-        return "generic"
-    return next(name for name, (_, needs) in VARIANTS.items() if needs <= flags)
-
-
-def _flags(variant: str) -> list[str]:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return list(_COMMON_FLAGS)  # the compiler's default target
-    return [*_COMMON_FLAGS, *(VARIANTS[variant][0] or ["-march=x86-64-v2"])]
+    extra = variants(machine)[variant][0]
+    if machine in _X86:
+        extra = extra or ["-march=x86-64-v2"]
+    return [*_COMMON_FLAGS, *extra]
 
 
 def _torch_lib() -> pathlib.Path:
@@ -105,8 +133,8 @@ def _cache_dir() -> pathlib.Path:
     digest = hashlib.sha256()
     for path in sources():  # a change to any part (or a part added) is another build
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    for variant in VARIANTS:
-        digest.update(" ".join(_flags(variant)).encode())
+    for variant in variants():
+        digest.update(" ".join(compile_flags(variant)).encode())
     base = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
     return base / "tandem" / "kernels" / digest.hexdigest()[:16]
 
@@ -126,7 +154,7 @@ def build(variant: str, folder: pathlib.Path) -> pathlib.Path:
         obj, lib = pathlib.Path(tmp) / "k.o", pathlib.Path(tmp) / "k.so"
         # Compiled with -fopenmp, linked without it: the OpenMP runtime is torch's.
         steps = [
-            [cc, *_flags(variant), "-c", str(SOURCE), "-o", str(obj)],
+            [cc, *compile_flags(variant), "-c", str(SOURCE), "-o", str(obj)],
             [cc, "-shared", str(obj), "-o", str(lib), f"-L{torch_lib}", "-l:libgomp.so.1",
              f"-Wl,-rpath,{torch_lib}", "-lm"],
         ]  # fmt: skip
@@ -185,16 +213,16 @@ def library(variant: str | None = None) -> tuple[ctypes.CDLL, str]:
     forced = variant or forced_variant()
     if forced is None:
         return _load(choose_variant(flags), False)
-    if forced not in VARIANTS:
+    builds = variants()  # this machine's: x86-64's, ARM64's, or generic alone
+    if forced not in builds:
         raise KernelsUnavailable(
-            f"TANDEM_KERNELS={forced!r} is no kernel build: one of {', '.join(VARIANTS)}"
+            f"TANDEM_KERNELS={forced!r} is no kernel build: one of {', '.join(builds)}"
         )
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    missing = sorted(VARIANTS[forced][1] - flags) if x86 else []
-    if missing or (not x86 and forced != "generic"):
+    missing = sorted(builds[forced][1] - flags)
+    if missing:
         raise KernelsUnavailable(
             f"this CPU cannot run the {forced} kernels (TANDEM_KERNELS): it lacks "
-            f"{', '.join(missing) or 'x86-64'}; unset TANDEM_KERNELS to use the best it runs"
+            f"{', '.join(missing)}; unset TANDEM_KERNELS to use the best it runs"
         )
     return _load(forced, True)
 
@@ -214,7 +242,7 @@ def _load(variant: str, forced: bool) -> tuple[ctypes.CDLL, str]:
     _torch_lib()  # torch (and its OpenMP runtime) first: the library reuses that runtime
     lib = _declare(ctypes.CDLL(str(path)))
     isa = sorted(flags & {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx2", "fma",
-                          "amx_tile"})  # fmt: skip
+                          "amx_tile", "asimd", "asimddp"})  # fmt: skip
     batch = BATCH_PRODUCTS[lib.tq_panel_products()]
     log.info("quant.kernels", variant=variant, forced=forced, path=str(path), built=built,
              cpu_flags=isa, activation_bits=lib.tq_activation_bits(),
@@ -243,8 +271,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m libs.common.engine.model.quant.native DIR", file=sys.stderr)
         return 2
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    for variant in VARIANTS if x86 else ["generic"]:
+    for variant in variants():
         print(build(variant, pathlib.Path(argv[0])))
     return 0
 

@@ -18,7 +18,7 @@
  * A row of x takes the same sequence of operations whatever the rows beside it: its
  * result has the same bits in a batch of 5 or of 2,000 (a chunked prefill equals an
  * unchunked one), and differs from tq_gemv's (up to 4 rows) by fp32 summation order. */
-#if defined(TQ_QX) && !defined(__AVX512BW__)
+#if defined(TQ_QX) && defined(__AVX2__) && !defined(__AVX512BW__)
 #define TQ_PANEL 1
 #define TQ_PANEL_256 1
 #ifndef PM

@@ -1,5 +1,6 @@
 /* Part of kernels.c (one translation unit; included there, never compiled alone).
- * Needs blocks.h and vectors.h; defines TQ_QX where the build has AVX2, FMA and F16C. */
+ * Needs blocks.h and vectors.h; defines TQ_QX where the build has AVX2, FMA and F16C, or
+ * NEON (the ARM64 neon and neon-dotprod builds). */
 
 /* ---- products with 16-bit activations (Q4_0, Q4_1, Q8_0 weights) -----------------------
  *
@@ -34,7 +35,7 @@ int tq_round_x16(const float *x, int m, int k, float *out) {
     return 0;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(TQ_NEON)
 #define TQ_QX 1
 
 /* x rows quantized: `q` [m][kp] int16 (kp = k rounded up to 64), each block's scale d
@@ -46,6 +47,21 @@ typedef struct {
     float *ds; /* [m][nbp][2]: d, s of each block side by side (one 8-byte load) */
     int kp, nbp;
 } tq_xq_t;
+
+#ifdef __ARM_FEATURE_DOTPROD
+/* For sdot (int8 x int8), a block's 32 int16 values are stored in place as two int8
+ * planes: hi = q >> 8 (arithmetic), then lo = (q & 0xFF) - 128, so that q = 256 hi + lo
+ * + 128 exactly (|q| <= 32767 keeps hi within -128..127). */
+static inline void split_block(int16_t *at) {
+    int16_t q[32];
+    memcpy(q, at, sizeof(q));
+    int8_t *hi = (int8_t *)at, *lo = hi + 32;
+    for (int i = 0; i < 32; i++) {
+        hi[i] = (int8_t)(q[i] >> 8);
+        lo[i] = (int8_t)((q[i] & 0xFF) - 128);
+    }
+}
+#endif
 
 static int quantize_x(const float *x, int m, int k, tq_xq_t *xq) {
     const int nb = k / 32;
@@ -74,11 +90,78 @@ static int quantize_x(const float *x, int m, int k, tq_xq_t *xq) {
             }
             ds[2 * b] = d;
             ds[2 * b + 1] = d * (float)sum;
+#ifdef __ARM_FEATURE_DOTPROD
+            split_block(at);
+#endif
         }
     }
     return 0;
 }
 
+#if defined(TQ_NEON)
+/* out[t] = row . x_t for g <= TQ_GROUP rows of quantized x (rows t0 .. t0 + g - 1), as the
+ * AVX2 loop below computes it: a block's exact integer dot sum(qw * qx), then its scales
+ * in fp32, dw * dx * sum plus the min's term mw * s (Q4_0: mw = -8 dw; Q8_0: none). The
+ * integer dot: with dotprod, `sdot` on the weights as int8 and x's two int8 planes
+ * (split_block: 16 multiply-adds an instruction), sum(qw * qx) = 256 sum(qw * hi) +
+ * sum(qw * lo) + 128 sum(qw); without, `smull`/`smlal` on int16 (4 an instruction).
+ * Both give the same integers, so the neon and neon-dotprod builds agree to the bit. */
+static inline __attribute__((always_inline)) void rows_dot_qx(
+    int type, const uint8_t *row, int nb, int bb, const tq_xq_t *xq, int t0, int g, float *out) {
+    float acc[TQ_GROUP], accm[TQ_GROUP];
+    for (int t = 0; t < g; t++) acc[t] = accm[t] = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (size_t)b * bb;
+        const float dw = h2f(blk);
+        const float mw = type == TQ_Q4_1 ? h2f(blk + 2) : type == TQ_Q4_0 ? -8.0f * dw : 0.0f;
+        int8x16_t w8[2]; /* the block's 32 weights in order: Q4's nibbles are 0..15 */
+        if (type == TQ_Q8_0) {
+            w8[0] = vld1q_s8((const int8_t *)(blk + 2));
+            w8[1] = vld1q_s8((const int8_t *)(blk + 18));
+        } else {
+            const uint8x16_t q = vld1q_u8(blk + (type == TQ_Q4_1 ? 4 : 2));
+            w8[0] = vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F)));
+            w8[1] = vreinterpretq_s8_u8(vshrq_n_u8(q, 4));
+        }
+#ifdef __ARM_FEATURE_DOTPROD
+        const int32_t wsum128 = 128 * (vaddlvq_s8(w8[0]) + vaddlvq_s8(w8[1]));
+#else
+        int16x8_t w[4];
+        for (int j = 0; j < 2; j++) {
+            w[2 * j] = vmovl_s8(vget_low_s8(w8[j]));
+            w[2 * j + 1] = vmovl_high_s8(w8[j]);
+        }
+#endif
+        for (int t = 0; t < g; t++) {
+            const float *ds = xq->ds + ((size_t)(t0 + t) * xq->nbp + b) * 2;
+            const int16_t *xp = xq->q + (size_t)(t0 + t) * xq->kp + (size_t)b * 32;
+#ifdef __ARM_FEATURE_DOTPROD
+            const int8_t *hi = (const int8_t *)xp, *lo = hi + 32;
+            int32x4_t sh = vdotq_s32(vdupq_n_s32(0), w8[0], vld1q_s8(hi));
+            sh = vdotq_s32(sh, w8[1], vld1q_s8(hi + 16));
+            int32x4_t sl = vdotq_s32(vdupq_n_s32(0), w8[0], vld1q_s8(lo));
+            sl = vdotq_s32(sl, w8[1], vld1q_s8(lo + 16));
+            const int32_t dot = vaddvq_s32(vmlaq_n_s32(sl, sh, 256)) + wsum128;
+#else
+            int32x4_t p0 = vdupq_n_s32(0), p1 = vdupq_n_s32(0);
+            for (int j = 0; j < 4; j += 2) {
+                const int16x8_t x0 = vld1q_s16(xp + 8 * j), x1 = vld1q_s16(xp + 8 * j + 8);
+                p0 = vmlal_s16(p0, vget_low_s16(w[j]), vget_low_s16(x0));
+                p1 = vmlal_high_s16(p1, w[j], x0);
+                p0 = vmlal_s16(p0, vget_low_s16(w[j + 1]), vget_low_s16(x1));
+                p1 = vmlal_high_s16(p1, w[j + 1], x1);
+            }
+            const int32_t dot = vaddvq_s32(vaddq_s32(p0, p1));
+#endif
+            /* fmaf, not * and +: -fassociative-math may not regroup these (it would,
+             * differently for each group size, and a row's bits would depend on g) */
+            acc[t] = fmaf((float)dot, dw * ds[0], acc[t]);
+            accm[t] = fmaf(mw, ds[1], accm[t]);
+        }
+    }
+    for (int t = 0; t < g; t++) out[t] = acc[t] + accm[t];
+}
+#else
 /* out[t] = row . x_t for g <= TQ_GROUP rows of quantized x (rows t0 .. t0 + g - 1): a
  * block at a time, its 32 weights as two 256-bit vectors of 16 int16. The block's two
  * fp16 scales convert in one instruction and multiply x's (d, s) pair in one: lane 0 is
@@ -131,6 +214,7 @@ static inline __attribute__((always_inline)) void rows_dot_qx(
         out[t] = _mm_cvtss_f32(h) + _mm_cvtss_f32(_mm_shuffle_ps(accm[t], accm[t], 1));
     }
 }
+#endif
 
 /* y = x W^T for a Q4_0 / Q4_1 / Q8_0 weight, any m, x quantized as above. */
 static int gemm_qx(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
