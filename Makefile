@@ -10,7 +10,7 @@ RUN_STAMP := $(VENV)/.tandem-run
 STAMP := $(VENV)/.tandem-test
 
 .PHONY: run test lint format bench bench-tiers bench-peers bench-peer-llama-cpp venv clean \
-	bench-peer-llama-cpp-avx2 compose-test upgrade-test
+	bench-peer-llama-cpp-avx2 compose-test upgrade-test cross-tools
 
 venv: $(STAMP)
 
@@ -33,6 +33,15 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
+
+# Debian's ARM64 cross compiler and qemu-user, for tests/engine/model/test_kernels_arm64.py
+# (the kernels' neon builds run under qemu-aarch64-static; skipped, saying so, without
+# them). CI runs this before `make test` (.ci/run); needs root. A no-op once installed.
+CROSS_TOOLS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static
+cross-tools:
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64-static >/dev/null \
+		&& test -e /usr/aarch64-linux-gnu/include/stdio.h \
+		|| { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(CROSS_TOOLS); }
 
 # Serving benchmark against a running OpenAI-compatible endpoint (`make run` first, or any
 # other server): make bench ARGS="--base-url http://127.0.0.1:8000/v1 --workload multi-turn"
