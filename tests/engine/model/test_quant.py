@@ -79,7 +79,7 @@ def expected(kind: str, x: torch.Tensor, ref: torch.Tensor, lib=None) -> torch.T
 
 def test_kernels_build_for_this_cpu_and_say_which():
     lib, variant = library()
-    assert variant in VARIANTS and lib.tq_block_bytes(FORMATS["Q6_K"][0]) == 210
+    assert variant in native.variants() and lib.tq_block_bytes(FORMATS["Q6_K"][0]) == 210
     assert choose_variant(frozenset(), machine="x86_64") == "generic"
     assert choose_variant(VARIANTS["avx2"][1] | {"avx512f"}, "x86_64") == "avx2"
     assert choose_variant(frozenset(VARIANTS["avx512"][1]), "x86_64") == "avx512"
@@ -106,11 +106,12 @@ def test_without_a_compiler_the_error_says_what_to_do(tmp_path, monkeypatch):
         native.build("generic", tmp_path)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "neon-dotprod", "neon"])
 def test_every_variant_this_cpu_runs_computes_the_same_products(variant):
-    """Hosts differ between runs (AVX2-only EPYCs, AVX-512 Xeons): each build is checked
-    wherever the CPU can run it."""
-    if not VARIANTS[variant][1] <= cpu_flags():
+    """Hosts differ between runs (AVX2-only EPYCs, AVX-512 Xeons, ARM64): each build is
+    checked wherever the CPU can run it."""
+    builds = native.variants()
+    if variant not in builds or not builds[variant][1] <= cpu_flags():
         pytest.skip(f"this CPU cannot run the {variant} build")
     lib, _ = library(variant)
     assert lib.tq_activation_bits() == (32 if variant == "generic" else 16)
