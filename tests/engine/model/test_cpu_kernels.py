@@ -1,6 +1,6 @@
 """The CPU kernels beside the quantized products: decode attention over the mirror, the
 fused residual-add RMSNorm, RoPE, SwiGLU and the sampler's argmax, against torch's own
-ops."""
+ops, in every build of the kernels the CPU runs (TANDEM_KERNELS forces each in turn)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import torch.nn.functional as F
 
 from libs.common.engine.model.attention.torch_backend import _KV_TYPES
 from libs.common.engine.model.fused import add_rms_norm, argmax, rms_norm, rope, swiglu
-from libs.common.engine.model.quant.native import library
+from libs.common.engine.model.quant.native import VARIANTS, cpu_flags, library
+
+
+@pytest.fixture(autouse=True, params=list(VARIANTS))
+def kernel_build(request, monkeypatch):
+    """Each test once per build (avx512vnni, avx512, avx2, generic) this CPU can run."""
+    if not VARIANTS[request.param][1] <= cpu_flags():
+        pytest.skip(f"this CPU cannot run the {request.param} build")
+    monkeypatch.setenv("TANDEM_KERNELS", request.param)
+    return request.param
 
 
 def reference_attention(q, keys, values, slots, lens, hk):
