@@ -12,6 +12,8 @@ from libs.common.engine.model.attention import BACKENDS
 KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # How quantized weights' products are chosen (model/kernel_choice.py MODES).
 KERNEL_CHOICES = ("measure", "native")
+# Speculative decoding's draft sources (engine.spec); "off" verifies nothing.
+SPECULATION = ("ngram", "off")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,6 +41,11 @@ class EngineConfig:
       model/kernel_choice.py) or "native" (the built-in paths, nothing timed);
     - `kernel_copy_mb`: memory the measured choice may spend on fp32 copies of quantized
       weights for oneDNN's products (0: none);
+    - `speculation`: speculative decoding, "ngram" (drafts by n-gram lookup in the
+      request's own tokens, spec/ngram.py) or "off" (SPECULATION); greedy output is the
+      same either way, and it turns itself off per step under large batches and per
+      request under low acceptance (spec/speculator.py);
+    - `speculation_max_draft`: the most draft tokens verified per request and step;
     - `worker_id` / `tier`: how KV events name this cache.
     """
 
@@ -58,9 +65,14 @@ class EngineConfig:
     weights: str = "native"
     kernel_choice: str = "measure"
     kernel_copy_mb: int = 0
+    speculation: str = "ngram"
+    speculation_max_draft: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens",
+            "speculation_max_draft",
+        ):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -85,6 +97,9 @@ class EngineConfig:
         if self.weights not in WEIGHT_FORMS:
             known = ", ".join(WEIGHT_FORMS)
             raise ValueError(f"weights must be one of {known}, got {self.weights!r}")
+        if self.speculation not in SPECULATION:
+            known = ", ".join(SPECULATION)
+            raise ValueError(f"speculation must be one of {known}, got {self.speculation!r}")
         if self.kv_dtype != "fp32" and self.attention_backend != "torch":
             raise ValueError(
                 f"kv_dtype {self.kv_dtype} needs attention_backend torch, got "

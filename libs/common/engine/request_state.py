@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection
+from collections.abc import Sequence as SequenceT
 from typing import Any
 
 from libs.common.engine.core.outputs import TokenLogprobs
@@ -29,16 +30,25 @@ class RequestState:
     def row(self, eos_token_ids: Collection[int]) -> SamplingRow:
         """This step's sampling row. Below min_tokens the tokens that would end the
         request (its stop ids, EOS unless ignore_eos) cannot be sampled."""
+        return self._row(eos_token_ids, ())
+
+    def rows(self, eos_token_ids: Collection[int], drafts: SequenceT[int]) -> list[SamplingRow]:
+        """The rows of a speculative step: this step's, then the one after each draft, each
+        as if the drafts before it had been sampled (output index, penalties, min_tokens),
+        so the target's token at every position is the one decoding without drafts
+        would sample there."""
+        return [self._row(eos_token_ids, drafts[:i]) for i in range(len(drafts) + 1)]
+
+    def _row(self, eos_token_ids: Collection[int], drafted: SequenceT[int]) -> SamplingRow:
         seq, params = self.seq, self.seq.sampling_params
-        step = seq.num_output_tokens
+        step = seq.num_output_tokens + len(drafted)
         suppress: tuple[int, ...] = ()
         if step < params.min_tokens:
             eos = () if params.ignore_eos else tuple(eos_token_ids)
             suppress = (*params.stop_token_ids, *eos)
         if self.penalized:
-            return SamplingRow(
-                params, self.seed, step, seq.prompt_token_ids, seq.output_token_ids, suppress
-            )
+            output = [*seq.output_token_ids, *drafted]
+            return SamplingRow(params, self.seed, step, seq.prompt_token_ids, output, suppress)
         return SamplingRow(params, self.seed, step, suppress=suppress)
 
     def stop_reason(self, token: int, hit: bool) -> str | int | None:

@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from libs.common.engine.config import EngineConfig
+from libs.common.engine.core.batch import ScheduledSeq
 from libs.common.engine.core.kv_hash import PageHasher
 from libs.common.engine.core.outputs import RequestOutput, TokenLogprobs
 from libs.common.engine.core.page_allocator import PageAllocator
@@ -32,7 +33,10 @@ from libs.common.engine.model.kernel_choice import choose_kernels
 from libs.common.engine.model.kv_cache import KVCache
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.model.runner import ModelRunner
+from libs.common.engine.model.sampler import SamplingRow
 from libs.common.engine.request_state import RequestState
+from libs.common.engine.spec.speculator import Speculator, make_speculator
+from libs.common.engine.spec.verify import accepted_run, split_runs
 from libs.common.grammar.compiler import GrammarCompiler
 
 log = structlog.get_logger(__name__)
@@ -102,6 +106,7 @@ class EngineCore:
             eos_token_ids=c.eos_token_ids,
         )
         self._requests: dict[str, RequestState] = {}
+        self.speculator = make_speculator(config)
         self._grammars: GrammarCompiler | None = None
         self._masks: GrammarMasks | None = None
         log.info(
@@ -181,6 +186,8 @@ class EngineCore:
     def abort(self, request_id: str, retire_pages: bool = False) -> RequestOutput | None:
         req = self._requests.pop(request_id, None)
         seq = self.scheduler.abort(request_id, retire_pages)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         if req is None or seq is None:
             return None
         return RequestOutput(
@@ -236,19 +243,24 @@ class EngineCore:
     # -- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self._draft(self.speculator)
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         sampling = [item for item in out.scheduled if item.sample]
         reqs = [self._requests[item.seq.request_id] for item in sampling]
-        rows = [req.row(self.scheduler.eos_token_ids) for req in reqs]
+        rows: list[SamplingRow] = []
+        for item, state in zip(sampling, reqs, strict=True):
+            rows += state.rows(self.scheduler.eos_token_ids, item.drafts)
         allowed = None
         if any(req.matcher is not None for req in reqs):
-            allowed = self._mask_maker().start([req.matcher for req in reqs])
+            matchers = [req.matcher for req in reqs]
+            allowed = self._mask_maker().start(matchers, [item.drafts for item in sampling])
         result = self.runner.run(out.scheduled, rows, allowed)
-        sampled = {
-            item.seq.request_id: tok for item, tok in zip(sampling, result.token_ids, strict=True)
-        }
+        runs = split_runs(sampling, result)
+        sampled = {item.seq.request_id: tokens[0] for item, (tokens, _) in zip(sampling, runs,
+                   strict=True) if not item.num_drafts}  # fmt: skip
         for request_id, scored in result.prompt_logprobs.items():
             req = self._requests.get(request_id)
             if req is not None and req.scores is not None:
@@ -256,10 +268,39 @@ class EngineCore:
         self.scheduler.postprocess(out, sampled)
         outputs = [self._progress(item.seq) for item in out.scheduled
                    if not item.sample and item.seq.prefill_only]  # fmt: skip
-        for req, lp in zip(reqs, result.logprobs, strict=True):
-            token = sampled[req.seq.request_id]
+        for item, req, (tokens, lps) in zip(sampling, reqs, runs, strict=True):
+            if item.num_drafts:
+                outputs.extend(self._take_run(item, req, tokens, lps))
+                continue
+            self._advance_grammar(req, tokens[0])
+            outputs.append(self._output(req, tokens[0], lps[0]))
+        return outputs
+
+    def _draft(self, speculator: Speculator) -> None:
+        """Drafts for this step's decoding sequences; a grammar cuts them at the first
+        token it forbids (verifying those would be wasted)."""
+        speculator.draft(self.scheduler.running)
+        for seq in self.scheduler.running:
+            req = self._requests.get(seq.request_id)
+            if seq.draft_ids and req is not None and req.matcher is not None:
+                del seq.draft_ids[req.matcher.validate_tokens(seq.draft_ids) :]
+
+    def _take_run(self, item: ScheduledSeq, req: RequestState, tokens, lps) -> list[RequestOutput]:
+        """A verified item's outputs: its accepted drafts and the target's token after
+        them, one at a time as decoding would emit them (grammar, stop ids and strings,
+        max_tokens after each: nothing past a stop)."""
+        run = accepted_run(item.drafts, tokens)
+        outputs: list[RequestOutput] = []
+        for token, lp in zip(run, lps, strict=False):  # lps: every position's
+            if not self.scheduler.take_verified(item, token):
+                break
             self._advance_grammar(req, token)
             outputs.append(self._output(req, token, lp))
+            if req.seq.is_finished:
+                break
+        self.scheduler.end_verified(item)
+        if self.speculator is not None:
+            self.speculator.verified(req.seq, item.num_drafts, len(run) - 1)
         return outputs
 
     def _progress(self, seq: Sequence) -> RequestOutput:
@@ -367,4 +408,6 @@ class EngineCore:
             out.page_table = list(seq.page_table)
         elif finished:
             self._requests.pop(seq.request_id, None)
+        if finished and self.speculator is not None:
+            self.speculator.release(seq.request_id)
         return out

@@ -81,6 +81,14 @@ class KvPages:
         seq.page_table.extend(pages)
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the sequence's own pages past those holding `num_tokens` tokens (the
+        positions of rejected drafts); committed pages always stay."""
+        keep = max(-(-num_tokens // self.page_size), seq.num_committed_pages)
+        if len(seq.page_table) > keep:
+            self.allocator.free(seq.page_table[keep:])
+            del seq.page_table[keep:]
+
     def commit(self, seq: Sequence) -> None:
         """Hand the sequence's newly full computed pages to the cache, keeping a
         reference. A page whose key is cached already is swapped for the cached

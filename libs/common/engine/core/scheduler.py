@@ -13,60 +13,21 @@ writing into the pages of that step: freed pages can be handed out at once.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Iterable, Mapping
 
 import structlog
 
+from libs.common.engine.core.batch import ScheduledSeq, SchedulerOutput
 from libs.common.engine.core.kv_hash import PageHasher
 from libs.common.engine.core.kv_pages import KvPages
 from libs.common.engine.core.page_allocator import PageAllocator
 from libs.common.engine.core.radix_cache import RadixCache
 from libs.common.engine.core.sequence import FinishReason, Sequence, SequenceStatus, pages_for
 
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
+
 log = structlog.get_logger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class ScheduledSeq:
-    """Compute `token_ids` (= seq.token_ids[start:start + num_tokens]) at positions
-    start, start+1, ...; the KV of position p goes to page seq.page_table[p // page_size],
-    slot p % page_size, and attention covers positions 0..p. When `sample` is set the
-    chunk reaches the last known token and one token is sampled from its last
-    position; otherwise it is a non-final prefill chunk and its logits are unused."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    sample: bool = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.sample = self.start + self.num_tokens == self.seq.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_tokens]
-
-
-@dataclasses.dataclass(slots=True)
-class SchedulerOutput:
-    """One step's batch (decodes first, then prefill chunks) and who was preempted."""
-
-    scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
-    preempted: list[Sequence] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -195,12 +156,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        spare = budget - len(decodes)  # for drafts, once every decode has its token
         for seq in decodes + chunks:
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._fit_drafts(seq, spare)
+            spare -= drafts
+            n = min(seq.num_uncomputed_tokens, budget) + drafts
             while not self.kv.grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -210,7 +174,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status == SequenceStatus.RUNNING:
-                picked[seq.request_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+                picked[seq.request_id] = ScheduledSeq(seq, seq.num_computed_tokens, n, drafts)
                 budget -= n
         # A step that had to preempt has no room to admit anyone.
         while not out.preempted and self.waiting and budget and self._has_seat():
@@ -238,6 +202,8 @@ class Scheduler:
             seq = item.seq
             if seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != item.start:
                 continue  # aborted or finished since schedule()
+            if item.num_drafts:
+                continue  # the caller hands its verified tokens to take_verified
             seq.num_computed_tokens += item.num_tokens
             if not item.sample:
                 self.kv.commit(seq)
@@ -252,6 +218,33 @@ class Scheduler:
                 self._finish(seq, reason)
                 done.append(seq)
         return done
+
+    def take_verified(self, item: ScheduledSeq, token: int) -> bool:
+        """Append the next token of a speculative item's verified run (the target's token
+        at the item's next position: an accepted draft, or the last, corrective one), as
+        postprocess appends a sampled token: the KV of the position before it becomes
+        computed, full pages are committed, and a stop id, EOS or max_tokens finishes
+        the sequence. False (nothing done) when the sequence finished or left since
+        schedule(), or the item's positions are used up; the caller stops there."""
+        seq = item.seq
+        done = seq.num_computed_tokens - item.start
+        if seq.status != SequenceStatus.RUNNING or not 0 <= done <= item.num_drafts:
+            return False
+        seq.num_computed_tokens += 1
+        seq.append_token(token)
+        self.kv.commit(seq)
+        reason = self.stop_reason(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+        return True
+
+    def end_verified(self, item: ScheduledSeq) -> None:
+        """The speculative item's run is taken: drop its drafts, and the pages that
+        held only rejected positions."""
+        seq = item.seq
+        seq.draft_ids = []
+        if seq.status == SequenceStatus.RUNNING:
+            self.kv.trim(seq, seq.num_computed_tokens)
 
     def finish(self, request_id: str, reason: FinishReason | str) -> Sequence | None:
         """End a sequence for a reason found outside (a stop string), as postprocess
@@ -326,7 +319,22 @@ class Scheduler:
                 seq.num_cached_tokens = min(hit * self.page_size, seq.num_prompt_tokens)
         return n
 
+    def _fit_drafts(self, seq: Sequence, spare: int) -> int:
+        """How many of a decoding sequence's drafts to compute with its token: as many
+        as the step's spare budget and the free pages allow; drafts never evict a cached
+        page nor preempt anyone. The rest are dropped."""
+        k = min(len(seq.draft_ids), spare) if seq.num_uncomputed_tokens == 1 else 0
+        if k > 0:
+            need = seq.num_new_pages_for(seq.num_computed_tokens + 1 + k, self.page_size)
+            if need > self.kv.allocator.num_free or not self.kv.grow(
+                seq, seq.num_computed_tokens + 1 + k
+            ):
+                k = 0
+        del seq.draft_ids[k:]
+        return k
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft_ids = []
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
@@ -355,7 +363,10 @@ class Scheduler:
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
         seq.finish_reason = reason
+        seq.draft_ids = []
         if seq.keep_pages:
+            # Pages past the computed tokens hold only rejected drafts: never exported.
+            self.kv.trim(seq, seq.num_computed_tokens)
             seq.status = SequenceStatus.HELD
         else:
             self._drop(seq)

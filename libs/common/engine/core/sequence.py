@@ -63,7 +63,10 @@ class Sequence:
       (export to a decode worker, write to the pool). prefill_only implies it;
     - `logits_from`: the first prompt position whose logits are wanted besides the last
       (prompt logprobs), or None. The prefix cache is read up to it only, and the model
-      runner scores positions logits_from .. num_prompt_tokens - 2 as it computes them.
+      runner scores positions logits_from .. num_prompt_tokens - 2 as it computes them;
+    - `draft_ids`: speculative tokens proposed to follow `token_ids` this step (engine.spec);
+      the scheduler computes them with the last token, and they never enter `token_ids`
+      unless verification accepts them.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Sequence:
         self.num_committed_pages = 0
         self.num_preemptions = 0
         self.logits_from: int | None = None
+        self.draft_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (

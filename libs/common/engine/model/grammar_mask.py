@@ -15,7 +15,10 @@ import concurrent.futures
 import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import (
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
 
 class GrammarMasks:
@@ -28,22 +31,41 @@ class GrammarMasks:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
 
     def start(
-        self, matchers: list[llguidance.LLMatcher | None]
+        self,
+        matchers: list[llguidance.LLMatcher | None],
+        drafts: list[list[int]] | None = None,
     ) -> concurrent.futures.Future[torch.Tensor | None]:
-        """The allowed tokens of each row, as a future (None: no row is constrained)."""
-        pairs = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        if not pairs:
+        """The allowed tokens of each row, as a future (None: no row is constrained).
+
+        With `drafts` (speculation, one list per matcher) matcher i has 1 + len(drafts[i])
+        rows: its mask now, then its mask after each draft in turn (the drafts must be
+        ones it accepts: `validate_tokens`); the matcher itself is left as it was."""
+        spans = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(matchers)
+        entries: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        at = 0
+        for i, (m, span) in enumerate(zip(matchers, spans, strict=True)):
+            if m is not None:
+                entries.append((m, at, drafts[i] if drafts is not None else []))
+            at += span
+        if not entries:
             done: concurrent.futures.Future[torch.Tensor | None] = concurrent.futures.Future()
             done.set_result(None)
             return done
-        return self._thread.submit(self._compute, pairs, len(matchers))
+        return self._thread.submit(self._compute, entries, at)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False)
 
-    def _compute(self, pairs: list[tuple[llguidance.LLMatcher, int]], rows: int) -> torch.Tensor:
+    def _compute(
+        self, entries: list[tuple[llguidance.LLMatcher, int, list[int]]], rows: int
+    ) -> torch.Tensor:
         bits = np.full((rows, self.words), -1, dtype=np.int32)
-        fill_next_token_bitmask_par(self._executor, pairs, bits)
+        plain = [(m, at) for m, at, d in entries if not d]
+        drafted = [e for e in entries if e[2]]
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bits)
+        if drafted:
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bits)
         # Bit j of word w is token 32 * w + j: little-endian bytes, little bit order.
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
         return torch.from_numpy(allowed[:, : self.vocab_size].view(np.bool_))

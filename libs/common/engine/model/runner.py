@@ -6,8 +6,8 @@ import concurrent.futures
 
 import torch
 
+from libs.common.engine.core.batch import ScheduledSeq
 from libs.common.engine.core.outputs import TokenLogprobs
-from libs.common.engine.core.scheduler import ScheduledSeq
 from libs.common.engine.model.attention import AttentionBackend, AttentionBatch
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.model.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
@@ -20,8 +20,9 @@ class ModelRunner:
 
     Contract: `run(items, rows)` computes every item's chunk (writing its KV
     into the item's pages) and samples one token for each item whose chunk
-    ends its known tokens (`item.sample`); `rows` holds the SamplingRow of
-    those items in order; `allowed`, when given, resolves to their grammar masks
+    ends its known tokens (`item.sample`), and one more for each of its drafts (the
+    target's token after each draft, for verification); `rows` holds the SamplingRows
+    of those positions in order; `allowed`, when given, resolves to their grammar masks
     (GrammarMasks.start, computed while the forward pass runs). Returns the sampler's
     output for them, in order.
     """
@@ -41,7 +42,8 @@ class ModelRunner:
         """Hidden states of every computed token, and the rows of the sampling ones."""
         ids: list[int] = []
         positions: list[int] = []
-        q_lens, ctx_lens, tables, keys, last_rows = [], [], [], [], []
+        q_lens, ctx_lens, tables, keys = [], [], [], []
+        last_rows: list[int] = []
         for item in items:
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + item.num_tokens))
@@ -49,8 +51,8 @@ class ModelRunner:
             ctx_lens.append(item.start + item.num_tokens)
             tables.append(item.seq.page_table)
             keys.append(item.seq.uid)
-            if item.sample:
-                last_rows.append(len(ids) - 1)
+            if item.sample:  # a speculative item samples at each of its positions
+                last_rows.extend(range(len(ids) - 1 - item.num_drafts, len(ids)))
         dev = self.device
         plan = self.attention.plan(AttentionBatch(q_lens, ctx_lens, tables, keys))
         hidden = self.model.forward(
