@@ -1,0 +1,109 @@
+"""Drafting policy without the model: n-gram lookup, the draft length per request, and
+which target tokens a verified run emits."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.core.sequence import Sequence, SequenceStatus
+from libs.common.engine.spec.ngram import NgramProposer
+from libs.common.engine.spec.speculator import LOW_ACCEPTANCE, Speculator
+from libs.common.engine.spec.verify import accepted_run
+
+
+def test_ngram_drafts_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
+    p = NgramProposer()
+    # "7 1 2 3" occurred followed by 4 5; "2 3" also occurred followed by 9: the longer wins.
+    tokens = [2, 3, 9, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    assert p.propose("r", tokens, 3) == [4, 5, 6]
+    tokens.append(8)  # "3 8" never occurred, "8" neither: no draft
+    assert p.propose("r", tokens, 3) == []
+
+
+def test_ngram_draft_past_the_end_repeats_the_period():
+    assert NgramProposer().propose("r", [5, 6, 7, 5, 6, 7], 5) == [5, 6, 7, 5, 6]
+
+
+def test_ngram_index_is_incremental_and_equal_to_a_fresh_one():
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2, 3, 1]
+    growing = NgramProposer()
+    for n in range(2, len(tokens) + 1):
+        assert growing.propose("r", tokens[:n], 4) == NgramProposer().propose("x", tokens[:n], 4)
+
+
+def test_ngram_rebuilds_when_told_the_sequence_is_shorter_and_forgets_on_release():
+    p = NgramProposer()
+    assert p.propose("r", [1, 2, 1], 2) == [2, 1]
+    p.accepted("r", 2)
+    assert p.propose("r", [3, 4, 3], 2) == [4, 3]
+    p.release("r")
+    p.release("r")  # safe twice
+    assert p.propose("r", [9, 8], 2) == []
+
+
+def test_accepted_run_keeps_matching_drafts_then_the_targets_token():
+    assert accepted_run([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
+    assert accepted_run([5, 6], [5, 6, 8]) == [5, 6, 8]  # all accepted, plus the bonus
+    assert accepted_run([5], [4, 5]) == [4]
+    with pytest.raises(ValueError):
+        accepted_run([5], [5])
+
+
+def _running(request_id: str, tokens: list[int], max_tokens: int = 64) -> Sequence:
+    seq = Sequence(request_id, tokens[:4], SamplingParams(max_tokens=max_tokens))
+    seq.token_ids.extend(tokens[4:])
+    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.status = SequenceStatus.RUNNING
+    return seq
+
+
+REPEATING = [1, 2, 3, 4] * 4
+
+
+def test_draft_length_grows_while_all_are_accepted_and_never_passes_max_tokens():
+    spec = Speculator(NgramProposer(), max_draft=8)
+    seq = _running("r", REPEATING)
+    spec.draft([seq])
+    assert len(seq.draft_ids) == 4  # half the maximum to start
+    spec.verified(seq, 4, 4)
+    spec.draft([seq])
+    assert len(seq.draft_ids) == 6
+    near_end = _running("e", REPEATING, max_tokens=len(REPEATING) - 4 + 3)
+    spec.draft([near_end])
+    assert len(near_end.draft_ids) == 2  # 3 tokens left: 2 drafts and the target's one
+
+
+def test_low_acceptance_pauses_drafting_then_retries_short():
+    spec = Speculator(NgramProposer(), max_draft=8)
+    seq = _running("r", REPEATING)
+    paused_after = None
+    for step in range(10):
+        spec.draft([seq])
+        if not seq.draft_ids:
+            paused_after = step
+            break
+        spec.verified(seq, len(seq.draft_ids), 0)
+    assert paused_after is not None, f"acceptance 0 < {LOW_ACCEPTANCE} must pause drafting"
+    pause = 0
+    while not seq.draft_ids:
+        pause += 1
+        spec.draft([seq])
+    assert pause == 4 and len(seq.draft_ids) == 2
+
+
+def test_no_drafts_while_more_sequences_run_than_max_batch():
+    spec = Speculator(NgramProposer(), max_draft=8, max_batch=8)
+    seqs = [_running(str(i), REPEATING) for i in range(9)]
+    spec.draft(seqs)
+    assert all(not s.draft_ids for s in seqs)
+    spec.draft(seqs[:8])
+    assert all(s.draft_ids for s in seqs[:8])
+
+
+def test_a_sequence_with_a_prefill_chunk_left_gets_no_draft():
+    spec = Speculator(NgramProposer(), max_draft=8)
+    seq = _running("r", REPEATING)
+    seq.num_computed_tokens -= 2
+    spec.draft([seq])
+    assert seq.draft_ids == []
