@@ -356,6 +356,18 @@ class WorkerConfig(TransferConfig):
             "weights for oneDNN (0: none)"
         },
     )
+    speculation: str = field(
+        default="ngram",
+        metadata={
+            "help": "speculative decoding: ngram (drafts from the request's own tokens, "
+            "verified in one step; same greedy output, off by itself under large batches "
+            "or low acceptance) or off",
+            "choices": ("ngram", "off"),
+        },
+    )
+    speculation_max_draft: int = field(
+        default=3, metadata={"help": "draft tokens verified per request and step at most"}
+    )
     load_interval: float = field(default=0.25, metadata={"help": "seconds between load reports"})
     handoff_timeout: float = field(
         default=300.0,
@@ -368,7 +380,10 @@ class WorkerConfig(TransferConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "page_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens",
+            "speculation_max_draft",
+        ):  # fmt: skip
             require_positive(self, name)
         for name in ("load_interval", "handoff_timeout", "peer_timeout"):
             require_positive(self, name)

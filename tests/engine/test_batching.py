@@ -76,8 +76,9 @@ def test_prefix_cache_hits_give_the_same_tokens_as_cold(make_core, prompts, alon
 
 def test_preempted_requests_give_the_same_tokens(make_core, prompts, alone):
     picked = [10, 11, 12, 13]
-    # 32 pages of 16 tokens cannot hold four ~100-token prompts growing by 12.
-    core = make_core(num_pages=30, enable_prefix_cache=False)
+    # 32 pages of 16 tokens cannot hold four ~100-token prompts growing by 12. Without
+    # speculation: its runs finish some requests sooner and the pool pressure never comes.
+    core = make_core(num_pages=30, enable_prefix_cache=False, speculation="off")
     for i in picked:
         core.add(str(i), prompts[i], _params())
     seqs = [core.scheduler.get(str(i)) for i in picked]

@@ -48,6 +48,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--kernel-copy-mb", type=int, default=0, help="MiB of fp32 weight copies allowed"
     )
+    gen.add_argument(
+        "--speculation",
+        choices=("ngram", "off"),
+        default="ngram",
+        help="speculative decoding: ngram drafts (same greedy output) or off",
+    )
+    gen.add_argument(
+        "--speculation-max-draft", type=int, default=3, help="draft tokens per step at most"
+    )
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--log-level", default="warning")
@@ -63,7 +72,9 @@ def generate(args: argparse.Namespace) -> dict:
     config = EngineConfig(model=args.model, num_threads=args.threads, kv_cache_mb=256,
                           weights=args.weights, kv_dtype=args.kv_dtype,
                           kernel_choice=args.kernel_choice,
-                          kernel_copy_mb=args.kernel_copy_mb)  # fmt: skip
+                          kernel_copy_mb=args.kernel_copy_mb,
+                          speculation=args.speculation,
+                          speculation_max_draft=args.speculation_max_draft)  # fmt: skip
     core = EngineCore(config)
     tok = core.tokenizer
     if tok is None:

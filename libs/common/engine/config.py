@@ -66,7 +66,7 @@ class EngineConfig:
     kernel_choice: str = "measure"
     kernel_copy_mb: int = 0
     speculation: str = "ngram"
-    speculation_max_draft: int = 8
+    speculation_max_draft: int = 3
 
     def __post_init__(self) -> None:
         for name in (

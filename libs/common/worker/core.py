@@ -215,6 +215,8 @@ class WorkerCore:
                 weights=self.config.weights,
                 kernel_choice=self.config.kernel_choice,
                 kernel_copy_mb=self.config.kernel_copy_mb,
+                speculation=self.config.speculation,
+                speculation_max_draft=self.config.speculation_max_draft,
                 num_threads=self.config.num_threads or None,
                 tier="device",
             ),

@@ -11,7 +11,7 @@ from tests.engine.conftest import run_to_end
 
 
 def generate(make_core, prompts, **config):
-    core = make_core(**config)
+    core = make_core(speculation="off", **config)  # drafted steps are not one-token decodes
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
     for i, ids in enumerate(prompts):
         core.add(str(i), ids, params)

@@ -59,7 +59,7 @@ class Speculator:
                 continue
             state = self._states.get(seq.request_id)
             if state is None:
-                state = self._states[seq.request_id] = _State(max(1, self.max_draft // 2))
+                state = self._states[seq.request_id] = _State((self.max_draft + 1) // 2)
             if state.pause:
                 state.pause -= 1
                 continue
