@@ -41,7 +41,9 @@ int tq_round_x16(const float *x, int m, int k, float *out) {
 /* x rows quantized: `q` [m][kp] int16 (kp = k rounded up to 64), each block's scale d
  * and the block sum of its quantized values, s = d * sum(q) (not of x itself:
  * the min's term then carries x's rounding as the nibbles' term does, and the two cancel
- * as they do in fp32); nbp = kp / 32, padding blocks zero. */
+ * as they do in fp32); nbp = kp / 32, padding blocks zero. In builds with ARM's dot
+ * products (neon-dotprod) each block's 64 bytes of q hold its two int8 planes instead
+ * (split_block below): a reader of q there takes them as planes. */
 typedef struct {
     int16_t *q;
     float *ds; /* [m][nbp][2]: d, s of each block side by side (one 8-byte load) */
