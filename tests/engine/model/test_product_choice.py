@@ -9,8 +9,11 @@ from structlog.testing import capture_logs
 
 from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sampling_params import SamplingParams
+from libs.common.engine.load.source import load_model
 from libs.common.engine.model.kernel_choice import choose_kernels, key_of, quant_linears
 from libs.common.engine.model.linear import ROW_CLASSES, QuantLinear, row_class
+from libs.common.engine.model.model import LlamaModel
+from libs.common.engine.model.quant.native import VARIANTS, cpu_flags, library
 from tests.engine.conftest import run_to_end
 
 pytestmark = pytest.mark.slow
@@ -118,13 +121,11 @@ def prompt_ids(model_and_tokenizer):
     return [model_and_tokenizer[1].encode(p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("path", ["native", "sliced", "copy"])
-def test_greedy_tokens_equal_the_reference_under_each_forced_path(
-    path, model, make_core, prompt_ids, reference_model
-):
-    core = make_core(kernel_choice="native", enable_prefix_cache=False)
-    force(model, path)
-    prompt = [ids * 4 for ids in prompt_ids]  # > 128 rows in the first step, 6 after
+def assert_reference_tokens(core, prompt_ids, reference_model, label: str) -> None:
+    """Every prompt x4, batched: a first step of > 128 rows, then decode steps of 6 rows;
+    each greedy token is the reference's argmax given the tokens before it (teacher
+    forcing), but for numerical ties."""
+    prompt = [ids * 4 for ids in prompt_ids]
     assert sum(map(len, prompt)) > QuantLinear.GEMM_ROWS
     for i, ids in enumerate(prompt):
         core.add(str(i), ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
@@ -132,13 +133,50 @@ def test_greedy_tokens_equal_the_reference_under_each_forced_path(
     out = run_to_end(core)
     for i, ids in enumerate(prompt):
         gen = out[str(i)]
+        assert len(gen) == NEW_TOKENS
         with torch.no_grad():
             logits = reference_model(torch.tensor([ids + gen])).logits[0, len(ids) - 1 : -1]
         top2 = logits.topk(2, dim=-1).values
         for step, token in enumerate(gen):
             ref = int(logits[step].argmax())
             gap = float(top2[step, 0] - top2[step, 1])
-            assert token == ref or gap < TIE, f"{path} prompt {i} step {step}: {token} vs {ref}"
+            assert token == ref or gap < TIE, f"{label} prompt {i} step {step}: {token} vs {ref}"
+
+
+@pytest.mark.parametrize("path", ["native", "sliced", "copy"])
+def test_greedy_tokens_equal_the_reference_under_each_forced_path(
+    path, model, make_core, prompt_ids, reference_model
+):
+    core = make_core(kernel_choice="native", enable_prefix_cache=False)
+    force(model, path)
+    assert_reference_tokens(core, prompt_ids, reference_model, path)
+
+
+@pytest.fixture(scope="module")
+def avx2_model():
+    """The default model built while TANDEM_KERNELS=avx2 (kept set: the norms and attention
+    follow it per call): every kernel of the module's steps runs the AVX2 build."""
+    if not VARIANTS["avx2"][1] <= cpu_flags():
+        pytest.skip("this CPU cannot run the avx2 build")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_KERNELS", "avx2")
+        torch.set_num_threads(1)
+        assert library()[1] == "avx2"
+        loaded, tokenizer = load_model("default", weights="native")
+        yield LlamaModel(loaded), tokenizer
+
+
+@pytest.mark.parametrize("path", ["native", "sliced", "copy"])
+def test_on_the_avx2_build_greedy_tokens_equal_the_reference_under_each_forced_path(
+    path, avx2_model, prompt_ids, reference_model
+):
+    from libs.common.engine.step_loop import EngineCore
+
+    model, tokenizer = avx2_model
+    config = EngineConfig(kv_cache_mb=64, kernel_choice="native", enable_prefix_cache=False)
+    core = EngineCore(config, model, tokenizer)
+    force(model, path)
+    assert_reference_tokens(core, prompt_ids, reference_model, f"avx2 {path}")
 
 
 @pytest.mark.parametrize("path", ["measured", "sliced", "copy"])
