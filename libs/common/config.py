@@ -361,10 +361,15 @@ class WorkerConfig(TransferConfig):
         metadata={
             "help": "speculative decoding: ngram (drafts from the request's own tokens, "
             "verified in one step; same greedy output, off by itself under large batches "
-            "or low acceptance) or off",
-            "choices": ("ngram", "off"),
+            "or low acceptance), draft (drafts by --draft-model) or off",
+            "choices": ("ngram", "draft", "off"),
         },
     )
+    draft_model: str = field(
+        default="",
+        metadata={"help": "with --speculation draft: a small model of the same tokenizer "
+                  "that drafts ('default', a GGUF file or an HF folder)"},
+    )  # fmt: skip
     speculation_max_draft: int = field(
         default=3, metadata={"help": "draft tokens verified per request and step at most"}
     )
@@ -393,3 +398,5 @@ class WorkerConfig(TransferConfig):
             raise ValueError(f"--kernel-copy-mb: must be >= 0, got {self.kernel_copy_mb}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens: must be >= --max-num-seqs")
+        if (self.speculation == "draft") != bool(self.draft_model):
+            raise ValueError("--draft-model: set it with --speculation draft, and only then")

@@ -50,9 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--speculation",
-        choices=("ngram", "off"),
-        default="ngram",
-        help="speculative decoding: ngram drafts (same greedy output) or off",
+        choices=("ngram", "draft", "off"),
+        default=None,
+        help="speculative decoding (same greedy output): ngram drafts (the default), "
+        "drafts by --draft-model, or off",
+    )
+    gen.add_argument(
+        "--draft-model",
+        default=None,
+        help="a small model of the same tokenizer that drafts ('default', .gguf or HF "
+        "folder); implies --speculation draft",
     )
     gen.add_argument(
         "--speculation-max-draft", type=int, default=3, help="draft tokens per step at most"
@@ -73,7 +80,9 @@ def generate(args: argparse.Namespace) -> dict:
                           weights=args.weights, kv_dtype=args.kv_dtype,
                           kernel_choice=args.kernel_choice,
                           kernel_copy_mb=args.kernel_copy_mb,
-                          speculation=args.speculation,
+                          speculation=args.speculation or ("draft" if args.draft_model
+                                                           else "ngram"),
+                          draft_model=args.draft_model,
                           speculation_max_draft=args.speculation_max_draft)  # fmt: skip
     core = EngineCore(config)
     tok = core.tokenizer

@@ -13,7 +13,7 @@ KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # How quantized weights' products are chosen (model/kernel_choice.py MODES).
 KERNEL_CHOICES = ("measure", "native")
 # Speculative decoding's draft sources (engine.spec); "off" verifies nothing.
-SPECULATION = ("ngram", "off")
+SPECULATION = ("ngram", "draft", "off")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,10 +42,14 @@ class EngineConfig:
     - `kernel_copy_mb`: memory the measured choice may spend on fp32 copies of quantized
       weights for oneDNN's products (0: none);
     - `speculation`: speculative decoding, "ngram" (drafts by n-gram lookup in the
-      request's own tokens, spec/ngram.py) or "off" (SPECULATION); greedy output is the
+      request's own tokens, spec/ngram.py), "draft" (drafts by `draft_model`,
+      spec/draft.py) or "off" (SPECULATION); greedy output is the
       same either way, and it turns itself off per step under large batches and per
       request under low acceptance (spec/speculator.py);
     - `speculation_max_draft`: the most draft tokens verified per request and step;
+    - `draft_model`: with speculation "draft" (and only then), the draft model ("default",
+      a .gguf file or an HF folder; the target's tokenizer, or start-up fails), its KV
+      pool as many tokens as the target's;
     - `worker_id` / `tier`: how KV events name this cache.
     """
 
@@ -67,6 +71,7 @@ class EngineConfig:
     kernel_copy_mb: int = 0
     speculation: str = "ngram"
     speculation_max_draft: int = 3
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -100,6 +105,11 @@ class EngineConfig:
         if self.speculation not in SPECULATION:
             known = ", ".join(SPECULATION)
             raise ValueError(f"speculation must be one of {known}, got {self.speculation!r}")
+        if (self.speculation == "draft") != bool(self.draft_model):
+            raise ValueError(
+                "draft_model and speculation 'draft' go together: got speculation "
+                f"{self.speculation!r} with draft_model {self.draft_model!r}"
+            )
         if self.kv_dtype != "fp32" and self.attention_backend != "torch":
             raise ValueError(
                 f"kv_dtype {self.kv_dtype} needs attention_backend torch, got "

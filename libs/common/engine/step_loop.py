@@ -106,7 +106,7 @@ class EngineCore:
             eos_token_ids=c.eos_token_ids,
         )
         self._requests: dict[str, RequestState] = {}
-        self.speculator = make_speculator(config)
+        self.speculator = make_speculator(config, (model, tokenizer), num_pages * config.page_size)
         self._grammars: GrammarCompiler | None = None
         self._masks: GrammarMasks | None = None
         log.info(

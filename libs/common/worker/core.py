@@ -216,6 +216,7 @@ class WorkerCore:
                 kernel_choice=self.config.kernel_choice,
                 kernel_copy_mb=self.config.kernel_copy_mb,
                 speculation=self.config.speculation,
+                draft_model=self.config.draft_model or None,
                 speculation_max_draft=self.config.speculation_max_draft,
                 num_threads=self.config.num_threads or None,
                 tier="device",

@@ -17,6 +17,7 @@ Policy (pure Python, no torch):
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sequence import Sequence, SequenceStatus
@@ -53,6 +54,7 @@ class Speculator:
     def draft(self, running: list[Sequence]) -> None:
         """Set `draft_ids` of each running decoding sequence (empty: no draft this step)."""
         crowded = len(running) > self.max_batch
+        wanted: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft_ids = []
             if crowded or not _may_draft(seq):
@@ -68,7 +70,16 @@ class Speculator:
             left = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
             k = min(state.k, left)
             if k > 0:
-                seq.draft_ids = self.proposer.propose(seq.request_id, seq.token_ids, k)[:k]
+                wanted.append((seq, k))
+        # A proposer that drafts for several requests at once (a draft model: one batched
+        # forward a draft position) gets them together.
+        many = getattr(self.proposer, "propose_many", None)
+        if many is not None and wanted:
+            drafts = many([(seq.request_id, seq.token_ids, k) for seq, k in wanted])
+        else:
+            drafts = [self.proposer.propose(seq.request_id, seq.token_ids, k) for seq, k in wanted]
+        for (seq, k), ids in zip(wanted, drafts, strict=True):
+            seq.draft_ids = ids[:k]
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """`accepted` of the `proposed` drafts held (the sequence has its new tokens)."""
@@ -103,8 +114,27 @@ def _may_draft(seq: Sequence) -> bool:
     )
 
 
-def make_speculator(config: EngineConfig) -> Speculator | None:
-    """The speculator `config.speculation` names, or None ("off")."""
+def make_speculator(
+    config: EngineConfig, target: tuple[Any, Any] | None = None, pool_tokens: int = 0
+) -> Speculator | None:
+    """The speculator `config.speculation` names, or None ("off"). "draft" loads
+    `config.draft_model` for `target` (the engine's model and tokenizer; ValueError when
+    their vocabularies differ) with a KV pool of `pool_tokens` (the target's)."""
     if config.speculation == "ngram":
         return Speculator(NgramProposer(), config.speculation_max_draft)
+    if config.speculation == "draft" and config.draft_model:
+        if target is None:
+            raise ValueError("speculation 'draft' needs the target model to check the draft")
+        from libs.common.engine.spec.draft_load import load_draft_proposer  # torch
+
+        proposer = load_draft_proposer(
+            config.draft_model,
+            target,
+            weights=config.weights,
+            max_requests=config.max_num_seqs,
+            max_tokens=max(pool_tokens, config.page_size),
+            page_size=config.page_size,
+            chunk_tokens=config.max_num_batched_tokens,
+        )
+        return Speculator(proposer, config.speculation_max_draft)
     return None
