@@ -92,6 +92,7 @@ class Endpoint:
             body["messages"] = turn.messages
         else:
             body["prompt"] = "\n\n".join(m["content"] for m in turn.messages)
+        body.update(turn.extra)
         body.update(self.extra)
         return body
 

@@ -32,6 +32,10 @@ stream, ours against llama-bench tg128 and the read-bandwidth bound). `--kernels
 forces our quantized kernels' build (TANDEM_KERNELS: avx2 on an AVX-512 host, say), with
 `--peer-llama-cpp .peers/llama.cpp-avx2` the llama.cpp built for the same instruction set
 (`make bench-peer-llama-cpp-avx2`); `machine.kernels` says which build ran.
+
+`--speculation` runs instead speculative decoding off against on, on an input-grounded
+workload (bench/engine_spec.py, bench/grounded.py: `--tasks`, `--rounds`, `--seed`,
+`--speculation-on`, with `--streams`, `--new-tokens` and `--threads` as above).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import time
 import orjson
 import structlog
 
-from bench import engine_1b, peer_llama_cpp
+from bench import engine_1b, engine_spec, peer_llama_cpp
 from bench.engine_measure import (
     KERNEL_VARIANTS,
     kernels_used,
@@ -173,13 +177,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", choices=("auto", *KERNEL_VARIANTS), default="auto",
                         help="our quantized kernels' build (sets TANDEM_KERNELS); auto: the "
                         "best this CPU runs")  # fmt: skip
+    g = parser.add_argument_group("speculation mode (bench/engine_spec.py)")
+    g.add_argument(
+        "--speculation",
+        action="store_true",
+        help="instead: speculation off against on, input-grounded workload",
+    )
+    g.add_argument("--speculation-on", default="ngram", help="EngineConfig.speculation when on")
+    g.add_argument("--tasks", type=int, default=8, help="one-stream tasks (bench/grounded.py)")
+    g.add_argument("--rounds", type=int, default=1, help="passes over the tasks")
+    g.add_argument("--seed", type=int, default=0, help="which texts the tasks draw")
     args = parser.parse_args(argv)
     if args.kernels != "auto":
         os.environ["TANDEM_KERNELS"] = args.kernels  # read when the kernels first load
+    if args.speculation:
+        engine_spec.check_args(parser, args)
 
     from libs.common.log import setup_logging
 
     setup_logging(level="warning")
+    if args.speculation:
+        return engine_spec.run(args)
     import torch
 
     from libs.common.engine.config import EngineConfig

@@ -5,7 +5,10 @@
 
 Workloads (bench/workloads.py): `random` prompts, `multi-turn` conversations (N clients x R
 rounds, Poisson arrivals with a concurrency cap, optional round barrier), `trace` replay
-of a Mooncake trace (equal hash_ids = equal token blocks, lengths and time scaled).
+of a Mooncake trace (equal hash_ids = equal token blocks, lengths and time scaled),
+`grounded` tasks whose answers quote their prompt (bench/grounded.py: rewrites, bug fixes,
+extractions and summaries of this repository's docs and code; `--grounded-json` asks for
+a JSON answer under a schema; send with `--no-ignore-eos`), where speculative decoding pays.
 Metrics (bench/metrics.py): TTFT, TPOT, ITL, E2E (mean, median, p90, p99, max), request /
 input / output throughput, goodput under --slo, cache hit rate from
 usage.prompt_tokens_details.cached_tokens, and per round when the barrier is on.
@@ -27,7 +30,7 @@ from bench import report
 from bench.client import Endpoint, RequestResult, send
 from bench.driver import Arrivals, drive
 from bench.metrics import Slo, per_round, summarize
-from bench.workloads import MultiTurn, TraceReplay, Workload
+from bench.workloads import Grounded, MultiTurn, TraceReplay, Workload
 from libs.common import event_loop
 from scripts.cluster import REPO
 
@@ -89,12 +92,14 @@ async def served_model(base_url: str, api_key: str = "", timeout: float = 10.0) 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """Workload and load-shape flags (shared with bench.tiers)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=("random", "multi-turn", "trace"), default="multi-turn")
+    g.add_argument(
+        "--workload", choices=("random", "multi-turn", "trace", "grounded"), default="multi-turn"
+    )
     g.add_argument(
         "--num-prompts",
         type=int,
         default=32,
-        help="random: prompts to send; trace: first N trace requests",
+        help="random: prompts to send; trace: first N trace requests; grounded: tasks",
     )
     g.add_argument(
         "--input-len",
@@ -139,6 +144,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         help="trace: factor on timestamps (0.1 = ten times faster; 0 = all at once)",
     )
     g.add_argument("--max-input-len", type=int, default=0, help="trace: cap on prompt words")
+    g.add_argument(
+        "--grounded-json",
+        action="store_true",
+        help='grounded: ask for {"answer": ...} under that JSON schema (response_format)',
+    )
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("load")
     g.add_argument(
@@ -165,6 +175,8 @@ def make_workload(a: argparse.Namespace) -> Workload:
         return TraceReplay(a.trace, block_len=a.trace_block_len, output_scale=a.trace_output_scale,
                            time_scale=a.trace_time_scale, max_requests=a.num_prompts,
                            max_input=a.max_input_len, seed=a.seed)  # fmt: skip
+    if a.workload == "grounded":
+        return Grounded(a.num_prompts, a.output_len, a.grounded_json, a.seed)
     if a.workload == "random":
         return MultiTurn(a.num_prompts, 1, a.input_len, a.input_len, a.output_len,
                          a.range_ratio, seed=a.seed)  # fmt: skip

@@ -1,4 +1,5 @@
-"""What bench.serve sends: random prompts, multi-turn conversations, Mooncake trace replay.
+"""What bench.serve sends: random prompts, multi-turn conversations, Mooncake trace replay,
+input-grounded tasks (bench/grounded.py).
 
 A workload hands the driver `Turn`s (one request each) and is told when each finishes, so
 that a conversation's next round can carry the previous answer. Prompts are made of words
@@ -12,7 +13,9 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from bench import grounded
 
 # Frequent English words; each is one token (with its leading space) in the Llama, SmolLM2,
 # Qwen2 and GPT-2 vocabularies, so word count ~ token count and equal words = equal tokens.
@@ -34,6 +37,7 @@ class Turn:
     """One request: chat `messages`, at most `max_tokens` out, sent at `at` seconds when set.
 
     `at=None` means "as soon as the driver's arrival process allows" (Poisson, rate cap).
+    `extra`: more body fields of this request (e.g. a `response_format`).
     """
 
     request_id: int
@@ -42,6 +46,7 @@ class Turn:
     messages: list[dict[str, str]]
     max_tokens: int
     at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Workload(Protocol):
@@ -217,3 +222,37 @@ class TraceReplay:
         if not turns:
             raise ValueError(f"--trace: no requests in {self.path}")
         return turns
+
+
+@dataclass
+class Grounded:
+    """`n` input-grounded tasks (bench/grounded.py: edits, extractions and summaries of this
+    repository's docs and code, whose answers quote their prompt), one request each, all
+    released at once (the arrival process paces them). With `as_json` each asks for
+    `{"answer": "..."}` and carries that JSON schema as its `response_format`. Send them
+    with `--no-ignore-eos`: an answer ends where the model ends it."""
+
+    n: int
+    output_len: int
+    as_json: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("--num-prompts: must be >= 1")
+        if self.output_len < 1:
+            raise ValueError("--output-len: must be >= 1")
+        extra = {"response_format": grounded.response_format()} if self.as_json else {}
+        self.tasks = grounded.tasks(self.n, seed=self.seed)
+        self.turns = [Turn(i, i, 0, t.messages(self.as_json), self.output_len, extra=extra)
+                      for i, t in enumerate(self.tasks)]  # fmt: skip
+
+    @property
+    def total(self) -> int:
+        return self.n
+
+    def initial(self) -> list[Turn]:
+        return list(self.turns)
+
+    def done(self, turn: Turn, ok: bool, text: str) -> list[Turn]:
+        return []
