@@ -10,7 +10,7 @@ machine's memory bandwidth. In one run, with the same threads:
 - ours: a 128-token prompt (--prompt-tokens), 128 greedy tokens (--new-tokens), EOS
   ignored, three times after a warm-up; decode tok/s = tokens after the first over the time
   after the first, their mean (llama-bench reports its mean too);
-- memory: the process's peak RSS over the engine's load and runs, and before the load;
+- memory (MiB): the process's RSS before the load, after the runs and at its peak;
 - the read-bandwidth bound: measure_read_bandwidth / weight bytes a decode step reads (the
   same bytes for both engines: the file's blocks);
 - llama.cpp: `llama-bench -p 0 -n 128 -r 3` (tg128) on the same file.
@@ -65,7 +65,7 @@ def single_stream(core, vocab: int, args) -> dict:
 
 def peer_section(folder: pathlib.Path | None, model: pathlib.Path, args) -> dict:
     """llama-bench tgN on the same file, or {"absent": why}."""
-    why = peer_llama_cpp.missing(folder)
+    why = peer_llama_cpp.missing(folder, ("llama-bench",))  # llama-server is not used here
     if why or folder is None:
         return {"absent": why}
     section: dict = {"dir": str(folder), "threads": args.threads,
@@ -121,15 +121,17 @@ def run(args, report: dict) -> dict:
     ours = single_stream(core, cfg.vocab_size, args)
     after = memory_mb()
     report["model"] = {"name": MODEL_NAME, "path": str(path), "params": cfg.num_params,
-                       "file_mb": round(path.stat().st_size / 2**20, 1),
-                       "weight_mb_per_token": round(weight_bytes / 2**20, 1),
+                       "file_mb": round(path.stat().st_size / 1e6, 1),
+                       "weight_mb_per_token": round(weight_bytes / 1e6, 1),
                        "file_ready_s": round(made_s, 1),
                        "shape": {"hidden": spec.hidden, "layers": spec.layers, "ffn": spec.ffn,
                                  "heads": spec.heads, "kv_heads": spec.kv_heads,
                                  "vocab": cfg.vocab_size, "matrices": "Q4_K",
                                  "embedding": spec.embed_type}}  # fmt: skip
+    # The peak holds the file's pages too while the loader copies the blocks out of its map.
     report["memory"] = {"rss_before_engine_mb": before["rss_mb"], **after,
-                        "engine_mb": round(after["peak_rss_mb"] - before["rss_mb"], 1),
+                        "engine_mb": round(after["rss_mb"] - before["rss_mb"], 1),
+                        "engine_peak_mb": round(after["peak_rss_mb"] - before["rss_mb"], 1),
                         "kv_cache_mb": kv_mb}  # fmt: skip
     print("measuring bounds ...", file=sys.stderr)
     read_bw, copy_bw = measure_read_bandwidth(torch), measure_copy_bandwidth(torch)

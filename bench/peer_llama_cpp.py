@@ -29,11 +29,12 @@ BINARIES = ("llama-bench", "llama-server")
 GOALS = {"single_stream_vs_tg": 1.0, "prefill_vs_pp": 2.0, "streams_vs_llama_server": 2.0}
 
 
-def missing(folder: Path | None) -> str:
-    """ "" when both binaries are in FOLDER/bin, else why the peer cannot run."""
+def missing(folder: Path | None, binaries: tuple[str, ...] = BINARIES) -> str:
+    """ "" when the binaries (both by default) are in FOLDER/bin, else why the peer cannot
+    run."""
     if folder is None:
         return "disabled (--peer-llama-cpp none)"
-    absent = [b for b in BINARIES if not (folder / "bin" / b).is_file()]
+    absent = [b for b in binaries if not (folder / "bin" / b).is_file()]
     if absent:
         return f"not built: no {', '.join(absent)} in {folder / 'bin'} (make bench-peers)"
     return ""

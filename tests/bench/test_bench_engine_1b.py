@@ -105,8 +105,8 @@ def test_a_bad_shape_is_refused_by_name():
 def test_an_unbuilt_peer_is_reported_absent_with_the_make_target(tmp_path):
     args = type("Args", (), {"threads": 2, "new_tokens": 128})()
     section = engine_1b.peer_section(tmp_path, tmp_path / "model.gguf", args)
-    assert section == {"absent": f"not built: no llama-bench, llama-server in "
-                                 f"{tmp_path / 'bin'} (make bench-peers)"}  # fmt: skip
+    assert section == {"absent": f"not built: no llama-bench in {tmp_path / 'bin'} "
+                                 f"(make bench-peers)"}  # fmt: skip
     assert engine_1b.peer_section(None, tmp_path / "model.gguf", args)["absent"].startswith(
         "disabled"
     )
@@ -129,7 +129,7 @@ def test_with_the_peer_the_ratio_is_ours_over_tg():
 
 def test_the_built_llama_bench_reads_the_synthetic_file(small_file):
     folder = peer_llama_cpp.DEFAULT_DIR
-    why = peer_llama_cpp.missing(folder)
+    why = peer_llama_cpp.missing(folder, ("llama-bench",))
     if why:
         pytest.skip(f"llama.cpp peer {why}")
     out = peer_llama_cpp.run_llama_bench(folder, small_file, 1, [0], 4, repetitions=1,
