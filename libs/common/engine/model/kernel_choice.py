@@ -4,8 +4,9 @@
 (format, shape) of the model's QuantLinears and each row class of 5+ rows
 (linear.ROW_CLASSES), the candidate paths (QuantLinear.candidates: the native kernels,
 the dequantized slices through oneDNN, a oneDNN product on an fp32 copy of the weight) are
-timed on one sample of x, interleaved, min over rounds (ROUNDS), and the fastest is taken only
-when it takes at most MARGIN of the native path's time: noise on shared cores must not
+timed on one sample of x, interleaved, min over rounds (ROUNDS) (a path that beat the native
+one: timed twice, its slower showing kept), and the fastest is taken only when it takes at
+most MARGIN of the native path's time: noise on shared cores must not
 flip a choice, and the native path needs no memory. 1-4 rows always run tq_gemv.
 
 The choice is per class, never per call: every row of a class goes through one path, so a
@@ -80,24 +81,37 @@ def measure(linear: QuantLinear) -> list[dict[str, float]]:
     for cls in range(1, len(ROW_CLASSES)):
         x = torch.randn(SAMPLE_ROWS[cls], w.cols, generator=gen)
         paths = sample.candidates(cls)
-        best = dict.fromkeys(paths, float("inf"))
-        began, rounds = time.perf_counter(), 0
-        # The first round warms caches and oneDNN; then rounds (every candidate once,
-        # interleaved, so a burst of load hits them alike) until ROUNDS[0] are timed and
-        # CLASS_SECONDS spent, or ROUNDS[1].
-        while rounds <= ROUNDS[0] or (
-            rounds <= ROUNDS[1] and time.perf_counter() - began < CLASS_SECONDS
-        ):
-            for path in paths:
-                start = time.perf_counter()
-                sample.product(path, x, copy)
-                if rounds:
-                    best[path] = min(best[path], time.perf_counter() - start)
-            rounds += 1
+        best = _timed(sample, x, paths, copy)
+        # A path that beat the native one is timed again beside it and keeps the slower of
+        # its two showings (the native path the faster of its): a burst of load in one
+        # pass must not make the choice.
+        contenders = [p for p in paths[1:] if best[p] <= MARGIN * best[paths[0]]]
+        if contenders:
+            again = _timed(sample, x, [paths[0], *contenders], copy)
+            best[paths[0]] = min(best[paths[0]], again[paths[0]])
+            best.update({p: max(best[p], again[p]) for p in contenders})
         times.append(best)
     with _lock:
         _measured[cache_key] = times
     return times
+
+
+def _timed(sample: QuantLinear, x: torch.Tensor, paths: list[str], copy) -> dict[str, float]:
+    """Seconds per product of each path on x, min over rounds. The first round warms
+    caches and oneDNN; then rounds (every path once, interleaved, so a burst of load hits
+    them alike) until ROUNDS[0] are timed and CLASS_SECONDS spent, or ROUNDS[1]."""
+    best = dict.fromkeys(paths, float("inf"))
+    began, rounds = time.perf_counter(), 0
+    while rounds <= ROUNDS[0] or (
+        rounds <= ROUNDS[1] and time.perf_counter() - began < CLASS_SECONDS
+    ):
+        for path in paths:
+            start = time.perf_counter()
+            sample.product(path, x, copy)
+            if rounds:
+                best[path] = min(best[path], time.perf_counter() - start)
+        rounds += 1
+    return best
 
 
 def pick(times: list[dict[str, float]], allow_copy: bool) -> tuple[str, ...]:
