@@ -15,7 +15,10 @@ from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.spec.draft import DraftModelProposer
 from libs.common.engine.step_loop import EngineCore
+from libs.common.grammar import build
 from tests.engine.conftest import run_to_end
+from tests.engine.spec.test_equivalence import PERSON, PERSON_JSON, REPEAT, assert_same
+from tests.engine.spec.test_equivalence import generate as run_batch
 from tests.engine.spec.tiny_checkpoint import TinyShape, write_tiny_checkpoint
 
 TEXTS = [
@@ -104,3 +107,28 @@ def test_worker_flags_refuse_a_draft_model_without_speculation_draft():
     with pytest.raises(ValueError, match="--draft-model"):
         WorkerConfig(speculation="draft")
     assert WorkerConfig(speculation="draft", draft_model="default").draft_model == "default"
+
+
+@pytest.mark.parametrize("which", ["random", "target"])
+def test_grammar_stop_seeded_and_logprobs_with_a_draft_equal_decoding_without_speculation(
+    make_core, tokenizer, tiny_draft, which
+):
+    """As test_equivalence.py's cases (the grammar cuts the draft's tokens it forbids,
+    then verification), with the draft model proposing."""
+    repeat = tokenizer.encode(REPEAT)
+    copy = tokenizer.encode(f"Copy this JSON object exactly.\n{PERSON_JSON}\nCopy:\n")
+    requests = {
+        "json": (copy, SamplingParams(max_tokens=48, temperature=0.0,
+                                      grammar=build.json_schema(PERSON))),
+        "stop": (repeat, SamplingParams(max_tokens=40, stop=("oak tree",), temperature=0.0,
+                                        logprobs=2)),
+        "seeded": (repeat, SamplingParams(max_tokens=16, temperature=0.8, seed=3)),
+    }  # fmt: skip
+    draft = {"random": tiny_draft, "target": "default"}[which]
+    plain, _ = run_batch(make_core, requests, speculation="off")
+    spec, core = run_batch(make_core, requests, speculation="draft", draft_model=draft)
+    assert_same(plain, spec)
+    assert plain["json"]["end"][0] == "stop" and plain["stop"]["end"][0] == "stop"
+    assert core.speculator.num_proposed > 0
+    if which == "target":
+        assert core.speculator.num_accepted > 0.8 * core.speculator.num_proposed
