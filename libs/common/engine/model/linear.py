@@ -83,8 +83,11 @@ class Linear:
         return F.linear(x, self._weight, self._bias)
 
 
-# Formats whose products take x as 16-bit integers in the AVX2 / AVX-512 builds.
-X16_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+# Formats whose products take x as 16-bit integers in the AVX2 / AVX-512 builds (every
+# block format: the K-quants' 32-value sub-blocks take x's rounding as Q4_0's blocks do).
+X16_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+# Formats the int16 panels (tq_panel_products) multiply for any batch of 5+ rows.
+PANEL_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 # Row counts of x whose products take one path each (QuantLinear.GEMV_ROWS, GEMM_ROWS): a
 # row's bits do not depend on the batch it is in within a class.
 ROW_CLASSES = ("1-4", "5-128", ">128")
@@ -101,19 +104,21 @@ class QuantLinear:
     """y = x @ W^T + b for a block-quantized weight [out, in] (same contract as Linear;
     x and y fp32).
 
-    Q4_0, Q4_1 and Q8_0 (X16_FORMATS) on AVX2 / AVX-512: x is rounded to 16-bit integers
-    with a scale per 32 values and each block's dot product is an integer sum. Up to
-    `GEMV_ROWS` rows (one decode stream) `tq_gemv` reads the weight's blocks directly;
-    more rows `tq_gemm` unpacks 32 (AVX2: 16) weight rows at a time into an int16 panel
-    that stays in cache and serves every row of x (quant/panel_products.h, panel_avx2.h;
-    any batch size, a prefill too: a row has the same bits in a batch of 5 or of 2,000).
+    Every block format on AVX2 / AVX-512 (X16_FORMATS): x is rounded to 16-bit integers
+    with a scale per 32 values and each block's (a K-quant's 32-value sub-block's) dot
+    product is an integer sum. Up to `GEMV_ROWS` rows (one decode stream) `tq_gemv` reads
+    the weight's blocks directly. More rows of Q4_0 / Q4_1 / Q8_0 (PANEL_FORMATS): `tq_gemm`
+    unpacks 32 (AVX2: 16) weight rows at a time into an int16 panel that stays in cache and
+    serves every row of x (quant/panel_products.h, panel_avx2.h; any batch size, a prefill
+    too: a row has the same bits in a batch of 5 or of 2,000). More rows of K-quants, up to
+    `GEMM_ROWS`: `tq_gemm` takes the same integer sub-block dots as `tq_gemv`
+    (quant/kquant_products.h; a row's bits the same in any batch of 1 to `GEMM_ROWS`).
 
-    Other formats, and more than `GEMM_ROWS` rows without the panels (a prefill chunk): the
-    weight is dequantized `SLICE_VALUES` at a time into a per-thread buffer and each slice
-    multiplied with torch's GEMM, whose blocking wins once the fp32 slice is reused by
-    enough rows; x is rounded first as the integer path rounds it. Up to `GEMV_ROWS` rows
-    `tq_gemv` dequantizes each block once, in registers; `tq_gemm` dequantizes four weight
-    rows at a time into a buffer that stays in cache.
+    More than `GEMM_ROWS` rows without the panels (a prefill chunk): the weight is
+    dequantized `SLICE_VALUES` at a time into a per-thread buffer and each slice multiplied
+    with torch's GEMM, whose blocking wins once the fp32 slice is reused by enough rows; x
+    is rounded first as the integer path rounds it. The generic build keeps x in fp32 on
+    every path.
 
     Those are the native paths of each row class (ROW_CLASSES); `use` can route a class
     through another candidate (`candidates`): the dequantized slices, or "copy", a oneDNN
@@ -142,7 +147,8 @@ class QuantLinear:
         self._round_x = lib.tq_round_x16 if x16 else None
         # int16 panels (AVX-512, and AVX2 against oneDNN's AVX2 kernels) beat the
         # dequantized slices at every batch size (docs/engine.md)
-        wide = "gemm" if x16 and lib.tq_panel_products() else "sliced"
+        panels = x16 and weight.kind in PANEL_FORMATS and lib.tq_panel_products()
+        wide = "gemm" if panels else "sliced"
         self._native: tuple[str, ...] = ("gemv", "gemm", wide)
         self._paths: tuple[str, ...] = self._native
         self._copy: torch.Tensor | None = None

@@ -32,8 +32,8 @@ static inline float h2f(const uint8_t *p) {
     return f;
 }
 
-/* Bits of x in the Q4_0 / Q4_1 / Q8_0 products of this build: 16 (quantized per block,
- * see the 16-bit activation products below) or 32 (fp32, the generic build). */
+/* Bits of x in the products of this build: 16 (quantized per 32 values, see
+ * x16_products.h and kquant_products.h) or 32 (fp32, the generic build). */
 int tq_activation_bits(void);
 
 int tq_block_size(int type) {
@@ -53,6 +53,7 @@ int tq_block_bytes(int type) {
 }
 
 static inline int small_block(int type) { return type == TQ_Q4_0 || type == TQ_Q4_1 || type == TQ_Q8_0; }
+static inline int k_block(int type) { return type == TQ_Q4_K || type == TQ_Q5_K || type == TQ_Q6_K; }
 
 static inline void scale_min_k4(int j, const uint8_t *q, float *sc, float *m) {
     if (j < 4) {

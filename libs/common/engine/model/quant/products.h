@@ -1,8 +1,8 @@
 /* Part of kernels.c (one translation unit; included there, never compiled alone).
  * The products' entry points: tq_gemv (up to TQ_MAX_ROWS rows of x), tq_gemm (any number
  * of rows) and tq_dequant_rows (fp32 rows for the wide products and embedding lookups).
- * Each takes the integer paths of x16_products.h / panel_products.h where the build has
- * them, else fp32 with blocks dequantized on the fly. */
+ * Each takes the integer paths of x16_products.h / kquant_products.h / panel_products.h
+ * where the build has them, else fp32 with blocks dequantized on the fly. */
 
 /* y[t, n] = sum_k x[t, k] * W[n, k] for t < m (m <= TQ_MAX_ROWS), n < n_out; x is [m][k],
  * y is [m][ldy] (columns n_out written). k is a multiple of the block size. */
@@ -12,6 +12,20 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
     if (bb == 0 || k % bs != 0 || m < 1 || m > TQ_MAX_ROWS) return -1;
 #ifdef TQ_QX
     if (small_block(type)) return gemm_qx(type, w, row_bytes, n_out, k, x, m, y, ldy);
+#endif
+#ifdef TQ_KX
+    if (k_block(type)) return gemm_kx(type, w, row_bytes, n_out, k, x, m, y, ldy);
+#endif
+    float *rounded = NULL;
+#ifdef TQ_QX
+    /* K-quants without their integer products (NEON): fp32 over x rounded as the other
+     * paths round it, so that every path of a build computes one function */
+    if (k_block(type)) {
+        rounded = malloc(sizeof(float) * (size_t)m * k);
+        if (!rounded) return -2;
+        tq_round_x16(x, m, k, rounded);
+        x = rounded;
+    }
 #endif
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < n_out; n++) {
@@ -66,6 +80,7 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
             for (int t = 0; t < g; t++) y[(size_t)(t0 + t) * ldy + n] = out[t];
         }
     }
+    free(rounded);
     return 0;
 }
 
@@ -82,15 +97,24 @@ static inline void dequant_row(int type, const uint8_t *row, int k, float *out) 
         return;
     }
 #endif
+#ifdef TQ_KX
+    if (k_block(type)) {
+        for (int b = 0; b < nb; b++) dequant_k(type, row + (size_t)b * bb, out + (size_t)b * bs);
+        return;
+    }
+#endif
     for (int b = 0; b < nb; b++) dequant_block(type, row + (size_t)b * bb, out + (size_t)b * bs);
 }
 
 #define TQ_NR 4 /* weight rows a tile */
 #define TQ_MR 4 /* rows of x a tile */
 
-/* y = x W^T for any m (meant for a decode batch: 5 to a few dozen rows). Each thread
- * dequantizes TQ_NR weight rows at a time into a buffer that stays in cache, then
- * multiplies them with every row of x, TQ_MR x TQ_NR dot products side by side. */
+/* y = x W^T for any m (meant for a decode batch: 5 to a few dozen rows). The int16 panels
+ * where the build has them (Q4_0 / Q4_1 / Q8_0), the K-quants' integer sub-block dots
+ * (kquant_products.h: rows of x 4 at a time against each weight row; at 32 rows ~2x the
+ * fp32 tiles, which pay a K-quant block's scalar dequantization, and as fast at 128),
+ * else each thread dequantizes TQ_NR weight rows at a time into a buffer that stays in
+ * cache and multiplies them with every row of x, TQ_MR x TQ_NR dot products side by side. */
 int tq_gemm(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
             int m, float *y, int ldy) {
     const int bs = tq_block_size(type);
@@ -99,11 +123,14 @@ int tq_gemm(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
 #ifdef TQ_PANEL
     if (small_block(type)) return gemm_panel(type, w, row_bytes, n_out, k, x, m, y, ldy);
 #endif
+#ifdef TQ_KX
+    if (k_block(type)) return gemm_kx(type, w, row_bytes, n_out, k, x, m, y, ldy);
+#endif
 #ifdef TQ_QX
     /* x rounded as tq_gemv's integer products round it, then fp32 tiles: with 5 or more
      * rows the tiles' fp32 FMAs beat per-block integer dots (~1.5x at 32 rows), and the
      * results differ from the integer path's by summation order only */
-    if (small_block(type)) {
+    if (small_block(type) || k_block(type)) { /* K-quants here: NEON */
         rounded = malloc(sizeof(float) * (size_t)m * k);
         if (!rounded) return -2;
         tq_round_x16(x, m, k, rounded);
