@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.load.gguf import load_gguf
 from libs.common.engine.load.quantized import FORMATS, QuantWeight
 from libs.common.engine.model.fused_decode import FusedDecode
 from libs.common.engine.model.model import LlamaModel
-from tests.engine.model.test_families import make_core
+from libs.common.engine.step_loop import EngineCore
 
 gguf = pytest.importorskip("gguf")
 
@@ -117,9 +118,12 @@ PROMPTS = [
 ]
 
 
-def generate(model: LlamaModel, streams: int) -> tuple[dict, dict]:
+def generate(model: LlamaModel, streams: int, speculation: str = "off") -> tuple[dict, dict]:
+    """Greedy tokens and log-probabilities; without speculation by default, so that every
+    step after the prefill is a plain decode step (the fused layer's case)."""
     torch.set_num_threads(1)
-    core = make_core(model, None)
+    config = EngineConfig(kv_cache_mb=8, num_threads=1, speculation=speculation)
+    core = EngineCore(config, model, None)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     for i, ids in enumerate(PROMPTS[:streams]):
         core.add(str(i), ids, params)
@@ -162,7 +166,8 @@ def test_k_quant_decode_takes_the_fused_layer_with_the_op_by_op_bits(
 
 
 def test_k_quant_greedy_tokens_equal_the_dequantized_fp32_models(kquant_file):
-    native = generate(LlamaModel(load_gguf(kquant_file, weights="native")), 3)[0]
+    """With the default speculation natively (verification runs the 5-128-row products)."""
+    native = generate(LlamaModel(load_gguf(kquant_file, weights="native")), 3, "ngram")[0]
     fp32 = generate(LlamaModel(load_gguf(kquant_file, weights="fp32")), 3)[0]
     assert native == fp32 and all(len(t) == 16 for t in native.values())
     assert len({tuple(t) for t in native.values()}) == 3  # the prompts lead somewhere different
