@@ -6,7 +6,7 @@
                 exists, start the load-report loop, subscribe to cancels and to routers'
                 heartbeats (a request whose router went silent is cancelled, router_watch.py)
       details:  role, model id, page size, KV dtype, transport, endpoint: what `info` shows
-                and what a peer checks before pairing
+                and what a peer checks before pairing; speculation's draft totals
       stop:     stop the loops, the engine and the transfer engine (idempotent)
 
 The roles (decode.py, prefill.py) call into it: they `hold` the requests they serve (so a
@@ -28,7 +28,6 @@ from nats.aio.msg import Msg
 from libs.common.bus.connection import Bus
 from libs.common.bus.kv_events import KvEventPublisher, keep_kv_stream
 from libs.common.config import WorkerConfig
-from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.radix_cache import CacheEvent
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
@@ -45,6 +44,7 @@ from libs.common.pool.integrity import KvMac, load_kv_mac
 from libs.common.pool.tier import PoolTier
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
+from libs.common.worker.engine_setup import engine_config, speculation_stats
 from libs.common.worker.router_watch import RouterWatch, request_key
 
 log = get_logger(__name__)
@@ -191,6 +191,7 @@ class WorkerCore:
             "prefix_cache": not self.config.no_prefix_cache,
             "pool": not self.config.no_pool,
             "active_requests": len(self._active),
+            "speculation": speculation_stats(self.config, core),
         }
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -203,24 +204,7 @@ class WorkerCore:
         await transfer.start()
         await serve_connect(self.bus, transfer, prefix, sid)
         self._engine = engine = Engine(
-            EngineConfig(
-                model=self.config.model,
-                page_size=self.config.page_size,
-                kv_cache_mb=self.config.kv_cache_mb,
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                enable_prefix_cache=not self.config.no_prefix_cache,
-                decode_mirror=not self.config.no_decode_mirror,
-                kv_dtype=self.config.kv_dtype,
-                weights=self.config.weights,
-                kernel_choice=self.config.kernel_choice,
-                kernel_copy_mb=self.config.kernel_copy_mb,
-                speculation=self.config.speculation,
-                draft_model=self.config.draft_model or None,
-                speculation_max_draft=self.config.speculation_max_draft,
-                num_threads=self.config.num_threads or None,
-                tier="device",
-            ),
+            engine_config(self.config),
             on_kv_event=self._on_kv_event,
             kv_allocator=transfer.allocate,
         )
