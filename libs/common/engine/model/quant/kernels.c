@@ -18,7 +18,8 @@
  *   blocks.h          GGUF's block formats, fp16 scales, one block dequantized
  *   vectors.h         vectors of L floats for the instruction set, a block unpacked to them
  *   x16_products.h    products with x rounded to 16 bits a block (AVX2 and up, NEON)
- *   kquant_products.h the same for the K-quants, Q4_K / Q5_K / Q6_K (AVX2 and up)
+ *   kquant_neon.h     the K-quants' integer dots for NEON builds (kquant_products.h's)
+ *   kquant_products.h the same for the K-quants, Q4_K / Q5_K / Q6_K (AVX2 and up, NEON)
  *   panel_avx2.h      256-bit integer panels for a batch (AVX2 builds)
  *   panel_products.h  512-bit integer panels (AVX-512BW), the batch product over panels
  *   products.h        tq_gemv, tq_gemm, tq_dequant_rows: the entry points of the products
@@ -43,6 +44,7 @@
 #include "blocks.h"
 #include "vectors.h"
 #include "x16_products.h"
+#include "kquant_neon.h"
 #include "kquant_products.h"
 #include "panel_avx2.h"
 #include "panel_products.h"

@@ -1,7 +1,7 @@
 /* Part of kernels.c (one translation unit; included there, never compiled alone).
- * Needs x16_products.h (x quantized to int16 a 32-value block); defines TQ_KX where that
- * exists on x86 (AVX2, FMA and F16C; the NEON builds multiply K-quants in fp32 over x
- * rounded the same way, products.h). */
+ * Needs x16_products.h (x quantized to int16 a 32-value block) and, in NEON builds,
+ * kquant_neon.h (their rows_dot_k); defines TQ_KX where x16_products.h has TQ_QX (AVX2,
+ * FMA and F16C, or NEON). */
 
 /* ---- products with 16-bit activations for the K-quants (Q4_K, Q5_K, Q6_K) ---------------
  *
@@ -18,8 +18,9 @@
  *
  * Every row of x goes through the same operations whatever the rows beside it: a row's
  * result has the same bits alone or in a group. */
-#if defined(TQ_QX) && defined(__AVX2__)
+#ifdef TQ_QX
 #define TQ_KX 1
+#ifndef TQ_NEON
 
 /* The compiler may reassociate fp32 sums (-fassociative-math) and would do so differently
  * in the copies of a loop for 1 and for 4 rows; pinning each step of a row's accumulation
@@ -48,19 +49,6 @@ static inline void k4_scales(const uint8_t *s, __m256 *sc, __m256 *mn) {
     const __m128i both = _mm_unpacklo_epi32(_mm_cvtsi64_si128((long long)lo), _mm_cvtsi64_si128((long long)hi));
     *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
     *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8)));
-}
-
-/* x's block scales side by side per row, [m][2][nbp]: dx of each block, then its
- * dx sum(qx) (quantize_x keeps them as pairs, for the 32-value formats). */
-static float *x_scales_planar(const tq_xq_t *xq, int m) {
-    float *p = malloc(sizeof(float) * 2 * (size_t)m * xq->nbp);
-    if (!p) return NULL;
-    for (int t = 0; t < m; t++)
-        for (int b = 0; b < xq->nbp; b++) {
-            p[(size_t)t * 2 * xq->nbp + b] = xq->ds[((size_t)t * xq->nbp + b) * 2];
-            p[((size_t)t * 2 + 1) * xq->nbp + b] = xq->ds[((size_t)t * xq->nbp + b) * 2 + 1];
-        }
-    return p;
 }
 
 /* The integer dot of 32 int16 weights (two vectors) with 32 int16 values of x, in 8 lanes. */
@@ -193,9 +181,9 @@ static inline __attribute__((always_inline)) void rows_dot_k(
     else rows_dot_k45(TQ_Q4_K, row, nb, xq, xs, t0, g, out);
 }
 
-/* One Q4_K / Q5_K / Q6_K block -> 256 fp32 values, 8 at a time: dequant_block's values
- * bit for bit (the same products in the same order, no FMA: every build dequantizes
- * alike), for the wide products' slices and embedding rows. */
+/* One Q4_K / Q5_K / Q6_K block -> 256 fp32 values, 8 at a time (dequant_block's values, d sc
+ * q - dmin m with one rounding less where the FMA fuses it): for the wide products'
+ * slices and embedding rows. */
 static inline void dequant_k(int type, const uint8_t *blk, float *y) {
     if (type == TQ_Q6_K) {
         const __m256 d = _mm256_set1_ps(h2f(blk + 208));
@@ -240,11 +228,26 @@ static inline void dequant_k(int type, const uint8_t *blk, float *y) {
                 q0 = _mm256_or_si256(q0, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * j), one), 4));
                 q1 = _mm256_or_si256(q1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * j + 1), one), 4));
             }
-            const __m256 w0 = _mm256_mul_ps(_mm256_set1_ps(dsc[2 * j]), _mm256_cvtepi32_ps(q0));
-            const __m256 w1 = _mm256_mul_ps(_mm256_set1_ps(dsc[2 * j + 1]), _mm256_cvtepi32_ps(q1));
-            _mm256_storeu_ps(y + l, _mm256_sub_ps(w0, _mm256_set1_ps(dmn[2 * j])));
-            _mm256_storeu_ps(y + 32 + l, _mm256_sub_ps(w1, _mm256_set1_ps(dmn[2 * j + 1])));
+            _mm256_storeu_ps(y + l, _mm256_fmsub_ps(_mm256_set1_ps(dsc[2 * j]), _mm256_cvtepi32_ps(q0),
+                                                    _mm256_set1_ps(dmn[2 * j])));
+            _mm256_storeu_ps(y + 32 + l, _mm256_fmsub_ps(_mm256_set1_ps(dsc[2 * j + 1]), _mm256_cvtepi32_ps(q1),
+                                                         _mm256_set1_ps(dmn[2 * j + 1])));
         }
+}
+
+#endif /* not TQ_NEON */
+
+/* x's block scales side by side per row, [m][2][nbp]: dx of each block, then its
+ * dx sum(qx) (quantize_x keeps them as pairs, for the 32-value formats). */
+static float *x_scales_planar(const tq_xq_t *xq, int m) {
+    float *p = malloc(sizeof(float) * 2 * (size_t)m * xq->nbp);
+    if (!p) return NULL;
+    for (int t = 0; t < m; t++)
+        for (int b = 0; b < xq->nbp; b++) {
+            p[(size_t)t * 2 * xq->nbp + b] = xq->ds[((size_t)t * xq->nbp + b) * 2];
+            p[((size_t)t * 2 + 1) * xq->nbp + b] = xq->ds[((size_t)t * xq->nbp + b) * 2 + 1];
+        }
+    return p;
 }
 
 /* y = x W^T for a Q4_K / Q5_K / Q6_K weight, any m, x quantized as for Q4_0. */

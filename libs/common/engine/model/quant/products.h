@@ -16,17 +16,6 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
 #ifdef TQ_KX
     if (k_block(type)) return gemm_kx(type, w, row_bytes, n_out, k, x, m, y, ldy);
 #endif
-    float *rounded = NULL;
-#ifdef TQ_QX
-    /* K-quants without their integer products (NEON): fp32 over x rounded as the other
-     * paths round it, so that every path of a build computes one function */
-    if (k_block(type)) {
-        rounded = malloc(sizeof(float) * (size_t)m * k);
-        if (!rounded) return -2;
-        tq_round_x16(x, m, k, rounded);
-        x = rounded;
-    }
-#endif
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < n_out; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
@@ -80,7 +69,6 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
             for (int t = 0; t < g; t++) y[(size_t)(t0 + t) * ldy + n] = out[t];
         }
     }
-    free(rounded);
     return 0;
 }
 
@@ -130,7 +118,7 @@ int tq_gemm(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
     /* x rounded as tq_gemv's integer products round it, then fp32 tiles: with 5 or more
      * rows the tiles' fp32 FMAs beat per-block integer dots (~1.5x at 32 rows), and the
      * results differ from the integer path's by summation order only */
-    if (small_block(type) || k_block(type)) { /* K-quants here: NEON */
+    if (small_block(type)) {
         rounded = malloc(sizeof(float) * (size_t)m * k);
         if (!rounded) return -2;
         tq_round_x16(x, m, k, rounded);
