@@ -209,7 +209,7 @@ def build(dest: Path, jobs: int, options: list[str], isa: str, work: Path | None
     if "GGML_NATIVE:BOOL=ON" in cache and platform.machine() in ("x86_64", "AMD64"):
         raise SystemExit("GGML_NATIVE is ON: -march=native would enable AMX")
     bin_dir = dest / "bin"
-    bin_dir.mkdir(exist_ok=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
     for name in BINARIES:
         built = build_dir / "bin" / name
         found = forbidden_instructions(built, isa)
