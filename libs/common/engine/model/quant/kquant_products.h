@@ -63,8 +63,9 @@ static inline __m256i dot32(__m256i w0, __m256i w1, const int16_t *xp) {
 
 /* Sub-block pair j (values 64j .. 64j + 63) of a Q4_K / Q5_K block as int16: w[0], w[1] the
  * low nibbles (sub-block 2j), w[2], w[3] the high ones (2j + 1), Q5_K's fifth bits added
- * from qh (the bits 2j and 2j + 1 of each of its 32 bytes, widened in h[2]). */
-static inline void k45_pair(int type, const uint8_t *qs, const __m256i *h, int j, __m256i w[4]) {
+ * from qh (the bits 2j and 2j + 1 of each of its 32 bytes, widened in h[2] and shifted
+ * right by 2j: pairs are taken in order). */
+static inline void k45_pair(int type, const uint8_t *qs, __m256i *h, __m256i w[4]) {
     const __m256i nib = _mm256_set1_epi16(0x0F);
     const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
@@ -73,13 +74,15 @@ static inline void k45_pair(int type, const uint8_t *qs, const __m256i *h, int j
     w[2] = _mm256_srli_epi16(a, 4);
     w[3] = _mm256_srli_epi16(b, 4);
     if (type == TQ_Q5_K) {
+        /* h holds qh shifted right by 2j: its bits 0 and 1 (sub-blocks 2j, 2j + 1) go to
+         * bit 4; then h moves on to the next pair */
         const __m256i bit = _mm256_set1_epi16(0x10);
-        const __m128i lo = _mm_cvtsi32_si128(2 * j), hi = _mm_cvtsi32_si128(2 * j + 1);
-        /* bit s of qh moved to bit 4: shifted right by s, then left by 4 */
-        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h[0], lo), 4), bit));
-        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h[1], lo), 4), bit));
-        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h[0], hi), 4), bit));
-        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h[1], hi), 4), bit));
+        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h[0], 4), bit));
+        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h[1], 4), bit));
+        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h[0], 3), bit));
+        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h[1], 3), bit));
+        h[0] = _mm256_srli_epi16(h[0], 2);
+        h[1] = _mm256_srli_epi16(h[1], 2);
     }
 }
 
@@ -96,8 +99,11 @@ static inline __attribute__((always_inline)) void rows_dot_k45(
         const uint8_t *blk = row + (size_t)b * bb;
         __m256 sc, mn;
         k4_scales(blk + 4, &sc, &mn);
-        __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), sc);
-        __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mn);
+        int32_t head; /* d and dmin, converted in one instruction: (d, dmin, d, dmin, ...) */
+        memcpy(&head, blk, 4);
+        const __m256 dd = _mm256_cvtph_ps(_mm_set1_epi32(head));
+        __m256 dsc = _mm256_mul_ps(_mm256_moveldup_ps(dd), sc);
+        __m256 dmn = _mm256_mul_ps(_mm256_movehdup_ps(dd), mn);
         TQ_PIN(dsc); /* (d sc) dx, never d (sc dx): the order of the products shared by rows */
         TQ_PIN(dmn);
         float scale[TQ_GROUP][8]; /* d sc_s dx_s of each row's 8 pieces, broadcast from here */
@@ -114,7 +120,7 @@ static inline __attribute__((always_inline)) void rows_dot_k45(
         }
         for (int j = 0; j < 4; j++) {
             __m256i w[4];
-            k45_pair(type, blk + qs_at + 32 * j, h, j, w);
+            k45_pair(type, blk + qs_at + 32 * j, h, w);
             for (int t = 0; t < g; t++) {
                 const int16_t *xp = xq->q + (size_t)(t0 + t) * xq->kp + (size_t)b * 256 + 64 * j;
                 const __m256i p0 = dot32(w[0], w[1], xp), p1 = dot32(w[2], w[3], xp + 32);
