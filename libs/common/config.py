@@ -360,7 +360,7 @@ class WorkerConfig(TransferConfig):
         default="ngram",
         metadata={
             "help": "speculative decoding: ngram (drafts from the request's own tokens, "
-            "verified in one step; same greedy output, off by itself under large batches "
+            "verified in one step; same greedy output, off by itself with 2+ streams "
             "or low acceptance), draft (drafts by --draft-model) or off",
             "choices": ("ngram", "draft", "off"),
         },

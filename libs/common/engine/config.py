@@ -43,9 +43,9 @@ class EngineConfig:
       weights for oneDNN's products (0: none);
     - `speculation`: speculative decoding, "ngram" (drafts by n-gram lookup in the
       request's own tokens, spec/ngram.py), "draft" (drafts by `draft_model`,
-      spec/draft.py) or "off" (SPECULATION); greedy output is the
-      same either way, and it turns itself off per step under large batches and per
-      request under low acceptance (spec/speculator.py);
+      spec/draft.py) or "off" (SPECULATION); greedy output is the same either way, and
+      it turns itself off while more sequences run than it pays for and per request
+      under low acceptance (spec/speculator.py);
     - `speculation_max_draft`: the most draft tokens verified per request and step;
     - `draft_model`: with speculation "draft" (and only then), the draft model ("default",
       a .gguf file or an HF folder; the target's tokenizer, or start-up fails), its KV

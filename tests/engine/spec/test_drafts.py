@@ -8,7 +8,12 @@ import pytest
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.core.sequence import Sequence, SequenceStatus
 from libs.common.engine.spec.ngram import NgramProposer
-from libs.common.engine.spec.speculator import LOW_ACCEPTANCE, Speculator
+from libs.common.engine.spec.speculator import (
+    FIRST_ACCEPTANCE,
+    PROBE_ACCEPTANCE,
+    Speculator,
+    best_draft_length,
+)
 from libs.common.engine.spec.verify import accepted_run
 
 
@@ -61,21 +66,35 @@ def _running(request_id: str, tokens: list[int], max_tokens: int = 64) -> Sequen
 REPEATING = [1, 2, 3, 4] * 4
 
 
-def test_draft_length_grows_while_all_are_accepted_and_never_passes_max_tokens():
-    spec = Speculator(NgramProposer(), max_draft=8)
+def test_draft_length_is_the_one_with_most_tokens_per_step_cost():
+    lengths = [best_draft_length(a / 20, 8) for a in range(21)]
+    assert lengths == sorted(lengths), "a draft that holds more often is never drafted shorter"
+    assert lengths[0] == 0 and best_draft_length(0.2, 8) == 0  # drafts rarely hold: none
+    assert best_draft_length(0.95, 3) == 3 and best_draft_length(1.0, 8) == 8
+
+
+def test_draft_length_grows_with_acceptance_and_never_passes_max_tokens():
+    spec = Speculator(NgramProposer(), max_draft=3)
     seq = _running("r", REPEATING)
     spec.draft([seq])
-    assert len(seq.draft_ids) == 4  # half the maximum to start
-    spec.verified(seq, 4, 4)
+    assert len(seq.draft_ids) == best_draft_length(FIRST_ACCEPTANCE, 3) >= 1
+    spec.verified(seq, len(seq.draft_ids), 1)  # one held, the next did not
     spec.draft([seq])
-    assert len(seq.draft_ids) == 6
-    near_end = _running("e", REPEATING, max_tokens=len(REPEATING) - 4 + 3)
+    shorter = len(seq.draft_ids)
+    for _ in range(4):
+        spec.verified(seq, len(seq.draft_ids), len(seq.draft_ids))
+        spec.draft([seq])
+    assert len(seq.draft_ids) == 3 > shorter
+    near_end = _running("e", REPEATING, max_tokens=len(REPEATING) - 4 + 2)
+    for _ in range(4):
+        spec.draft([near_end])
+        spec.verified(near_end, len(near_end.draft_ids), len(near_end.draft_ids))
     spec.draft([near_end])
-    assert len(near_end.draft_ids) == 2  # 3 tokens left: 2 drafts and the target's one
+    assert len(near_end.draft_ids) == 1  # 2 tokens left: 1 draft and the target's one
 
 
-def test_low_acceptance_pauses_drafting_then_retries_short():
-    spec = Speculator(NgramProposer(), max_draft=8)
+def test_low_acceptance_pauses_drafting_then_probes_one_draft():
+    spec = Speculator(NgramProposer(), max_draft=3)
     seq = _running("r", REPEATING)
     paused_after = None
     for step in range(10):
@@ -84,21 +103,22 @@ def test_low_acceptance_pauses_drafting_then_retries_short():
             paused_after = step
             break
         spec.verified(seq, len(seq.draft_ids), 0)
-    assert paused_after is not None, f"acceptance 0 < {LOW_ACCEPTANCE} must pause drafting"
+    assert paused_after is not None, "rejected drafts must pause drafting"
     pause = 0
     while not seq.draft_ids:
         pause += 1
         spec.draft([seq])
-    assert pause == 4 and len(seq.draft_ids) == 2
+    # the step that paused, 4 more, then a probe
+    assert pause == 5 and len(seq.draft_ids) == best_draft_length(PROBE_ACCEPTANCE, 3) > 0
 
 
-def test_no_drafts_while_more_sequences_run_than_max_batch():
-    spec = Speculator(NgramProposer(), max_draft=8, max_batch=8)
-    seqs = [_running(str(i), REPEATING) for i in range(9)]
+def test_only_a_lone_running_stream_drafts():
+    spec = Speculator(NgramProposer(), max_draft=3, max_streams=1)
+    seqs = [_running(str(i), REPEATING) for i in range(2)]
     spec.draft(seqs)
     assert all(not s.draft_ids for s in seqs)
-    spec.draft(seqs[:8])
-    assert all(s.draft_ids for s in seqs[:8])
+    spec.draft(seqs[:1])
+    assert seqs[0].draft_ids
 
 
 def test_a_sequence_with_a_prefill_chunk_left_gets_no_draft():

@@ -30,11 +30,20 @@ PERSON_JSON = '{"name": "Ada", "age": 36, "pets": ["cat", "dog"]}'
 
 
 def generate(make_core, requests: dict[str, tuple[list[int], SamplingParams]], **config):
-    """Every request in one batch, to the end: per request its outputs merged."""
+    """Each request to its end, one after the other (a lone stream drafts the most), or
+    all in one batch with `batch=True`: per request its outputs merged."""
+    batch = config.pop("batch", False)
     core = make_core(**config)
+    got: dict[str, dict] = {r: {"tokens": [], "text": "", "lps": []} for r in requests}
     for rid, (ids, params) in requests.items():
         core.add(rid, ids, params)
-    got: dict[str, dict] = {r: {"tokens": [], "text": "", "lps": []} for r in requests}
+        if not batch:
+            _drain(core, got)
+    _drain(core, got)
+    return got, core
+
+
+def _drain(core, got: dict[str, dict]) -> None:
     while core.has_work():
         for out in core.step():
             g = got[out.request_id]
@@ -43,7 +52,6 @@ def generate(make_core, requests: dict[str, tuple[list[int], SamplingParams]], *
             g["lps"] += [(lp.token_id, lp.logprob, [t for t, _ in lp.top]) for lp in out.logprobs]
             if out.finished:
                 g["end"] = (out.finish_reason, out.stop_reason, out.num_output_tokens)
-    return got, core
 
 
 def assert_same(plain: dict, spec: dict) -> None:
@@ -108,12 +116,12 @@ def test_prefix_cache_filled_while_speculating_serves_the_right_kv(make_core, to
     assert warm == cold["b"]["tokens"]
 
 
-def test_a_large_batch_drafts_nothing_and_a_lone_stream_still_runs_fused(
+def test_two_streams_draft_nothing_and_a_lone_stream_still_runs_fused(
     make_core, tokenizer, monkeypatch
 ):
     repeat = tokenizer.encode(REPEAT)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    _, core = generate(make_core, {str(i): (repeat, params) for i in range(9)})
+    _, core = generate(make_core, {str(i): (repeat, params) for i in range(2)}, batch=True)
     assert core.speculator.num_proposed == 0
     calls: list[bool] = []
     real_run = FusedDecode.run

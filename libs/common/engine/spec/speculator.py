@@ -4,14 +4,13 @@
     speculator.verified(seq, p, a)       # after verification: p proposed, a accepted
     speculator.release(request_id)       # the request is gone
 
-Policy (pure Python, no torch):
-- no drafts while more than `max_batch` sequences run: a step then computes enough
-  tokens that the verified drafts cost more than the steps they save;
-- per request, the draft length starts at half the maximum, grows by 2 while every draft
-  is accepted, and drops to one more than the accepted count on a rejection;
-- an exponential average of accepted/proposed below LOW_ACCEPTANCE turns drafting off
-  for that request for a while (4 steps, doubling up to 64 each time it happens again),
-  then it tries again with a short draft.
+Policy (pure Python, no torch). A step that verifies k drafts costs ROW_COST[k] times a
+one-token step and emits 1 + a + ... + a^k tokens on average when each draft holds with
+probability a. Per request, `a` is a running estimate from its verified drafts, and the
+draft length is the k (0 .. max_draft) with the most tokens per cost; k = 0 stops
+drafting for that request for a while (4 steps, doubling up to 64 each time), then it
+tries one draft again. Only a lone running sequence drafts (MAX_STREAMS): with two or
+more, the fused decode step they share is cheaper than any verification step measured.
 """
 
 from __future__ import annotations
@@ -24,51 +23,76 @@ from libs.common.engine.core.sequence import Sequence, SequenceStatus
 from libs.common.engine.spec.ngram import NgramProposer
 from libs.common.engine.spec.proposer import Proposer
 
-MAX_BATCH = 8  # running sequences above which no step drafts
-LOW_ACCEPTANCE = 0.3  # average accepted fraction below which a request pauses drafting
-EMA_WEIGHT = 0.3  # weight of the last step in the average
-MAX_PAUSE = 64  # steps
+# A step verifying k drafts against a one-token decode step (fused), k = 0, 1, ...: whole
+# steps of the default model measured on the CPU (docs/engine.md, "Speculative
+# decoding"). Past 4 rows (QuantLinear.GEMV_ROWS) the products take the panel form.
+ROW_COST = (1.0, 1.57, 1.80, 2.10, 3.45, 3.50, 3.60, 3.75, 3.90)
+MAX_STREAMS = 1  # running sequences above which no step drafts
+# The same for a draft model's proposals, which come batched (propose_many): not measured
+# against this table yet, the bound it was written with.
+DRAFT_MODEL_STREAMS = 8
+FIRST_ACCEPTANCE = 0.75  # the estimate a request starts with: drafts from its first step
+PROBE_ACCEPTANCE = 0.65  # after a pause: an estimate for which a short draft is worth trying
+EMA_WEIGHT = 0.3  # weight of the last verification in the estimate
+FIRST_PAUSE, MAX_PAUSE = 4, 64  # steps
 
 
 @dataclasses.dataclass(slots=True)
 class _State:
-    k: int
-    acceptance: float = 0.5
+    acceptance: float = FIRST_ACCEPTANCE  # estimated probability that a draft holds
     pause: int = 0  # steps left without drafting
-    backoff: int = 4  # the next pause's length
+    backoff: int = FIRST_PAUSE  # the next pause's length
+
+
+def best_draft_length(acceptance: float, max_draft: int) -> int:
+    """The draft length with the most expected tokens per step cost (0: none)."""
+    best, best_rate = 0, 1.0
+    expected, term = 1.0, 1.0
+    for k in range(1, max_draft + 1):
+        term *= acceptance
+        expected += term
+        cost = ROW_COST[k] if k < len(ROW_COST) else ROW_COST[-1] + 0.06 * (k - 8)
+        if expected / cost > best_rate:
+            best, best_rate = k, expected / cost
+    return best
 
 
 class Speculator:
     """Owns a Proposer and the per-request draft length. One caller (the engine thread)."""
 
-    def __init__(self, proposer: Proposer, max_draft: int, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, proposer: Proposer, max_draft: int, max_streams: int = MAX_STREAMS) -> None:
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
         self.proposer = proposer
         self.max_draft = max_draft
-        self.max_batch = max_batch
+        self.max_streams = max_streams
         self._states: dict[str, _State] = {}
         self.num_proposed = 0  # totals, for logs and tests
         self.num_accepted = 0
 
     def draft(self, running: list[Sequence]) -> None:
         """Set `draft_ids` of each running decoding sequence (empty: no draft this step)."""
-        crowded = len(running) > self.max_batch
         wanted: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft_ids = []
-            if crowded or not _may_draft(seq):
+        if sum(1 for s in running if s.status == SequenceStatus.RUNNING) > self.max_streams:
+            return
+        for seq in running:
+            if not _may_draft(seq):
                 continue
-            state = self._states.get(seq.request_id)
-            if state is None:
-                state = self._states[seq.request_id] = _State((self.max_draft + 1) // 2)
+            state = self._states.setdefault(seq.request_id, _State())
             if state.pause:
                 state.pause -= 1
+                if state.pause == 0:
+                    state.acceptance = PROBE_ACCEPTANCE
+                continue
+            k = best_draft_length(state.acceptance, self.max_draft)
+            if k == 0:
+                state.pause, state.backoff = state.backoff, min(MAX_PAUSE, 2 * state.backoff)
                 continue
             # The last output token comes from the verification itself: never draft past
             # max_tokens.
-            left = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
-            k = min(state.k, left)
+            k = min(k, seq.sampling_params.max_tokens - seq.num_output_tokens - 1)
             if k > 0:
                 wanted.append((seq, k))
         # A proposer that drafts for several requests at once (a draft model: one batched
@@ -89,15 +113,12 @@ class Speculator:
             return
         self.num_proposed += proposed
         self.num_accepted += accepted
-        rate = accepted / proposed
-        state.acceptance += EMA_WEIGHT * (rate - state.acceptance)
+        # Drafts are checked in order up to the first rejection: `accepted` successes in
+        # `trials` tries of a draft that holds with probability `acceptance`.
+        trials = accepted + (accepted < proposed)
+        state.acceptance += EMA_WEIGHT * (accepted / trials - state.acceptance)
         if accepted == proposed:
-            state.k = min(self.max_draft, state.k + 2)
-        else:
-            state.k = max(1, min(state.k, accepted + 1))
-        if state.acceptance < LOW_ACCEPTANCE:
-            state.pause, state.backoff = state.backoff, min(MAX_PAUSE, 2 * state.backoff)
-            state.k, state.acceptance = min(2, self.max_draft), 0.5
+            state.backoff = FIRST_PAUSE
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -136,5 +157,5 @@ def make_speculator(
             page_size=config.page_size,
             chunk_tokens=config.max_num_batched_tokens,
         )
-        return Speculator(proposer, config.speculation_max_draft)
+        return Speculator(proposer, config.speculation_max_draft, DRAFT_MODEL_STREAMS)
     return None
