@@ -34,7 +34,8 @@ import urllib.parse
 from collections.abc import Mapping
 
 from libs.common.bus.credentials import Credentials, inbox_prefix, read_credentials
-from libs.common.config import CommonConfig, env_names
+from libs.common.config import CommonConfig
+from libs.common.flags import env_names
 
 SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router")
 

@@ -17,34 +17,29 @@ too. Validation happens in `__post_init__` (see `CommonConfig.validate`) and rai
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
 import socket
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-ENV_PREFIX = "TANDEM_"
+from libs.common.flags import (
+    build_parser,
+    convert,
+    env_names,
+    flag_name,
+    init_fields,
+    require_positive,
+    require_range,
+)
+
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _LOG_FORMATS = ("auto", "json", "console")
 
 C = TypeVar("C", bound="CommonConfig")
-
-
-def flag_name(field_name: str) -> str:
-    """`drain_timeout` -> `--drain-timeout`."""
-    return "--" + field_name.replace("_", "-")
-
-
-def env_names(service: str, field_name: str) -> tuple[str, str]:
-    """The service-specific and the shared environment variable of a field."""
-    upper = field_name.upper()
-    return f"{ENV_PREFIX}{service.upper()}_{upper}", f"{ENV_PREFIX}{upper}"
 
 
 def redact_url(url: str) -> str:
@@ -147,7 +142,7 @@ class CommonConfig:
         parser = build_parser(cls)
         args = parser.parse_args(argv)
         values: dict[str, Any] = {}
-        for f in _fields(cls):
+        for f in init_fields(cls):
             cli = getattr(args, f.name)
             if cli is not None:
                 values[f.name] = cli
@@ -155,7 +150,7 @@ class CommonConfig:
             for var in env_names(cls.SERVICE, f.name):
                 if var in env:
                     try:
-                        values[f.name] = _convert(cls, f, env[var])
+                        values[f.name] = convert(cls, f, env[var])
                     except ValueError as e:
                         parser.error(f"{flag_name(f.name)} (from ${var}): {e}")
                     break
@@ -164,74 +159,6 @@ class CommonConfig:
         except ValueError as e:
             parser.error(str(e))
             raise  # unreachable: parser.error exits
-
-
-def require_positive(config: Any, name: str) -> None:
-    if getattr(config, name) <= 0:
-        raise ValueError(f"{flag_name(name)}: must be > 0, got {getattr(config, name)!r}")
-
-
-def require_range(config: Any, name: str, low: float, high: float) -> None:
-    value = getattr(config, name)
-    if not low <= value <= high:
-        raise ValueError(f"{flag_name(name)}: must be in [{low}, {high}], got {value!r}")
-
-
-def build_parser(cls: type[CommonConfig]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m services.{cls.SERVICE}",
-        description=(cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else None,
-        epilog=(
-            f"Every flag can also be set by ${ENV_PREFIX}{cls.SERVICE.upper()}_<FLAG> "
-            f"(this service only) or ${ENV_PREFIX}<FLAG> (all services); the command "
-            "line wins over both."
-        ),
-    )
-    for f in _fields(cls):
-        own, shared = env_names(cls.SERVICE, f.name)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            raise TypeError(f"{cls.__name__}.{f.name} has no default: every flag needs one")
-        help_text = f"{f.metadata.get('help', '')} [env {own} or {shared}; default {default!r}]"
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
-        kwargs["type"] = lambda raw, f=f: _convert(cls, f, raw)
-        kwargs["metavar"] = _base_type(cls, f).__name__.upper()
-        if f.metadata.get("choices"):
-            kwargs["choices"] = f.metadata["choices"]
-            kwargs["metavar"] = "{" + ",".join(f.metadata["choices"]) + "}"
-        parser.add_argument(flag_name(f.name), **kwargs)
-    return parser
-
-
-def _fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.init]
-
-
-def _base_type(cls: type, f: dataclasses.Field) -> type:
-    hint = typing.get_type_hints(cls)[f.name]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
-
-def _convert(cls: type, f: dataclasses.Field, raw: str) -> Any:
-    kind = _base_type(cls, f)
-    if kind is bool:
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected true/false, got {raw!r}")
-    if kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            raise ValueError(f"expected {kind.__name__}, got {raw!r}") from None
-    return raw
 
 
 @dataclass

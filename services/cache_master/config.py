@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass, field
 
-from libs.common.config import CommonConfig, flag_name, require_positive, require_range
+from libs.common.config import CommonConfig
+from libs.common.flags import flag_name, require_positive, require_range
 
 
 @dataclass

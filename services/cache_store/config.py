@@ -3,7 +3,8 @@
 import re
 from dataclasses import dataclass, field
 
-from libs.common.config import TransferConfig, flag_name, require_positive
+from libs.common.config import TransferConfig
+from libs.common.flags import flag_name, require_positive
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 

@@ -4,8 +4,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from libs.common.config import CommonConfig, flag_name, require_positive, require_range
+from libs.common.config import CommonConfig
 from libs.common.engine.core.sampling_params import BOUNDS, SamplingError
+from libs.common.flags import flag_name, require_positive, require_range
 
 
 @dataclass

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.common.config import flag_name
+from libs.common.flags import flag_name
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from libs.common.config import CommonConfig, WorkerConfig, require_positive
+from libs.common.config import CommonConfig, WorkerConfig
+from libs.common.flags import require_positive
 
 
 @dataclass

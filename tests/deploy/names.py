@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from libs.common.config import env_names
+from libs.common.flags import env_names
 from scripts.healthcheck import SERVICES, config_class
 
 REPO = Path(__file__).resolve().parents[2]
