@@ -60,3 +60,62 @@ def test_steps_that_do_not_qualify_run_op_by_op(make_core, tokenizer):
         core.add(str(i), prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     out = run_to_end(core)
     assert sorted(out) == [str(i) for i in range(6)] and all(len(v) == 4 for v in out.values())
+
+
+def generate_drafting(make_core, prompt, **config):
+    """One greedy stream with n-gram drafts: its tokens, their logprobs, and the drafts
+    proposed and accepted."""
+    core = make_core(speculation="ngram", **config)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=3)
+    core.add("0", prompt, params)
+    tokens: list[int] = []
+    logprobs: list = []
+    while core.has_work():
+        for out in core.step():
+            tokens.extend(out.token_ids)
+            logprobs.extend((lp.token_id, lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+    spec = core.speculator
+    assert spec is not None
+    return tokens, logprobs, (spec.num_proposed, spec.num_accepted)
+
+
+PROMPTS = {
+    "accepted": "one two three four five six seven eight nine ten " * 4 + "one two",
+    "rejected": "The cat sat on the mat. The dog sat on the rug. The cat sat on the",
+}
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(PROMPTS))
+def test_verification_steps_run_fused_with_the_same_bits(
+    make_core, model_and_tokenizer, tokenizer, monkeypatch, kv_dtype, kind
+):
+    """A verification step (1 + k rows of one sequence) runs through the fused layer, and the
+    step after it too (the mirror holds the accepted positions, whatever was rejected):
+    the same tokens and logprobs as the op-by-op path, and as decoding without drafts."""
+    model, _ = model_and_tokenizer
+    prompt = tokenizer.encode(PROMPTS[kind])
+    calls: list[tuple[int, bool]] = []
+    real_run = FusedDecode.run
+
+    def counting_run(self, x, *args):
+        used = real_run(self, x, *args)
+        calls.append((x.shape[0], used))
+        return used
+
+    monkeypatch.setattr(FusedDecode, "run", counting_run)
+    fused = generate_drafting(make_core, prompt, kv_dtype=kv_dtype)
+    steps = list(calls)
+    proposed, accepted = fused[2]
+    assert any(m > 1 and used for m, used in steps), "verification steps took the fused path"
+    # Only the prefill and the first step after it (its mirror slot filled from pages) decline.
+    assert sum(not used for _, used in steps) <= 2, steps
+    if kind == "accepted":
+        assert len(steps) < 20, "most drafts held: fewer steps than tokens"
+    else:
+        assert accepted < proposed, "some drafts were rejected"
+    monkeypatch.setattr(model, "_fused", None)
+    assert generate_drafting(make_core, prompt, kv_dtype=kv_dtype) == fused
+    plain_tokens, plain_logprobs = generate(make_core, [prompt], kv_dtype=kv_dtype)
+    assert fused[0][:24] == plain_tokens["0"]
+    assert fused[1][:24] == plain_logprobs["0"], "verified rows score as decode steps do"

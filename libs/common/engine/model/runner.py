@@ -42,7 +42,7 @@ class ModelRunner:
         """Hidden states of every computed token, and the rows of the sampling ones."""
         ids: list[int] = []
         positions: list[int] = []
-        q_lens, ctx_lens, tables, keys = [], [], [], []
+        q_lens, ctx_lens, tables, keys, drafts = [], [], [], [], []
         last_rows: list[int] = []
         for item in items:
             ids.extend(item.token_ids)
@@ -51,10 +51,13 @@ class ModelRunner:
             ctx_lens.append(item.start + item.num_tokens)
             tables.append(item.seq.page_table)
             keys.append(item.seq.uid)
+            drafts.append(item.num_drafts)
             if item.sample:  # a speculative item samples at each of its positions
                 last_rows.extend(range(len(ids) - 1 - item.num_drafts, len(ids)))
         dev = self.device
-        plan = self.attention.plan(AttentionBatch(q_lens, ctx_lens, tables, keys))
+        plan = self.attention.plan(
+            AttentionBatch(q_lens, ctx_lens, tables, keys, drafts if any(drafts) else None)
+        )
         hidden = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

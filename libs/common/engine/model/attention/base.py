@@ -28,12 +28,17 @@ class AttentionBatch:
     # A key per sequence, unique to it for the engine's life (Sequence.uid), so a backend
     # may keep per-sequence state across steps; None: every step stands alone.
     seq_keys: list[int] | None = None
+    # Per sequence, how many of its q_lens rows are drafts under verification (the rows
+    # after its first: one sequence's consecutive positions); None: no drafts this step.
+    num_drafts: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.q_lens) == len(self.ctx_lens) == len(self.page_tables):
             raise ValueError("q_lens, ctx_lens and page_tables must have one entry per sequence")
         if self.seq_keys is not None and len(self.seq_keys) != len(self.q_lens):
             raise ValueError("seq_keys must have one entry per sequence")
+        if self.num_drafts is not None and len(self.num_drafts) != len(self.q_lens):
+            raise ValueError("num_drafts must have one entry per sequence")
 
     @property
     def num_tokens(self) -> int:

@@ -8,9 +8,15 @@ directly, where the paged path first copies every row's pages into a padded
 batch (a large part of decode attention at 32 streams: docs/engine.md, "The decode
 mirror").
 
-A slot is trusted only while its sequence decodes in consecutive steps: the row
-with key `k` keeps its slot when the previous step had `k` as a decode row with
-one token less of context, and the same first page. Anything else (a new
+A slot is trusted only while its sequence decodes in consecutive steps: the item
+with key `k` keeps its slot when the previous step had `k` as a decode item and this
+item starts where that one's computed positions may end, with the same first page.
+An item is one row, or (speculative verification) q consecutive positions of one
+sequence sharing its slot: row j attends to the context plus rows 0..j. After a
+verification of q rows ending at context c, the next item may start anywhere in
+c - q + 1 .. c (the accepted drafts are the sequence's tokens; the rejected
+positions past the next start are never read: each row reads its own length, and
+they are overwritten as the sequence grows). Anything else (a new
 decoder, a prefill chunk in between, a preemption, a context that did not grow
 by exactly one, a step whose forward did not finish every layer) refills the
 slot from the pages, which the step has already written. Growing the slot count
@@ -43,12 +49,11 @@ class MirrorPlan:
 
     width: int  # slots covered by attention this step: [0, width)
     length: int  # longest context among the step's decode rows
-    slots: torch.Tensor  # [B] slot of each decode row, row order
+    slots: torch.Tensor  # [B] slot of each decode row, row order (an item's rows share one)
     identity: bool  # slots == arange(B) and width == B: no scatter/gather of q needed
     write_index: torch.Tensor | None  # [n_keep * Hk] flat rows of the continuing rows' new K/V
     keep_rows: torch.Tensor | None  # [n_keep] decode-row indices that continue their slot
-    fill_slots: torch.Tensor | None  # [n_fill] slots refilled from pages this step
-    fill_rows: torch.Tensor | None  # [n_fill] decode-row indices refilled
+    fill_slots: torch.Tensor | None  # [n_fill] slots refilled from pages this step (per item)
     fill_pages: torch.Tensor | None  # [n_fill * fill_pages_each] page ids, padded with page 0
     fill_tokens: int  # tokens gathered per refilled row (a whole number of pages)
     mask: torch.Tensor  # [width, 1, 1, length]: 0 attended, -inf past a slot's context
@@ -70,8 +75,8 @@ class DecodeMirror:
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self._tensor: torch.Tensor | None = None  # [L, 2, S, Hk, capacity, D]
-        # key -> (slot, context, first page) as of the last step
-        self._slots: dict[int, tuple[int, int, int]] = {}
+        # key -> (slot, first possible next start, context, first page) as of the last step
+        self._slots: dict[int, tuple[int, int, int, int]] = {}
         self._complete = True
 
     @property
@@ -95,8 +100,15 @@ class DecodeMirror:
         self.forget()
 
     def plan(
-        self, keys: list[int], ctx_lens: list[int], page_tables: list[list[int]]
+        self,
+        keys: list[int],
+        ctx_lens: list[int],
+        page_tables: list[list[int]],
+        q_lens: list[int] | None = None,
     ) -> MirrorPlan | None:
+        """One plan for the step's decode items (one key each; `q_lens` rows each, default
+        1; an item of several rows must continue its slot: see `continues`)."""
+        q_lens = q_lens if q_lens is not None else [1] * len(keys)
         if not self._complete:
             self.forget()
         self._complete = False
@@ -108,27 +120,34 @@ class DecodeMirror:
             return None
         keep, fill = [], []
         slot_of: dict[int, int] = {}
-        for row, (key, ctx, table) in enumerate(zip(keys, ctx_lens, page_tables, strict=True)):
-            last = self._slots.get(key)
-            if last is not None and last[1:] == (ctx - 1, table[0]):
-                slot_of[key] = last[0]
-                keep.append(row)
+        items = zip(keys, ctx_lens, page_tables, q_lens, strict=True)
+        for item, (key, ctx, table, q) in enumerate(items):
+            if self.continues(key, ctx - q, table[0]):
+                slot_of[key] = self._slots[key][0]
+                keep.append(item)
             else:
-                fill.append(row)
+                fill.append(item)
         used = set(slot_of.values())
         free = (s for s in range(self.num_slots) if s not in used)
-        for row in fill:
-            slot_of[keys[row]] = next(free)
+        for item in fill:
+            slot_of[keys[item]] = next(free)
         if max(slot_of.values()) + 1 > 2 * len(keys):
-            # Mostly empty slots in the attended width: refill every row into slots 0.. instead.
+            # Mostly empty slots in the attended width: refill every item into slots 0.. instead.
             keep, fill = [], list(range(len(keys)))
-            slot_of = {key: row for row, key in enumerate(keys)}
+            slot_of = {key: item for item, key in enumerate(keys)}
         self._slots = {
-            key: (slot_of[key], ctx, table[0])
-            for key, ctx, table in zip(keys, ctx_lens, page_tables, strict=True)
+            key: (slot_of[key], ctx - q + 1, ctx, table[0])
+            for key, ctx, table, q in zip(keys, ctx_lens, page_tables, q_lens, strict=True)
         }
         slots = [slot_of[key] for key in keys]
-        return self._make_plan(slots, ctx_lens, page_tables, keep, fill)
+        return self._make_plan(slots, (ctx_lens, q_lens), page_tables, keep, fill)
+
+    def continues(self, key: int, start: int, first_page: int) -> bool:
+        """Whether the item of `key` whose new rows start at position `start` continues its
+        slot: the last step had `key` as a decode item after which `start` positions may be
+        computed, with the same first page (positions < start are then in the slot)."""
+        last = self._slots.get(key)
+        return last is not None and last[1] <= start <= last[2] and last[3] == first_page
 
     def slot_of(self, key: int) -> int | None:
         """The slot `key` holds after the last plan, or None."""
@@ -154,9 +173,17 @@ class DecodeMirror:
         log.info("decode_mirror.grown", slots=slots, capacity=capacity, mib=nbytes >> 20)
         return True
 
-    def _make_plan(self, slots, ctx_lens, page_tables, keep, fill) -> MirrorPlan:
+    def _make_plan(self, slots, lens_q, page_tables, keep, fill) -> MirrorPlan:
+        """`slots`, `keep` and `fill` are per item; the plan's rows expand each item into
+        its q rows (row j of an item ending at context c: context c - q + 1 + j)."""
         dev = self.kv_cache.buffer.device
         hk, cap, ps = self.kv_cache.num_kv_heads, self.capacity, self.kv_cache.page_size
+        ctx_lens, q_lens = lens_q
+        first = [0]
+        for q in q_lens:
+            first.append(first[-1] + q)
+        row_slots = [s for s, q in zip(slots, q_lens, strict=True) for _ in range(q)]
+        row_ctx = [c - q + 1 + j for c, q in zip(ctx_lens, q_lens, strict=True) for j in range(q)]
         width = max(slots) + 1
         length = max(ctx_lens)
         mask = torch.zeros(width, length, dtype=COMPUTE_DTYPE, device=dev)
@@ -168,36 +195,35 @@ class DecodeMirror:
                 mask[slot, n:] = float("-inf")
         write_index = keep_rows = None
         if keep:
-            flat = [(slots[r] * hk + h) * cap + ctx_lens[r] - 1 for r in keep for h in range(hk)]
+            rows = [r for i in keep for r in range(first[i], first[i + 1])]
+            flat = [(row_slots[r] * hk + h) * cap + row_ctx[r] - 1 for r in rows for h in range(hk)]
             write_index = torch.tensor(flat, dtype=torch.long, device=dev)
-            keep_rows = torch.tensor(keep, dtype=torch.long, device=dev)
-        fill_slots = fill_rows = fill_pages = None
+            keep_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        fill_slots = fill_pages = None
         fill_tokens = 0
         if fill:
-            n_pages = -(-max(ctx_lens[r] for r in fill) // ps)
+            n_pages = -(-max(ctx_lens[i] for i in fill) // ps)
             pages: list[int] = []
-            for r in fill:
-                table = page_tables[r][: -(-ctx_lens[r] // ps)]
+            for i in fill:
+                table = page_tables[i][: -(-ctx_lens[i] // ps)]
                 pages.extend(table)
                 pages.extend([0] * (n_pages - len(table)))
             fill_tokens = n_pages * ps
-            fill_slots = torch.tensor([slots[r] for r in fill], dtype=torch.long, device=dev)
-            fill_rows = torch.tensor(fill, dtype=torch.long, device=dev)
+            fill_slots = torch.tensor([slots[i] for i in fill], dtype=torch.long, device=dev)
             fill_pages = torch.tensor(pages, dtype=torch.long, device=dev)
-        identity = width == len(slots) and slots == list(range(width))
+        identity = width == len(row_slots) and row_slots == list(range(width))
         return MirrorPlan(
             width=width,
             length=length,
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            slots=torch.tensor(row_slots, dtype=torch.long, device=dev),
             identity=identity,
             write_index=write_index,
             keep_rows=keep_rows,
             fill_slots=fill_slots,
-            fill_rows=fill_rows,
             fill_pages=fill_pages,
             fill_tokens=fill_tokens,
             mask=mask.view(width, 1, 1, length),
-            lens=torch.tensor(ctx_lens, dtype=torch.int32),
+            lens=torch.tensor(row_ctx, dtype=torch.int32),
         )
 
     def update(self, layer: int, plan: MirrorPlan, k_rows, v_rows):

@@ -59,6 +59,9 @@ class TorchPlan:
 
 
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The most rows of one sequence a step attends as decode rows (a verification of up to
+# MAX_VERIFY_ROWS - 1 drafts); longer items take the prefill path.
+MAX_VERIFY_ROWS = 8
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,7 +107,7 @@ class TorchAttention(AttentionBackend):
         dev = self.kv_cache.buffer.device
         ps = self.kv_cache.page_size
         slots = torch.tensor(slot_mapping(batch, ps), dtype=torch.long, device=dev)
-        decode_idx = [i for i, q in enumerate(batch.q_lens) if q == 1]
+        decode_idx = [i for i, q in enumerate(batch.q_lens) if q == 1 or self._verifies(batch, i)]
         starts = [0]
         for q in batch.q_lens:
             starts.append(starts[-1] + q)
@@ -114,8 +117,9 @@ class TorchAttention(AttentionBackend):
         elif self.mirror is not None:
             self.mirror.forget()
         prefills: list[_Prefill] = []
+        decoding = set(decode_idx)
         for i, q in enumerate(batch.q_lens):
-            if q == 1:
+            if i in decoding:
                 continue
             ctx = batch.ctx_lens[i]
             if ctx == q:
@@ -134,30 +138,46 @@ class TorchAttention(AttentionBackend):
             prefills.append(_Prefill(starts[i], starts[i + 1], ctx, pages, mask))
         return TorchPlan(slots, batch.num_tokens, decode, prefills)
 
+    def _verifies(self, batch: AttentionBatch, i: int) -> bool:
+        """Whether item i is a verification (its first row and its drafts: consecutive
+        positions of one sequence) that runs as decode rows sharing the sequence's mirror
+        slot, row j attending to the context and rows 0..j. Only the C attention kernel
+        reads one length per row; the SDPA paths mask per slot."""
+        q = batch.q_lens[i]
+        if self._kernel is None or self.mirror is None or batch.seq_keys is None:
+            return False
+        drafts = batch.num_drafts[i] if batch.num_drafts is not None else 0
+        return drafts == q - 1 > 0 and q <= MAX_VERIFY_ROWS
+
     def _plan_decode(self, batch, decode_idx, starts, dev) -> _Decode:
         ps = self.kv_cache.page_size
         ctx = [batch.ctx_lens[i] for i in decode_idx]
+        q_lens = [batch.q_lens[i] for i in decode_idx]
+        row_ids = [r for i in decode_idx for r in range(starts[i], starts[i + 1])]
         rows = None
-        if len(decode_idx) != len(batch.q_lens):
-            rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=dev)
+        if len(row_ids) != batch.num_tokens:
+            rows = torch.tensor(row_ids, dtype=torch.long, device=dev)
         if self.mirror is not None and batch.seq_keys is not None:
             keys = [batch.seq_keys[i] for i in decode_idx]
             tables = [batch.page_tables[i] for i in decode_idx]
-            mirror = self.mirror.plan(keys, ctx, tables)
+            mirror = self.mirror.plan(keys, ctx, tables, q_lens)
             if mirror is not None:
-                return _Decode(rows, None, mirror.mask, len(ctx), mirror)
-        max_pages = -(-max(ctx) // ps)
+                return _Decode(rows, None, mirror.mask, len(row_ids), mirror)
+        # Pages gathered per row; the rows of a verified item (row j: context c - q + 1 + j).
+        row_ctx = [c - q + 1 + j for c, q in zip(ctx, q_lens, strict=True) for j in range(q)]
+        row_item = [i for i, q in zip(decode_idx, q_lens, strict=True) for _ in range(q)]
+        max_pages = -(-max(row_ctx) // ps)
         flat: list[int] = []
-        for i, c in zip(decode_idx, ctx, strict=True):
+        for i, c in zip(row_item, row_ctx, strict=True):
             table = batch.page_tables[i][: -(-c // ps)]
             flat.extend(table)
             flat.extend([0] * (max_pages - len(table)))
-        lens = torch.tensor(ctx, device=dev)
+        lens = torch.tensor(row_ctx, device=dev)
         past = torch.arange(max_pages * ps, device=dev).unsqueeze(0) >= lens.unsqueeze(1)
         mask = torch.zeros(past.shape, dtype=COMPUTE_DTYPE, device=dev)
         mask.masked_fill_(past, float("-inf"))
         pages = torch.tensor(flat, dtype=torch.long, device=dev)
-        return _Decode(rows, pages, mask.view(len(ctx), 1, 1, -1), len(ctx))
+        return _Decode(rows, pages, mask.view(len(row_ctx), 1, 1, -1), len(row_ctx))
 
     def forward(self, layer, q, k, v, plan: TorchPlan) -> torch.Tensor:
         kc, vc = self.kv_cache.key(layer), self.kv_cache.value(layer)
