@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
 import re
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -26,11 +24,8 @@ import orjson
 import pytest
 
 from libs.common.messages.control import TokenChunkBatch
-from scripts.cluster import LocalCluster
-from scripts.nats_server import NatsServer
+from tests.chaos.pd_cluster import PdCluster
 from tests.chaos.reports import connect
-from tests.router.conftest import router_env, router_port
-from tests.router.e2e_cluster import WORKER_ARGS, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -52,45 +47,11 @@ PERSON = {
 }
 
 
-class Cluster:
-    """The processes above, started and stopped by their own pids."""
-
-    def __init__(self, workdir):
-        self.nats = NatsServer(workdir / "nats").start()
-        self.local = LocalCluster(self.nats.url, env=router_env(), capture=workdir / "logs")
-        self.url = ""
-
-    def start(self) -> None:
-        for role, sid in (("prefill", "p1"), ("decode", "d1"), ("decode", "d2")):
-            self.spawn(role, sid)
-        self.local.start_one("router", "--service-id", ROUTER, "--port", "0",
-                             "--disagg-threshold", "16", label="router")  # fmt: skip
-        port = asyncio.run(router_port(self.nats.url, ROUTER, 240))
-        self.url = f"http://127.0.0.1:{port}"
-        asyncio.run(self.whole())
-
-    def spawn(self, role: str, sid: str) -> None:
-        self.local.start_one(role, "--service-id", sid, *WORKER_ARGS, label=sid)
-
-    async def whole(self) -> None:
-        await wait_healthy(self.url, {"prefill": 1, "decode": 2}, 240, self.local.procs)
-
-    def kill(self, sid: str) -> None:
-        proc = self.local.procs[sid]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        self.local.stop()
-        self.nats.stop()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("migration"))
+    c = PdCluster(tmp_path_factory.mktemp("migration"), ROUTER)
     try:
-        c.start()
-        yield c
+        yield c.start()
     finally:
         c.stop()
 
@@ -157,7 +118,7 @@ class ChunkWatch:
         return next(t for t, w in self.seen if w != victim and t > since) - since
 
 
-async def migrated(cluster: Cluster, endpoint: str, body: dict) -> tuple[Reply, Reply, dict]:
+async def migrated(cluster: PdCluster, endpoint: str, body: dict) -> tuple[Reply, Reply, dict]:
     """The request run whole, then again with its decode worker killed after 8 tokens:
     (uninterrupted reply, migrated reply, figures)."""
     bus = await connect(cluster.nats.url, "migration-test")
@@ -188,7 +149,7 @@ async def migrated(cluster: Cluster, endpoint: str, body: dict) -> tuple[Reply, 
     if moved.arrivals:  # the longest silence the streaming client saw
         gaps = [b - a for a, b in zip(moved.arrivals, moved.arrivals[1:], strict=False)]
         figures["client_gap_s"] = round(max(gaps), 2)
-    cluster.spawn("decode", victim)  # back for the next test
+    cluster.spawn(victim)  # back for the next test
     await cluster.whole()
     return whole, moved, figures
 

@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
 
 import aiohttp
 import pytest
 
 from bench import grounded
-from scripts.cluster import LocalCluster
-from scripts.nats_server import NatsServer
+from tests.chaos.pd_cluster import PdCluster
 from tests.chaos.reports import connect, info
 from tests.chaos.test_migration import ChunkWatch, Reply, ask
-from tests.router.conftest import router_env, router_port
-from tests.router.e2e_cluster import WORKER_ARGS, metric, wait_healthy
+from tests.router.e2e_cluster import WORKER_ARGS, metric
 
 pytestmark = pytest.mark.slow
 
@@ -58,41 +54,11 @@ REQUESTS = {
 }
 
 
-class Cluster:
+def cluster_of(workdir, decode_args: tuple[str, ...]) -> PdCluster:
     """The processes above; `decode_args` go to both decode workers."""
-
-    def __init__(self, workdir, decode_args: tuple[str, ...]):
-        self.nats = NatsServer(workdir / "nats").start()
-        self.local = LocalCluster(self.nats.url, env=router_env(), capture=workdir / "logs")
-        self.decode_args, self.url = decode_args, ""
-        args = (*WORKER_ARGS, "--no-prefix-cache", "true")
-        self.worker_args = {"p1": args, **{d: (*args, *decode_args) for d in DECODERS}}
-
-    def start(self) -> Cluster:
-        for sid in self.worker_args:
-            self.spawn(sid)
-        self.local.start_one("router", "--service-id", ROUTER, "--port", "0",
-                             "--disagg-threshold", "16", label="router")  # fmt: skip
-        port = asyncio.run(router_port(self.nats.url, ROUTER, 240))
-        self.url = f"http://127.0.0.1:{port}"
-        asyncio.run(self.whole())
-        return self
-
-    def spawn(self, sid: str) -> None:
-        role = "prefill" if sid.startswith("p") else "decode"
-        self.local.start_one(role, "--service-id", sid, *self.worker_args[sid], label=sid)
-
-    async def whole(self) -> None:
-        await wait_healthy(self.url, {"prefill": 1, "decode": 2}, 240, self.local.procs)
-
-    def kill(self, sid: str) -> None:
-        proc = self.local.procs[sid]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        self.local.stop()
-        self.nats.stop()
+    args = (*WORKER_ARGS, "--no-prefix-cache", "true")
+    worker_args = {"p1": args, **{d: (*args, *decode_args) for d in DECODERS}}
+    return PdCluster(workdir, ROUTER, worker_args)
 
 
 async def answers(url: str) -> dict[str, Reply]:
@@ -105,7 +71,7 @@ async def answers(url: str) -> dict[str, Reply]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, Reply]:
     """Every request's answer from a cluster that does not speculate."""
-    c = Cluster(tmp_path_factory.mktemp("spec-off"), ("--speculation", "off"))
+    c = cluster_of(tmp_path_factory.mktemp("spec-off"), ("--speculation", "off"))
     try:
         c.start()
         return asyncio.run(answers(c.url))
@@ -115,7 +81,7 @@ def reference(tmp_path_factory) -> dict[str, Reply]:
 
 @pytest.fixture(scope="module")
 def cluster(reference, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("spec-on"), ())
+    c = cluster_of(tmp_path_factory.mktemp("spec-on"), ())
     try:
         yield c.start()
     finally:
@@ -132,7 +98,7 @@ async def drafts(url: str) -> dict[str, int]:
         await bus.close()
 
 
-async def speculated(cluster: Cluster, name: str) -> tuple[Reply, int, float]:
+async def speculated(cluster: PdCluster, name: str) -> tuple[Reply, int, float]:
     """The request's answer, the drafts the decode workers accepted meanwhile, and how many
     requests the router sent through the prefill worker meanwhile."""
     before = await drafts(cluster.nats.url)

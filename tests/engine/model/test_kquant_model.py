@@ -15,10 +15,10 @@ from libs.common.engine.load.quantized import FORMATS, QuantWeight
 from libs.common.engine.model.fused_decode import FusedDecode
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.step_loop import EngineCore
+from tests.engine.model.tiny_gguf import VOCAB, write_tiny_llama_gguf
 
 gguf = pytest.importorskip("gguf")
 
-HIDDEN, FFN, VOCAB = 256, 512, 320
 # Per layer: q|k|v share a format (one fused product, as the fused layer needs).
 LAYER_KINDS = [
     {
@@ -36,9 +36,6 @@ LAYER_KINDS = [
         "ffn_down": "Q4_K",
     },
 ]
-SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (128, HIDDEN), "attn_v": (128, HIDDEN),
-          "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
-          "ffn_down": (HIDDEN, FFN)}  # fmt: skip
 
 
 def sane_blocks(kind: str, rows: int, cols: int, seed: int, std: float = 0.1) -> np.ndarray:
@@ -68,47 +65,14 @@ def sane_blocks(kind: str, rows: int, cols: int, seed: int, std: float = 0.1) ->
     return data.reshape(rows, -1)
 
 
-def write_kquant_gguf(path) -> None:
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(len(LAYER_KINDS))
-    writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
-    rng = np.random.default_rng(11)
-    seed = 100
-
-    def quantized(name: str, kind: str, shape: tuple[int, int]) -> None:
-        nonlocal seed
-        seed += 1
-        data = sane_blocks(kind, shape[0], shape[1], seed)
-        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
-
-    quantized("token_embd.weight", "Q4_K", (VOCAB, HIDDEN))
-    quantized("output.weight", "Q6_K", (VOCAB, HIDDEN))
-    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-    for i, kinds in enumerate(LAYER_KINDS):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(
-                f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
-            )
-        for name, shape in SHAPES.items():
-            kind = kinds["qkv"] if name in ("attn_q", "attn_k", "attn_v") else kinds[name]
-            quantized(f"blk.{i}.{name}.weight", kind, shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
 def kquant_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("kquant") / "kquant.gguf"
-    write_kquant_gguf(path)
+    layers = [{**kinds, "attn_q": kinds["qkv"], "attn_k": kinds["qkv"], "attn_v": kinds["qkv"]}
+              for kinds in LAYER_KINDS]  # fmt: skip
+    write_tiny_llama_gguf(
+        path, layers, embed_output=("Q4_K", "Q6_K"), blocks=sane_blocks, seeds=(11, 100)
+    )
     return str(path)
 
 

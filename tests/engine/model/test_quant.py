@@ -18,6 +18,7 @@ from libs.common.engine.model.quant import native
 from libs.common.engine.model.quant.native import VARIANTS, choose_variant, cpu_flags, library
 from libs.common.engine.model.quant.ops import dequantize, rows
 from tests.engine.model.test_families import make_core
+from tests.engine.model.tiny_gguf import VOCAB, write_tiny_llama_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -273,47 +274,15 @@ def test_fusing_stacks_one_format_and_splits_mixed_ones():
 
 # A tiny llama GGUF whose matrices use every supported format (q, k, v in three different
 # ones, so the fused q|k|v product splits).
-HIDDEN, FFN, VOCAB, LAYERS = 256, 512, 320, 2
+LAYERS = 2
 KINDS = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q4_0",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}  # fmt: skip
-SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (128, HIDDEN), "attn_v": (128, HIDDEN),
-          "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN),
-          "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}  # fmt: skip
 
 
 def write_mixed_gguf(path) -> None:
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
-    rng = np.random.default_rng(7)
-    seed = 0
-
-    def quantized(name: str, kind: str, shape: tuple[int, int]) -> None:
-        nonlocal seed
-        seed += 1
-        data = random_blocks(kind, shape[0], shape[1], seed)
-        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
-
-    quantized("token_embd.weight", "Q6_K", (VOCAB, HIDDEN))
-    quantized("output.weight", "Q8_0", (VOCAB, HIDDEN))
-    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-    for i in range(LAYERS):
-        for norm in ("attn_norm", "ffn_norm"):
-            values = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
-            writer.add_tensor(f"blk.{i}.{norm}.weight", values)
-        for name, kind in KINDS.items():
-            quantized(f"blk.{i}.{name}.weight", kind, SHAPES[name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tiny_llama_gguf(
+        path, [KINDS] * LAYERS, embed_output=("Q6_K", "Q8_0"), blocks=random_blocks, seeds=(7, 0)
+    )
 
 
 def last_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
