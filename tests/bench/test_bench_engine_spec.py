@@ -5,17 +5,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
-import structlog
 
 from bench import engine, engine_spec
 
-
-@pytest.fixture(autouse=True)
-def _structlog_config_restored():
-    """main() points structlog at this test's captured stderr, closed after it."""
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("structlog_config_restored")
 
 
 @pytest.mark.slow

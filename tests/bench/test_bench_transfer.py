@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import orjson
 import pytest
-import structlog
 
 from bench import transfer
 
 CASES = {"1 x 4 KiB", "1 x 64 KiB", "1 x 1 MiB", "1 x 16 MiB", "64 x 1 MiB"}
 
 
-@pytest.fixture(autouse=True)
-def _structlog_config_restored():
-    """main() points structlog at this test's captured stderr, closed after it."""
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("structlog_config_restored")
 
 
 def test_every_case_of_both_transports_is_measured_and_reported(capsys) -> None:

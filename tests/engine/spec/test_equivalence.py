@@ -10,22 +10,13 @@ import pytest
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.model.fused_decode import FusedDecode
 from libs.common.grammar import build
+from tests.engine.test_grammar import PERSON
 
 PARAGRAPH = (
     "The quick brown fox jumps over the lazy dog. It was a sunny day in the park, and the "
     "children were playing near the old oak tree while their parents talked about the weather."
 )
 REPEAT = f"Repeat this paragraph exactly.\n\n{PARAGRAPH}\n\nRepeated paragraph:\n"
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "pets"],
-    "additionalProperties": False,
-}
 PERSON_JSON = '{"name": "Ada", "age": 36, "pets": ["cat", "dog"]}'
 
 

@@ -1,0 +1,15 @@
+"""Fixtures of the bench tests."""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+
+
+@pytest.fixture
+def structlog_config_restored():
+    """A bench's main() points structlog at the test's captured stderr, closed after the
+    test: the configuration before it comes back."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
