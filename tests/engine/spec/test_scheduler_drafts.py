@@ -3,26 +3,15 @@ by token, and nothing of a rejected draft kept (pages, prefix cache)."""
 
 from __future__ import annotations
 
-from libs.common.engine.core.kv_hash import PageHasher
-from libs.common.engine.core.page_allocator import PageAllocator
-from libs.common.engine.core.radix_cache import RadixCache
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.core.scheduler import Scheduler
 from libs.common.engine.core.sequence import FinishReason, Sequence, SequenceStatus, pages_for
-
-PAGE = 4
+from tests.engine.core.test_scheduler import PAGE
+from tests.engine.core.test_scheduler import make as scheduler
 
 
 def make(pages: int = 16) -> Scheduler:
-    return Scheduler(
-        PageAllocator(pages),
-        page_size=PAGE,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        cache=RadixCache(PAGE),
-        hasher=PageHasher("test-model", "float32", PAGE),
-        eos_token_ids=[2],
-    )
+    return scheduler(pages, seqs=4, budget=64)
 
 
 def decoding(s: Scheduler, prompt: int = 6, max_tokens: int = 32) -> Sequence:
