@@ -10,6 +10,7 @@ import torch
 from libs.common.engine.config import EngineConfig
 from libs.common.engine.engine import Engine
 from libs.common.engine.load.source import default_model_path, load_model
+from libs.common.engine.model.fused_decode import FusedDecode
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.step_loop import EngineCore
 
@@ -80,3 +81,32 @@ def run_to_end(core: EngineCore) -> dict[str, list[int]]:
         for o in core.step():
             out.setdefault(o.request_id, []).extend(o.token_ids)
     return out
+
+
+def run_with_logprobs(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Step until idle; per request id its generated ids, and their log-probabilities as
+    (token id, logprob, top) triples."""
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list] = {}
+    while core.has_work():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            logprobs.setdefault(out.request_id, []).extend(
+                (lp.token_id, lp.logprob, tuple(lp.top)) for lp in out.logprobs
+            )
+    return tokens, logprobs
+
+
+def count_fused_runs(monkeypatch) -> list[tuple[int, bool]]:
+    """Wrap FusedDecode.run for the test: the returned list gets, per call, the step's rows
+    and whether it took the fused path."""
+    calls: list[tuple[int, bool]] = []
+    real_run = FusedDecode.run
+
+    def counting_run(self, x, *args):
+        used = real_run(self, x, *args)
+        calls.append((x.shape[0], used))
+        return used
+
+    monkeypatch.setattr(FusedDecode, "run", counting_run)
+    return calls

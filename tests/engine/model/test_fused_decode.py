@@ -7,7 +7,7 @@ import pytest
 
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.model.fused_decode import FusedDecode
-from tests.engine.conftest import run_to_end
+from tests.engine.conftest import count_fused_runs, run_to_end, run_with_logprobs
 
 
 def generate(make_core, prompts, **config):
@@ -15,15 +15,7 @@ def generate(make_core, prompts, **config):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
     for i, ids in enumerate(prompts):
         core.add(str(i), ids, params)
-    logprobs: dict[str, list] = {}
-    tokens: dict[str, list[int]] = {}
-    while core.has_work():
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(out.token_ids)
-            logprobs.setdefault(out.request_id, []).extend(
-                (lp.token_id, lp.logprob, tuple(lp.top)) for lp in out.logprobs
-            )
-    return tokens, logprobs
+    return run_with_logprobs(core)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
@@ -35,17 +27,9 @@ def test_fused_layers_compute_the_same_bits_as_the_op_by_op_path(
     assert isinstance(model._fused, FusedDecode), "the default model qualifies"
     texts = ["The quick brown fox", "def fibonacci(n):", "Water boils at"][:streams]
     prompts = [tokenizer.encode(t) for t in texts]
-    calls = []
-    real_run = FusedDecode.run
-
-    def counting_run(self, *args):
-        used = real_run(self, *args)
-        calls.append(used)
-        return used
-
-    monkeypatch.setattr(FusedDecode, "run", counting_run)
+    calls = count_fused_runs(monkeypatch)
     fused = generate(make_core, prompts, kv_dtype=kv_dtype)
-    assert sum(calls) >= 20, "most decode steps took the fused path"
+    assert sum(used for _, used in calls) >= 20, "most decode steps took the fused path"
     monkeypatch.setattr(model, "_fused", None)
     plain = generate(make_core, prompts, kv_dtype=kv_dtype)
     assert fused == plain
@@ -68,15 +52,10 @@ def generate_drafting(make_core, prompt, **config):
     core = make_core(speculation="ngram", **config)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=3)
     core.add("0", prompt, params)
-    tokens: list[int] = []
-    logprobs: list = []
-    while core.has_work():
-        for out in core.step():
-            tokens.extend(out.token_ids)
-            logprobs.extend((lp.token_id, lp.logprob, tuple(lp.top)) for lp in out.logprobs)
+    tokens, logprobs = run_with_logprobs(core)
     spec = core.speculator
     assert spec is not None
-    return tokens, logprobs, (spec.num_proposed, spec.num_accepted)
+    return tokens["0"], logprobs["0"], (spec.num_proposed, spec.num_accepted)
 
 
 PROMPTS = {
@@ -95,15 +74,7 @@ def test_verification_steps_run_fused_with_the_same_bits(
     the same tokens and logprobs as the op-by-op path, and as decoding without drafts."""
     model, _ = model_and_tokenizer
     prompt = tokenizer.encode(PROMPTS[kind])
-    calls: list[tuple[int, bool]] = []
-    real_run = FusedDecode.run
-
-    def counting_run(self, x, *args):
-        used = real_run(self, x, *args)
-        calls.append((x.shape[0], used))
-        return used
-
-    monkeypatch.setattr(FusedDecode, "run", counting_run)
+    calls = count_fused_runs(monkeypatch)
     fused = generate_drafting(make_core, prompt, kv_dtype=kv_dtype)
     steps = list(calls)
     proposed, accepted = fused[2]

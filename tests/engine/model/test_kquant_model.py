@@ -15,6 +15,7 @@ from libs.common.engine.load.quantized import FORMATS, QuantWeight
 from libs.common.engine.model.fused_decode import FusedDecode
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.step_loop import EngineCore
+from tests.engine.conftest import count_fused_runs, run_with_logprobs
 from tests.engine.model.tiny_gguf import VOCAB, write_tiny_llama_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -91,15 +92,7 @@ def generate(model: LlamaModel, streams: int, speculation: str = "off") -> tuple
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     for i, ids in enumerate(PROMPTS[:streams]):
         core.add(str(i), ids, params)
-    tokens: dict[str, list[int]] = {}
-    logprobs: dict[str, list] = {}
-    while core.has_work():
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(out.token_ids)
-            logprobs.setdefault(out.request_id, []).extend(
-                (lp.token_id, lp.logprob, tuple(lp.top)) for lp in out.logprobs
-            )
-    return tokens, logprobs
+    return run_with_logprobs(core)
 
 
 @pytest.mark.parametrize("streams", [1, 3])
@@ -114,17 +107,9 @@ def test_k_quant_decode_takes_the_fused_layer_with_the_op_by_op_bits(
     }
     model = LlamaModel(loaded)
     assert isinstance(model._fused, FusedDecode), "a K-quant model qualifies"
-    calls = []
-    real_run = FusedDecode.run
-
-    def counting_run(self, *args):
-        used = real_run(self, *args)
-        calls.append(used)
-        return used
-
-    monkeypatch.setattr(FusedDecode, "run", counting_run)
+    calls = count_fused_runs(monkeypatch)
     fused = generate(model, streams)
-    assert sum(calls) >= 12, "most decode steps took the fused path"
+    assert sum(used for _, used in calls) >= 12, "most decode steps took the fused path"
     monkeypatch.setattr(model, "_fused", None)
     assert generate(model, streams) == fused
 
