@@ -25,8 +25,9 @@ from libs.common.engine.spec.proposer import Proposer
 
 # A step verifying k drafts against a one-token decode step (fused), k = 0, 1, ...: whole
 # steps of the default model measured on the CPU (docs/engine.md, "Speculative
-# decoding"). Past 4 rows (QuantLinear.GEMV_ROWS) the products take the panel form.
-ROW_COST = (1.0, 1.57, 1.80, 2.10, 3.45, 3.50, 3.60, 3.75, 3.90)
+# decoding"), up to 3 drafts through the fused decode layer. Past 4 rows
+# (QuantLinear.GEMV_ROWS) the products take the panel form and the layers run op by op.
+ROW_COST = (1.0, 1.22, 1.45, 1.65, 3.45, 3.50, 3.60, 3.75, 3.90)
 MAX_STREAMS = 1  # running sequences above which no step drafts
 # The same for a draft model's proposals, which come batched (propose_many): not measured
 # against this table yet, the bound it was written with.
