@@ -67,7 +67,11 @@ async def _pool_objects_seen_by_the_operator(url: str, credentials: Path) -> int
     nc = await nats.connect(url, connect_timeout=5, **connect_options(url, str(credentials)))
     try:
         for _ in range(40):
-            reply = await nc.request("tandem.pool.master.stats", b"{}", timeout=5)
+            try:
+                reply = await nc.request("tandem.pool.master.stats", b"{}", timeout=5)
+            except nats.errors.NoRespondersError:  # between leaders: nobody serves yet
+                await asyncio.sleep(0.25)
+                continue
             objects = json.loads(reply.data)["objects"]
             if objects:
                 return objects
