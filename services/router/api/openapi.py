@@ -11,7 +11,9 @@ from typing import Any
 
 from libs.common import __version__
 from libs.common.engine.core.sampling_params import (
+    LOGIT_BIAS,
     MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_IDS,
@@ -36,6 +38,7 @@ def _obj(required: list[str], **props: Any) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": props}
 
 
+_STR, _INT = {"type": "string"}, {"type": "integer"}
 _ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _IDS = {"type": "array", "items": _ID, "minItems": 1}
 _STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
@@ -47,6 +50,41 @@ _TEXT_PARTS = {
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     },
 }
+_CALL = _obj(
+    ["id", "type", "function"],
+    id=_STR,
+    type={"const": "function"},
+    function=_obj(["name", "arguments"], name=_STR, arguments=_STR),
+)
+
+
+def _message(role: str) -> dict[str, Any]:
+    """A chat message of `role`, closed: the keys parse_messages accepts for it, no other."""
+    props: dict[str, Any] = {"role": {"const": role}, "name": {"type": ["string", "null"]}}
+    text = {"type": ["string", "null"] if role == "assistant" else "string"}
+    props["content"] = {"oneOf": [text, _TEXT_PARTS]}
+    required = ["role", "content"]
+    if role == "assistant":
+        required = ["role"]
+        props["tool_calls"] = {"type": ["array", "null"], "items": _CALL}
+        props["reasoning_content"] = {"type": ["string", "null"]}
+    if role == "tool":
+        required.append("tool_call_id")
+        props["tool_call_id"] = _STR
+    return _obj(required, **props) | {"additionalProperties": False}
+
+
+_TOOL = _obj(
+    ["type", "function"],
+    type={"const": "function"},
+    function=_obj(
+        ["name"],
+        name={"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+        description={"type": ["string", "null"]},
+        parameters={"type": "object"},
+        strict={"type": ["boolean", "null"]},
+    ),
+)
 _KINDS: dict[str, dict[str, Any]] = {
     **messages_openapi.KINDS,
     "integer": {"type": "integer"},
@@ -58,6 +96,13 @@ _KINDS: dict[str, dict[str, Any]] = {
     "schema": {"type": ["object", "boolean", "string"]},
     "choices": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
     "tools": {"type": "array", "items": {"type": "object"}},
+    "chat_tools": {"type": "array", "items": _TOOL},
+    "bias": {
+        "type": "object",
+        "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+        "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS, "maximum": LOGIT_BIAS},
+    },
     "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
     "ids": {"type": "array", "items": _ID, "maxItems": MAX_STOP_IDS},
     "stop": {"oneOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP}]},
@@ -79,20 +124,7 @@ _KINDS: dict[str, dict[str, Any]] = {
     "messages": {
         "type": "array",
         "minItems": 1,
-        "items": {
-            "oneOf": [
-                _obj(
-                    ["role", "content"],
-                    role={"enum": [r for r in ROLES if r != "assistant"]},
-                    content={"oneOf": [{"type": "string"}, _TEXT_PARTS]},
-                ),
-                _obj(
-                    ["role"],
-                    role={"const": "assistant"},
-                    content={"oneOf": [{"type": ["string", "null"]}, _TEXT_PARTS]},
-                ),
-            ]
-        },
+        "items": {"oneOf": [_message(r) for r in ROLES]},
     },
 }
 # Fields that are only valid together with another one.
@@ -136,7 +168,6 @@ def _schema(
     } | ({"additionalProperties": False} if neutral is not None else {})
 
 
-_STR, _INT = {"type": "string"}, {"type": "integer"}
 _ANY: dict[str, Any] = {}  # any JSON value
 _NULL_STR = {"type": ["string", "null"]}
 USAGE = _obj(

@@ -40,7 +40,7 @@ class Spec:
     """One accepted field: JSON kind, and the `bound` of a number."""
 
     name: str
-    kind: str  # integer, number, boolean, string, stop, ids, prompt, messages, object
+    kind: str  # integer, number, boolean, string, stop, ids, prompt, messages, object, bias
     help: str
     bound: Bound | None = None
     required: bool = False
@@ -96,7 +96,7 @@ _SAMPLING = (
         "vLLM's: order within the tenant's queue, lower first (default 0; docs/routing.md)",
         bound=Bound(int, "order within the tenant's queue", lo=-(2**31), hi=2**31 - 1),
     ),
-    Spec("logit_bias", "object", "{token id: bias in [-100, 100]}, at most 300 ids"),
+    Spec("logit_bias", "bias", "{token id: bias in [-100, 100]}, at most 300 ids"),
     Spec("return_token_ids", "boolean", "the prompt's and each choice's token ids"),
     sampling_spec("prompt_logprobs", "logprobs", "logprob, rank and top n of each prompt token"),
 )
@@ -126,7 +126,7 @@ CHAT_SPECS = (
     sampling_spec("max_completion_tokens", "max_tokens"),
     Spec("logprobs", "boolean", "return log probabilities of the output tokens"),
     sampling_spec("top_logprobs", "logprobs", "alternatives per token"),
-    Spec("tools", "tools", "functions the model may call: [{type: function, function}]"),
+    Spec("tools", "chat_tools", "functions the model may call: [{type: function, function}]"),
     Spec("tool_choice", "tool_choice", "none, auto, required or {type: function, function}"),
     Spec("parallel_tool_calls", "boolean", "more than one call per answer (default true)"),
     Spec("add_generation_prompt", "boolean", "open the assistant's turn (default true)"),
@@ -322,7 +322,7 @@ def check_field(spec: Spec, value: Any) -> Any:
         raise bad_request(f"'{name}' must be a boolean, got {_show(value)}", name)
     elif kind == "string" and not isinstance(value, str):
         raise bad_request(f"'{name}' must be a string, got {_show(value)}", name)
-    elif kind == "object" and not isinstance(value, dict):
+    elif kind in ("object", "bias") and not isinstance(value, dict):
         raise bad_request(f"'{name}' must be an object, got {_show(value)}", name)
     elif kind == "stop":
         _sampling_check(check_stop, name, value)
