@@ -3,7 +3,8 @@
 Starts a nats-server (JetStream on, port 4222 by default) that knows one identity per
 process (scripts/identities.py, kept in run/secrets: each its own password and subject
 permissions, bound to its service id), then the topology of compose.yaml: cache_master,
-two cache_stores, prefill, decode and router, each as `python -m services.<name>` with its
+two cache_stores, prefill, decode and router (`--routers N`: N of them, active-active, on
+ports 8000, 8001...), each as `python -m services.<name>` with its
 own credentials file, configured by the same TANDEM_* environment variables; streams
 their logs to the terminal, each line prefixed by the service; waits until every one answers
 micro discovery; prints where the router listens; restarts a service that exits while it
@@ -51,11 +52,30 @@ TOPOLOGY = (
     ("decode", "decode", ("--service-id", "decode-1")),
     ("router", "router", ("--service-id", "router-1")),
 )
-# One NATS identity per process, bound to its service id, and the operator's (read-only).
-IDENTITIES = (
-    *(Identity(label, service, extra[1]) for label, service, extra in TOPOLOGY),
-    Identity("cli", "cli"),
-)
+Spec = tuple[str, str, tuple[str, ...]]
+
+
+def topology(routers: int = 1) -> tuple[Spec, ...]:
+    """TOPOLOGY with `routers` routers: `router` (router-1), then `router_2` (router-2)..."""
+    more = tuple((f"router_{k}", "router", ("--service-id", f"router-{k}"))
+                 for k in range(2, routers + 1))  # fmt: skip
+    return TOPOLOGY + more
+
+
+def identities(specs: tuple[Spec, ...]) -> tuple[Identity, ...]:
+    """One NATS identity per process, bound to its service id, and the operator's
+    (read-only)."""
+    return (*(Identity(label, service, extra[1]) for label, service, extra in specs),
+            Identity("cli", "cli"))  # fmt: skip
+
+
+def router_ports(routers: int, first: int) -> dict[str, list[str]]:
+    """Each router's --port: `first` for `router`, then first + 1, ... (0: each a free one)."""
+    labels = ["router", *(f"router_{k}" for k in range(2, routers + 1))]
+    return {label: ["--port", str(first + k if first else 0)] for k, label in enumerate(labels)}
+
+
+IDENTITIES = identities(TOPOLOGY)
 _COLORS = ("36", "33", "35", "32", "34", "31", "96", "93")
 
 
@@ -235,8 +255,9 @@ async def _run(args: argparse.Namespace) -> int:
     # NATS refuses clients without an identity: one per process, made once in run/secrets
     # (0600) and kept; the services get the path of theirs through their environment.
     run_dir: Path = args.run_dir
+    specs_run = topology(args.routers)
     try:
-        credentials = ensure(run_dir / "secrets", IDENTITIES, kv_secret=False)
+        credentials = ensure(run_dir / "secrets", identities(specs_run), kv_secret=False)
     except (OSError, ValueError) as e:
         print(f"cannot make the NATS identities in {run_dir / 'secrets'}: {e}", file=sys.stderr)
         return 1
@@ -254,7 +275,7 @@ async def _run(args: argparse.Namespace) -> int:
     env.update(kv_secret_file(os.environ, run_dir))
     cluster = LocalCluster(
         nats_server.url,
-        args={"router": ["--port", str(args.router_port)]},
+        args=router_ports(args.routers, args.router_port),
         env=env,
         prefix=prefixer,
         credentials=credentials,
@@ -265,18 +286,20 @@ async def _run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     code = 0
     try:
-        for label, service, extra in TOPOLOGY:
+        for label, service, extra in specs_run:
             cluster.start_one(service, *extra, label=label)
         await cluster.wait_ready(timeout=args.ready_timeout)
         monitor = f", monitoring http://127.0.0.1:{nats_server.monitor_port}"
+        more = [f"http://127.0.0.1:{args.router_port + k}" for k in range(1, args.routers)]
         print(
             f"\nTandem is up: router at http://127.0.0.1:{args.router_port} "
+            f"{'(and ' + ', '.join(more) + ') ' if more else ''}"
             f"(GET /health); NATS at {nats_server.url}"
             f"{monitor if nats_server.monitor_port else ''}; the operator's NATS identity "
             f"(read-only): {credentials['cli']}\nCtrl-C stops everything.\n",
             flush=True,
         )
-        specs = {label: (service, extra) for label, service, extra in TOPOLOGY}
+        specs = {label: (service, extra) for label, service, extra in specs_run}
         supervisor = Supervisor(
             cluster.procs,
             lambda label: cluster.start_one(specs[label][0], *specs[label][1], label=label),
@@ -309,6 +332,13 @@ def main() -> None:
         help="router HTTP port (env TANDEM_ROUTER_PORT; default 8000)",
     )
     parser.add_argument(
+        "--routers",
+        type=int,
+        default=int(os.environ.get("TANDEM_ROUTERS", 1)),
+        help="routers to start, active-active: router-1 on --router-port, router-2 on the "
+        "next port... (env TANDEM_ROUTERS; default 1; docs/operations.md, 'Several routers')",
+    )
+    parser.add_argument(
         "--nats-monitor-port",
         type=int,
         default=int(os.environ.get("NATS_MONITOR_PORT") or 0),
@@ -331,6 +361,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.restart_backoff <= 0 or args.restart_tries < 1:
         parser.error("--restart-backoff must be > 0 and --restart-tries >= 1")
+    if not 1 <= args.routers <= 16:
+        parser.error("--routers must be 1 to 16")
     sys.exit(event_loop.run(_run(args)))
 
 
