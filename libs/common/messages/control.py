@@ -342,6 +342,11 @@ class LoadReport(Message, tag="load"):
     # The requests it runs at once at most (--max-num-seqs): the router admits no more than
     # its decode workers' sum. 0 from an older worker: unknown.
     max_running: int = 0
+    # What the planner reads (services/planner/policy.py); 0 from an older worker. How long
+    # the oldest request waiting in this worker's engine has waited, and the prompt tokens
+    # accepted per second since the last report (the arrivals its queue drains).
+    queue_time_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
 
 
 class KvEvent(Message, tag="kv_event"):

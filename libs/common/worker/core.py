@@ -91,6 +91,7 @@ class WorkerCore:
         self._tokens_out = 0  # output tokens since the last load report
         self.instance = secrets.token_hex(8)  # this process, in its load reports
         self.queued_prompt_tokens = 0  # accepted, not yet prefilled (for routing)
+        self.prompt_tokens_in = 0  # prompt tokens accepted since the last load report
 
     def subject(self, *parts: str) -> str:
         """A subject under the configured prefix (as BaseService.subject)."""
@@ -358,8 +359,10 @@ class WorkerCore:
             timestamp=time.time(),
             instance=self.instance,
             max_running=self.config.max_num_seqs,
+            queue_time_s=scheduler.oldest_wait(time.monotonic()),
+            prompt_tokens_per_s=self.prompt_tokens_in / interval,
         )
-        self._tokens_out = 0
+        self._tokens_out = self.prompt_tokens_in = 0
         return report
 
     async def _load_loop(self) -> None:

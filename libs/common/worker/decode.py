@@ -96,6 +96,7 @@ class DecodeRole:
                     await core.engine.abort(key)
                 raise HandlerError(499, "request cancelled before it was accepted")
             core.queued_prompt_tokens += len(req.token_ids)
+            core.prompt_tokens_in += len(req.token_ids)
             self.backlog.add(len(req.token_ids))
             task = core.bus.spawn(self._guard(req, run), name=f"decode-{key}")
             core.hold(key, req.router, task)

@@ -91,6 +91,7 @@ class PrefillRole:
                 raise RuntimeError("prefill handler called outside a task")
             core.hold(key, req.router, task)
             core.queued_prompt_tokens += len(req.token_ids)
+            core.prompt_tokens_in += len(req.token_ids)
             try:
                 async with asyncio.timeout(req.timeout):
                     return await self._compute_and_send(req, params, remote)

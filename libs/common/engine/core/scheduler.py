@@ -93,6 +93,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def oldest_wait(self, now: float) -> float:
+        """Seconds the longest-waiting sequence has waited (`now`: time.monotonic())."""
+        return max((now - s.arrival_time for s in self.waiting), default=0.0)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

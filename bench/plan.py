@@ -1,0 +1,212 @@
+"""`python -m bench.plan`: the planner against a static split and a TTFT/ITL-only policy.
+
+Replays two traces through bench/plan_sim.py's cluster, whose workers run at the
+throughput measured on the real engine (bench/plan_model.py, cached): the shared
+conversation trace (/work/shared/traces, Mooncake FAST'25; prompt and output lengths and
+time scaled by flags) and a bursty synthetic one (Poisson arrivals, quiet and burst
+phases). Policies, each bounded by the same --min/--max per role:
+
+- static: fixed splits, the planner's mean count per role rounded down (`static_below`:
+  no more worker-seconds than the planner) and up (`static_above`: at least as many), or
+  --static P,D;
+- reactive: Dynamo-like, on observed TTFT and ITL only: the p90 of the requests finished
+  in the last interval above the SLO adds a worker to that role, under half of it removes
+  one (same hysteresis as the planner);
+- planner: services/planner/policy.py's `Planner`, the service's own decision function,
+  fed the `LoadReport`s the workers would publish (queue time included).
+
+Prints one JSON object: per trace and policy the requests within both SLOs, TTFT/ITL
+p90 and worker-seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+from bench.plan_model import DEFAULT_CACHE, capacity_of, load_or_measure
+from bench.plan_sim import Cluster, Req, Run, simulate
+from services.planner.policy import Capacity, Hysteresis, Planner, Targets
+
+TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+
+
+def conversation(args: argparse.Namespace) -> list[Req]:
+    out = []
+    with open(args.trace) as f:
+        for line in f:
+            row = json.loads(line)
+            at = row["timestamp"] / 1000.0 / args.time_scale
+            if at > args.duration:
+                break
+            prompt = max(1, round(row["input_length"] / args.prompt_scale))
+            out.append(Req(at, prompt, max(1, round(row["output_length"] / args.output_scale))))
+    return out
+
+
+def bursty(args: argparse.Namespace) -> list[Req]:
+    """Quiet phases at --bursty-rate requests/s, every third phase at 5x (60 s phases)."""
+    rng = random.Random(args.seed)
+    out, now = [], 0.0
+    while now < args.duration:
+        rate = args.bursty_rate * (5.0 if int(now // 60) % 3 == 1 else 1.0)
+        now += rng.expovariate(rate)
+        prompt = max(16, int(rng.lognormvariate(math.log(args.bursty_prompt), 0.6)))
+        out.append(Req(now, prompt, max(2, int(rng.lognormvariate(math.log(32), 0.5)))))
+    return out
+
+
+def p90(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+
+def reactive(targets: Targets, after_s: float):
+    hysteresis = Hysteresis(after_s)
+
+    def decide(_reports, finished, current, now):
+        want = dict(current)
+        for role, seen, slo in (("prefill", [r.ttft for r in finished], targets.ttft_s),
+                                ("decode", [r.itl for r in finished], targets.itl_s)):  # fmt: skip
+            if seen and p90(seen) > slo:
+                want[role] = current[role] + 1
+            elif seen and p90(seen) < slo / 2:
+                want[role] = current[role] - 1
+            want[role] = targets.clamp(role, want[role])
+        return hysteresis.decide(current, want, now)
+
+    return decide
+
+
+def planner(cap: Capacity, targets: Targets, after_s: float):
+    plan = Planner(cap, targets, Hysteresis(after_s))
+    return lambda reports, _finished, current, now: plan.decide(reports, current, now).counts
+
+
+def score(trace: list[Req], result: dict, targets: Targets) -> dict:
+    ok = [
+        r
+        for r in trace
+        if r.done is not None and r.ttft <= targets.ttft_s and r.itl <= targets.itl_s
+    ]
+    ws = result["worker_seconds"]
+    return {
+        "requests": len(trace),
+        "finished": sum(1 for r in trace if r.done is not None),
+        "within_slo": len(ok),
+        "within_slo_frac": round(len(ok) / max(1, len(trace)), 4),
+        "ttft_over_slo": sum(1 for r in trace if r.first_token is None or r.ttft > targets.ttft_s),
+        "itl_over_slo": sum(1 for r in trace if r.done is None or r.itl > targets.itl_s),
+        "ttft_p90_s": round(p90([r.ttft for r in trace if r.first_token is not None]), 3),
+        "itl_p90_s": round(p90([r.itl for r in trace if r.done is not None]), 4),
+        "worker_seconds": round(ws["prefill"] + ws["decode"], 1),
+        "worker_seconds_by_role": {k: round(v, 1) for k, v in ws.items()},
+        "scale_changes": result["scale_changes"],
+    }
+
+
+def compare(make_trace, args: argparse.Namespace, cap: Capacity, targets: Targets) -> dict:
+    """The planner, the reactive policy, then the static splits around the planner's mean."""
+    policies = {
+        "planner": planner(cap, targets, args.scale_down_after),
+        "reactive": reactive(targets, args.scale_down_after),
+    }
+    out = {name: _one(make_trace(args), args, cap, targets, decide)
+           for name, decide in policies.items()}  # fmt: skip
+    span = out["planner"]["end_s"]
+    means = {r: ws / span for r, ws in out["planner"]["worker_seconds_by_role"].items()}
+    floor = {r: max(targets.min_workers[r], math.floor(m)) for r, m in means.items()}
+    splits = {"static_below": floor, "static_above": {r: math.ceil(m) for r, m in means.items()}}
+    if args.static:
+        splits = {
+            "static": dict(
+                zip(("prefill", "decode"), map(int, args.static.split(",")), strict=True)
+            )
+        }
+    for name, split in splits.items():
+        out[name] = _one(make_trace(args), args, cap, targets, lambda *_, s=split: s, start=split)
+        out[name]["split"] = split
+    return out
+
+
+def _one(trace: list[Req], args: argparse.Namespace, cap: Capacity, targets: Targets,
+         decide, start: dict[str, int] | None = None) -> dict:  # fmt: skip
+    cluster = Cluster(cap, args.startup)
+    cluster.scale(dict(start or targets.min_workers), 0.0, ready=0.0)
+    result = simulate(trace, cluster, decide, Run(dt=args.dt, interval=args.interval))
+    return {**score(trace, result, targets), "end_s": round(result["end_s"], 1)}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--capacity", type=Path, default=DEFAULT_CACHE, help="measured capacity (JSON cache)"
+    )
+    ap.add_argument("--measure", action="store_true", help="measure the engine again")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="engine threads per worker when measuring"
+    )
+    ap.add_argument("--seats", type=int, default=64, help="a decode worker's --max-num-seqs")
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of (scaled) trace")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="trace time divided by this")
+    ap.add_argument(
+        "--prompt-scale", type=float, default=64.0, help="prompt lengths divided by this"
+    )
+    ap.add_argument(
+        "--output-scale", type=float, default=8.0, help="output lengths divided by this"
+    )
+    ap.add_argument("--bursty-rate", type=float, default=1.0, help="quiet-phase requests/s")
+    ap.add_argument("--bursty-prompt", type=float, default=256.0, help="median prompt tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttft-s", type=float, default=2.0, help="TTFT SLO, seconds")
+    ap.add_argument("--itl-s", type=float, default=0.1, help="ITL SLO (a request's mean), seconds")
+    ap.add_argument("--min", type=int, default=1, help="fewest workers per role")
+    ap.add_argument("--max", type=int, default=8, help="most workers per role")
+    ap.add_argument(
+        "--static",
+        default="",
+        help="a static split PREFILL,DECODE (default: the planner's mean count per "
+        "role rounded down and up, two runs)",
+    )
+    ap.add_argument("--startup", type=float, default=10.0, help="seconds until a new worker serves")
+    ap.add_argument("--interval", type=float, default=2.0, help="seconds between decisions")
+    ap.add_argument(
+        "--scale-down-after",
+        type=float,
+        default=60.0,
+        help="seconds of less before one worker goes",
+    )
+    ap.add_argument("--dt", type=float, default=0.05, help="simulation tick, seconds")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    measured = load_or_measure(args.capacity, args.measure, args.threads, args.seats)
+    cap = capacity_of(measured)
+    bounds = {"min_workers": {"prefill": args.min, "decode": args.min},
+              "max_workers": {"prefill": args.max, "decode": args.max}}  # fmt: skip
+    targets = Targets(args.ttft_s, args.itl_s, **bounds, startup_s=args.startup)
+    report = {
+        "capacity": measured,
+        "slo": {"ttft_s": args.ttft_s, "itl_s": args.itl_s},
+        "conversation": compare(conversation, args, cap, targets)
+        if args.trace.exists()
+        else {"skipped": f"no trace at {args.trace}"},
+        "bursty": compare(bursty, args, cap, targets),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    json.dump(report, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

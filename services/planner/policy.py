@@ -1,0 +1,201 @@
+"""How many prefill and decode workers the cluster needs: pure policy, no I/O, no clock.
+
+Inputs are what the workers publish (`LoadReport`, summed per role by `RoleLoad.of`), the
+capacity of one worker as measured on the engine (`Capacity`, from `python -m bench.plan
+--measure`), the SLOs and the bounds. The decision is the count each role should run.
+
+Prefill: predicted TTFT = queue time + prefill time. A prompt's own prefill takes
+`mean_prompt_tokens / rate`, which leaves `wait` of the SLO (times `ttft_headroom`) for its
+queue. Three counts, the planner takes the largest:
+
+- keep up: prompt tokens arriving per second / (rate * `utilization`);
+- drain: the backlog a worker asked for now would still find when it serves, after
+  `startup_s` (prompts stay queued where they were sent): backlog / (rate * (startup + wait));
+- behind: the queue time the workers measure (the oldest waiting request's, not inferred
+  from finished requests: a queue shows here before any TTFT does) past `wait`: one more
+  worker than now, every decision until it is back under.
+
+Decode: its step time grows with the batch (`step = base + per_seq * batch`), and ITL is
+the step time. The planner picks the fewest `d` whose per-worker batch (running plus
+waiting, spread over `d`) keeps the step within the ITL SLO with `itl_headroom`, and within
+each worker's seats and KV pages.
+
+Scaling up happens at once; scaling down waits until the smaller count has been enough for
+`scale_down_after_s` without a break, and goes one worker at a time (`Hysteresis`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from libs.common.messages.control import LoadReport
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RoleLoad:
+    """One role's live workers, summed (`queue_time_s`: the longest wait among them)."""
+
+    workers: int = 0
+    waiting: int = 0
+    running: int = 0
+    waiting_prefill_tokens: int = 0
+    queue_time_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0  # prompt tokens accepted per second (arrivals)
+    used_pages: int = 0
+    total_pages: int = 0
+    max_running: int = 0
+
+    @classmethod
+    def of(cls, reports: Iterable[LoadReport]) -> RoleLoad:
+        reports = list(reports)
+        return cls(
+            workers=len(reports),
+            waiting=sum(r.waiting for r in reports),
+            running=sum(r.running for r in reports),
+            waiting_prefill_tokens=sum(r.waiting_prefill_tokens for r in reports),
+            queue_time_s=max((r.queue_time_s for r in reports), default=0.0),
+            prompt_tokens_per_s=sum(r.prompt_tokens_per_s for r in reports),
+            used_pages=sum(r.total_pages - r.free_pages for r in reports),
+            total_pages=sum(r.total_pages for r in reports),
+            max_running=sum(r.max_running for r in reports),
+        )
+
+
+def loads_by_role(reports: Iterable[LoadReport]) -> dict[str, RoleLoad]:
+    """Reports of `prefill` and `decode` workers summed per role (`both` counts as decode)."""
+    by_role: dict[str, list[LoadReport]] = {role: [] for role in ROLES}
+    for r in reports:
+        by_role["decode" if r.role == "both" else r.role].append(r)
+    return {role: RoleLoad.of(rs) for role, rs in by_role.items()}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One worker's throughput, measured on the engine (bench.plan --measure)."""
+
+    prefill_tokens_per_s: float
+    decode_step_base_s: float
+    decode_step_per_seq_s: float
+    decode_seats: int  # --max-num-seqs of a decode worker
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0 or self.decode_seats < 1:
+            raise ValueError("capacity: prefill rate must be > 0 and seats >= 1")
+        if self.decode_step_base_s <= 0 or self.decode_step_per_seq_s < 0:
+            raise ValueError("capacity: decode step base must be > 0, per-seq >= 0")
+
+    def step_s(self, batch: float) -> float:
+        return self.decode_step_base_s + self.decode_step_per_seq_s * batch
+
+    def batch_within(self, itl_s: float) -> int:
+        """The largest batch whose step fits `itl_s` (at least 1), capped by the seats."""
+        if self.decode_step_per_seq_s == 0:
+            return self.decode_seats
+        fits = math.floor((itl_s - self.decode_step_base_s) / self.decode_step_per_seq_s)
+        return max(1, min(self.decode_seats, fits))
+
+
+@dataclass(frozen=True)
+class Targets:
+    """SLOs, bounds and margins (the planner's flags)."""
+
+    ttft_s: float
+    itl_s: float
+    min_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
+    max_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 4, "decode": 4})
+    # Plan for this fraction of each SLO. ITL's is lower: a new decode worker starts after
+    # the burst of prompts the prefill workers finish has reached the running ones.
+    ttft_headroom: float = 0.7
+    itl_headroom: float = 0.5
+    utilization: float = 0.6  # plan each worker busy at most this fraction of the time
+    mean_prompt_tokens: float = 512.0  # a prompt's own compute in the prediction
+    max_page_use: float = 0.9
+    startup_s: float = 10.0  # from asking for a worker to its first request served
+
+    def clamp(self, role: str, n: int) -> int:
+        return max(self.min_workers[role], min(self.max_workers[role], n))
+
+
+def prefill_needed(load: RoleLoad, cap: Capacity, t: Targets) -> int:
+    """The fewest prefill workers whose predicted TTFT fits the SLO (see the module doc)."""
+    rate = cap.prefill_tokens_per_s
+    keep_up = math.ceil(load.prompt_tokens_per_s / (rate * t.utilization))
+    wait = max(1e-3, t.ttft_s * t.ttft_headroom - t.mean_prompt_tokens / rate)
+    # A worker asked for now serves after `startup_s`: only the backlog left by then is
+    # its work (queued prompts stay on the worker they were sent to).
+    drain = math.ceil(load.waiting_prefill_tokens / (rate * (t.startup_s + wait)))
+    # Waited past the budget already: the backlog figure is behind, one more than now.
+    behind = load.workers + 1 if load.queue_time_s > wait else 0
+    return t.clamp("prefill", max(keep_up, drain, behind))
+
+
+def decode_needed(load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0) -> int:
+    """The fewest decode workers whose batch keeps the step within the ITL SLO, with seats
+    and pages for every running and waiting sequence, and the `incoming` ones (prompts on
+    prefill workers now: they reach decode within a TTFT, sooner than a new worker starts)."""
+    sequences = load.running + load.waiting + incoming
+    per_worker = cap.batch_within(t.itl_s * t.itl_headroom)
+    by_itl = math.ceil(sequences / per_worker)
+    by_pages = 0
+    if load.total_pages and load.workers:
+        pages_per_worker = load.total_pages / load.workers
+        by_pages = math.ceil(load.used_pages / (pages_per_worker * t.max_page_use))
+    queued = load.workers + 1 if load.waiting and load.queue_time_s > t.itl_s else 0
+    return t.clamp("decode", max(by_itl, by_pages, queued))
+
+
+def needed(loads: dict[str, RoleLoad], cap: Capacity, t: Targets) -> dict[str, int]:
+    """The worker count each role needs for these loads (before hysteresis)."""
+    prefill = loads["prefill"]
+    return {
+        "prefill": prefill_needed(prefill, cap, t),
+        "decode": decode_needed(loads["decode"], cap, t, prefill.running + prefill.waiting),
+    }
+
+
+@dataclass
+class Hysteresis:
+    """Up at once; down one worker at a time, after `scale_down_after_s` of enough."""
+
+    scale_down_after_s: float
+    _low_since: dict[str, float] = field(default_factory=dict)
+
+    def decide(self, current: dict[str, int], want: dict[str, int], now: float) -> dict[str, int]:
+        out = dict(current)
+        for role, n in want.items():
+            if n >= current[role]:
+                self._low_since.pop(role, None)
+                out[role] = n
+                continue
+            since = self._low_since.setdefault(role, now)
+            if now - since >= self.scale_down_after_s:
+                out[role] = current[role] - 1
+                self._low_since[role] = now  # the next step down waits again
+        return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    counts: dict[str, int]  # what each role should run now (after hysteresis)
+    needed: dict[str, int]  # what the loads alone ask for
+    loads: dict[str, RoleLoad]
+
+
+@dataclass
+class Planner:
+    """The decision function the service and the simulator share."""
+
+    capacity: Capacity
+    targets: Targets
+    hysteresis: Hysteresis
+
+    def decide(
+        self, reports: Iterable[LoadReport], current: dict[str, int], now: float
+    ) -> Decision:
+        loads = loads_by_role(reports)
+        want = needed(loads, self.capacity, self.targets)
+        return Decision(self.hysteresis.decide(current, want, now), want, loads)

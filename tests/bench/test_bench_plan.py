@@ -1,0 +1,56 @@
+"""bench.plan's simulator and report (capacity given as a file: no model is measured)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import plan
+from bench.plan_model import fit_line
+from bench.plan_sim import Cluster, Req, Run, simulate
+from services.planner.policy import Capacity
+
+CAPACITY = {"prefill_tokens_per_s": 500.0, "decode_step_base_s": 0.014,
+            "decode_step_per_seq_s": 0.004, "decode_seats": 64}  # fmt: skip
+
+
+def test_fit_line_recovers_a_line():
+    base, slope = fit_line([(1, 0.012), (4, 0.018), (8, 0.026), (16, 0.042)])
+    assert base == pytest.approx(0.010) and slope == pytest.approx(0.002)
+
+
+def test_a_static_cluster_finishes_every_request_and_counts_its_worker_seconds():
+    cap = Capacity(**CAPACITY)
+    trace = [Req(0.1 * i, prompt=100, output=10) for i in range(50)]
+    cluster = Cluster(cap, startup_s=10.0)
+    cluster.scale({"prefill": 1, "decode": 2}, 0.0, ready=0.0)
+    result = simulate(trace, cluster, lambda *_: {"prefill": 1, "decode": 2}, Run())
+    assert all(r.done is not None and r.first_token is not None for r in trace)
+    # Prefill alone bounds the first token: 100 tokens at 500/s.
+    assert min(r.ttft for r in trace) >= 0.2 - 1e-9
+    ws = result["worker_seconds"]
+    assert ws["decode"] == pytest.approx(2 * result["end_s"])
+
+
+def test_a_removed_worker_leaves_once_empty_and_stops_costing():
+    cap = Capacity(**CAPACITY)
+    cluster = Cluster(cap, startup_s=0.0)
+    cluster.scale({"prefill": 2, "decode": 1}, 0.0, ready=0.0)
+    cluster.scale({"prefill": 1, "decode": 1}, 1.0)
+    cluster.tick(1.0, 0.05)
+    assert cluster.worker_seconds(100.0)["prefill"] == pytest.approx(100.0 + 1.0)
+
+
+def test_bench_plan_prints_each_policy_per_trace(tmp_path, capsys):
+    cache = tmp_path / "capacity.json"
+    cache.write_text(json.dumps(CAPACITY))
+    assert plan.main(["--capacity", str(cache), "--duration", "120", "--max", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for trace in ("conversation", "bursty"):
+        got = report[trace]
+        assert set(got) == {"planner", "reactive", "static_below", "static_above"}
+        for result in got.values():
+            assert result["finished"] == result["requests"] > 0
+            assert 0 <= result["within_slo"] <= result["requests"]
+        assert got["static_below"]["worker_seconds"] <= got["planner"]["worker_seconds"]

@@ -1,0 +1,126 @@
+"""The planner's decision function alone (services/planner/policy.py): no I/O, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.common.messages.control import LoadReport
+from services.planner.policy import (
+    Capacity,
+    Hysteresis,
+    Planner,
+    RoleLoad,
+    Targets,
+    decode_needed,
+    loads_by_role,
+    prefill_needed,
+)
+
+CAP = Capacity(prefill_tokens_per_s=1000.0, decode_step_base_s=0.01,
+               decode_step_per_seq_s=0.002, decode_seats=64)  # fmt: skip
+TARGETS = Targets(ttft_s=2.0, itl_s=0.1, min_workers={"prefill": 1, "decode": 1},
+                  max_workers={"prefill": 8, "decode": 8}, mean_prompt_tokens=200.0,
+                  startup_s=10.0)  # fmt: skip
+
+
+def report(role: str, worker: str, **fields) -> LoadReport:
+    base = dict(model_id="m", page_size=16, kv_dtype="fp32", waiting=0, running=0,
+                waiting_prefill_tokens=0, free_pages=100, total_pages=100, tokens_per_s=0.0,
+                max_model_len=2048, timestamp=0.0, max_running=64)  # fmt: skip
+    return LoadReport(worker=worker, role=role, **{**base, **fields})
+
+
+def test_idle_cluster_needs_the_minimum():
+    assert prefill_needed(RoleLoad(workers=3), CAP, TARGETS) == 1
+    assert decode_needed(RoleLoad(workers=3, total_pages=300), CAP, TARGETS) == 1
+
+
+def test_prefill_keeps_up_with_arriving_prompt_tokens():
+    # 2,400 tokens/s at 1,000 tokens/s a worker and 60% utilization: 4 workers.
+    load = RoleLoad(workers=1, prompt_tokens_per_s=2400.0)
+    assert prefill_needed(load, CAP, TARGETS) == 4
+
+
+def test_a_measured_queue_time_past_the_budget_adds_a_worker_before_any_ttft_is_seen():
+    # Nothing arrives now and the backlog is small, but the oldest request has waited
+    # 1.5 s: past the 2 s x 0.7 - 0.2 s = 1.2 s the SLO leaves for queueing.
+    load = RoleLoad(workers=2, waiting=3, waiting_prefill_tokens=500, queue_time_s=1.5)
+    assert prefill_needed(load, CAP, TARGETS) == 3
+    assert prefill_needed(RoleLoad(workers=2, waiting=3, waiting_prefill_tokens=500), CAP,
+                          TARGETS) == 1  # fmt: skip
+
+
+def test_a_backlog_longer_than_a_worker_start_sizes_prefill():
+    # 45,000 tokens queued: a worker ready in 10 s still finds them; 45,000 / (1,000 x 11.2).
+    load = RoleLoad(workers=1, waiting=90, waiting_prefill_tokens=45_000)
+    assert prefill_needed(load, CAP, TARGETS) == 5
+
+
+def test_decode_batch_is_bounded_by_the_itl_slo():
+    # ITL budget 0.1 x 0.5 = 50 ms: (0.05 - 0.01) / 0.002 = 20 sequences a worker.
+    assert CAP.batch_within(0.05) == 20
+    load = RoleLoad(workers=1, running=50, waiting=0, total_pages=100)
+    assert decode_needed(load, CAP, TARGETS) == 3
+    # Prompts now on prefill workers count: they reach decode before a new worker starts.
+    assert decode_needed(load, CAP, TARGETS, incoming=30) == 4
+
+
+def test_decode_needs_pages_for_what_it_holds():
+    load = RoleLoad(workers=2, running=4, used_pages=190, total_pages=200)
+    assert decode_needed(load, CAP, TARGETS) == 3  # 190 / (100 x 0.9)
+
+
+def test_counts_stay_within_the_bounds():
+    load = RoleLoad(workers=8, prompt_tokens_per_s=1e9, queue_time_s=100.0)
+    assert prefill_needed(load, CAP, TARGETS) == 8
+
+
+def test_reports_of_role_both_count_as_decode():
+    loads = loads_by_role([report("both", "w1", running=3), report("decode", "w2", running=2),
+                           report("prefill", "p1", queue_time_s=0.5),
+                           report("prefill", "p2", queue_time_s=1.5)])  # fmt: skip
+    assert loads["decode"].workers == 2 and loads["decode"].running == 5
+    assert loads["prefill"].queue_time_s == 1.5
+
+
+def test_hysteresis_scales_up_at_once_and_down_one_at_a_time_after_the_wait():
+    h = Hysteresis(scale_down_after_s=30.0)
+    now = {"prefill": 2, "decode": 2}
+    assert h.decide(now, {"prefill": 5, "decode": 2}, 0.0) == {"prefill": 5, "decode": 2}
+    current = {"prefill": 5, "decode": 2}
+    assert h.decide(current, {"prefill": 1, "decode": 2}, 1.0)["prefill"] == 5
+    assert h.decide(current, {"prefill": 1, "decode": 2}, 20.0)["prefill"] == 5
+    assert h.decide(current, {"prefill": 1, "decode": 2}, 31.0)["prefill"] == 4
+    # A need as high as now in between restarts the wait.
+    h2 = Hysteresis(scale_down_after_s=30.0)
+    h2.decide(current, {"prefill": 1, "decode": 2}, 0.0)
+    h2.decide(current, {"prefill": 5, "decode": 2}, 20.0)
+    assert h2.decide(current, {"prefill": 1, "decode": 2}, 40.0)["prefill"] == 5
+
+
+def test_planner_decides_from_reports():
+    plan = Planner(CAP, TARGETS, Hysteresis(30.0))
+    reports = [report("prefill", "p1", prompt_tokens_per_s=2400.0), report("decode", "d1")]
+    out = plan.decide(reports, {"prefill": 1, "decode": 1}, 0.0)
+    assert out.counts == {"prefill": 4, "decode": 1}
+    assert out.loads["prefill"].prompt_tokens_per_s == 2400.0
+
+
+@pytest.mark.parametrize("bad", [dict(prefill_tokens_per_s=0.0), dict(decode_seats=0),
+                                 dict(decode_step_base_s=0.0)])  # fmt: skip
+def test_capacity_refuses_impossible_values(bad):
+    fields = dict(prefill_tokens_per_s=1.0, decode_step_base_s=0.01, decode_step_per_seq_s=0.0,
+                  decode_seats=1)  # fmt: skip
+    with pytest.raises(ValueError):
+        Capacity(**{**fields, **bad})
+
+
+def test_old_workers_load_reports_still_parse():
+    """A worker from before the planner's fields sends none: they decode as 0."""
+    old = report("decode", "d1").encode()
+    import orjson
+
+    body = orjson.loads(old)
+    del body["queue_time_s"], body["prompt_tokens_per_s"]
+    decoded = LoadReport.decode(orjson.dumps(body))
+    assert decoded.queue_time_s == 0.0 and decoded.prompt_tokens_per_s == 0.0
