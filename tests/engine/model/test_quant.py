@@ -233,11 +233,34 @@ def test_with_int16_panels_a_prefill_row_has_the_bits_of_a_decode_batch_row(
     assert relative(wide, expected(kind, x, ref)) < 3e-5  # the worst of 140,000 values
 
 
+@pytest.mark.parametrize("variant", PANEL_VARIANTS)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_a_k_quant_prefill_chunk_goes_through_int16_panels_of_its_pieces(kind, variant, monkeypatch):
+    """Above GEMM_ROWS (a prefill chunk) the K-quants are multiplied in the int16 panels,
+    each 256-value block as 8 pieces of 32 with their own scales (quant/kquant_pieces.h):
+    gguf-py's weights times x rounded, and a row's bits the same in any chunk of 129+ rows
+    (chunked = unchunked)."""
+    if not VARIANTS[variant][1] <= cpu_flags():
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    monkeypatch.setenv("TANDEM_KERNELS", variant)
+    w, ref = weight(kind, 70, 768)  # 3 blocks a row; the last panel is short
+    linear = QuantLinear(w)
+    assert linear.native_paths == ("gemv", "gemm", "panel")
+    x = torch.randn(1000, 768)
+    x[:, ::61] *= 30
+    wide = linear(x)
+    for start, size in ((0, 129), (500, 200), (871, 129)):
+        assert torch.equal(linear(x[start : start + size]), wide[start : start + size])
+    assert relative(wide, expected(kind, x, ref)) < 3e-5
+    # the product below the panels' rows: the integer sub-block dots, same values
+    assert relative(linear(x[:128]), wide[:128]) < 1e-6
+
+
 def test_prefill_sized_products_go_through_dequantized_slices(monkeypatch):
     monkeypatch.setattr(QuantLinear, "SLICE_VALUES", 256 * 10)  # 10 rows a slice
     w, ref = weight("Q4_K", 45, 256)
     x = torch.randn(QuantLinear.GEMM_ROWS + 1, 256)
-    assert relative(QuantLinear(w)(x), expected("Q4_K", x, ref)) < 1e-5
+    assert relative(QuantLinear(w).product("sliced", x), expected("Q4_K", x, ref)) < 1e-5
     one = weight("Q4_0", 8, 256)
     x = torch.randn(QuantLinear.GEMM_ROWS + 1, 256)
     assert relative(QuantLinear(one[0])(x), expected("Q4_0", x, one[1])) < 1e-5  # one slice

@@ -88,6 +88,9 @@ class Linear:
 X16_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 # Formats the int16 panels (tq_panel_products) multiply for any batch of 5+ rows.
 PANEL_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+# Formats the panels multiply above GEMM_ROWS only (tq_gemm_panel, a prefill chunk): up to
+# GEMM_ROWS their integer sub-block dots keep a row's bits the same in any decode batch.
+WIDE_PANEL_FORMATS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 # Row counts of x whose products take one path each (QuantLinear.GEMV_ROWS, GEMM_ROWS): a
 # row's bits do not depend on the batch it is in within a class.
 ROW_CLASSES = ("1-4", "5-128", ">128")
@@ -113,8 +116,10 @@ class QuantLinear:
     too: a row has the same bits in a batch of 5 or of 2,000). More rows of K-quants, up to
     `GEMM_ROWS`: `tq_gemm` takes the same integer sub-block dots as `tq_gemv`
     (quant/kquant_products.h; a row's bits the same in any batch of 1 to `GEMM_ROWS`).
+    More rows of K-quants (a prefill chunk): `tq_gemm_panel`, the int16 panels built from
+    the K-quant blocks' 32-value pieces (quant/kquant_pieces.h).
 
-    More than `GEMM_ROWS` rows without the panels (a prefill chunk): the weight is
+    More than `GEMM_ROWS` rows without the panels (the generic and NEON builds): the weight is
     dequantized `SLICE_VALUES` at a time into a per-thread buffer and each slice multiplied
     with torch's GEMM, whose blocking wins once the fp32 slice is reused by enough rows; x
     is rounded first as the integer path rounds it. The generic build keeps x in fp32 on
@@ -132,23 +137,27 @@ class QuantLinear:
     SLICE_VALUES = 1 << 21  # 8 MiB of fp32 a slice
     _buffers = threading.local()
 
-    __slots__ = ("_bias", "_copy", "_gemm", "_gemv", "_native", "_paths", "_round_x", "_weight",
-                 "in_features", "out_features")  # fmt: skip
+    __slots__ = ("_bias", "_copy", "_gemm", "_gemv", "_native", "_panel", "_paths", "_round_x",
+                 "_weight", "in_features", "out_features")  # fmt: skip
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self._weight = weight
         self._bias = bias
         lib = library()[0]
-        self._gemv, self._gemm = lib.tq_gemv, lib.tq_gemm
+        self._gemv, self._gemm, self._panel = lib.tq_gemv, lib.tq_gemm, lib.tq_gemm_panel
         # The integer products take x rounded to 16 bits a block (quant/x16_products.h): the wide
         # path rounds x the same way, so the two differ by summation order only.
         x16 = lib.tq_activation_bits() == 16 and weight.kind in X16_FORMATS
         self._round_x = lib.tq_round_x16 if x16 else None
         # int16 panels (AVX-512, and AVX2 against oneDNN's AVX2 kernels) beat the
         # dequantized slices at every batch size (docs/engine.md)
-        panels = x16 and weight.kind in PANEL_FORMATS and lib.tq_panel_products()
-        wide = "gemm" if panels else "sliced"
+        panels = x16 and lib.tq_panel_products()
+        wide = "sliced"
+        if panels and weight.kind in PANEL_FORMATS:
+            wide = "gemm"
+        elif panels and weight.kind in WIDE_PANEL_FORMATS:
+            wide = "panel"
         self._native: tuple[str, ...] = ("gemv", "gemm", wide)
         self._paths: tuple[str, ...] = self._native
         self._copy: torch.Tensor | None = None
@@ -224,7 +233,7 @@ class QuantLinear:
                                                       [], "")  # fmt: skip
         rows, w = x.shape[0], self._weight
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        kernel = self._gemv if path == "gemv" else self._gemm
+        kernel = {"gemv": self._gemv, "gemm": self._gemm, "panel": self._panel}[path]
         n, k = self.out_features, self.in_features
         rc = kernel(w.type_id, w.data.data_ptr(), w.data.stride(0), n, k, x.data_ptr(), rows,
                     y.data_ptr(), n)  # fmt: skip

@@ -20,6 +20,7 @@
  *   x16_products.h    products with x rounded to 16 bits a block (AVX2 and up, NEON)
  *   kquant_neon.h     the K-quants' integer dots for NEON builds (kquant_products.h's)
  *   kquant_products.h the same for the K-quants, Q4_K / Q5_K / Q6_K (AVX2 and up, NEON)
+ *   kquant_pieces.h   the K-quants as 32-value pieces, for the int16 panels (x86)
  *   panel_avx2.h      256-bit integer panels for a batch (AVX2 builds)
  *   panel_products.h  512-bit integer panels (AVX-512BW), the batch product over panels
  *   products.h        tq_gemv, tq_gemm, tq_dequant_rows: the entry points of the products
@@ -46,6 +47,7 @@
 #include "x16_products.h"
 #include "kquant_neon.h"
 #include "kquant_products.h"
+#include "kquant_pieces.h"
 #include "panel_avx2.h"
 #include "panel_products.h"
 #include "products.h"

@@ -172,6 +172,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tq_gemv.restype = i
     lib.tq_gemm.argtypes = [i, p, sz, i, i, p, i, p, i]
     lib.tq_gemm.restype = i
+    lib.tq_gemm_panel.argtypes = [i, p, sz, i, i, p, i, p, i]
+    lib.tq_gemm_panel.restype = i
     lib.tq_dequant_rows.argtypes = [i, p, sz, i, p, ctypes.c_int64, i, p]
     lib.tq_dequant_rows.restype = i
     lib.tq_decode_attention.argtypes = [p, p, p, i, ctypes.c_int64, ctypes.c_int64, p, p,

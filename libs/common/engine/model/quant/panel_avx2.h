@@ -74,10 +74,15 @@ static void build_panel(int type, const uint8_t *w, size_t row_bytes, int n_out,
             __m256i lo[8], hi[8];
             for (int c = 0; c < 8; c++) {
                 const int col = n0 + half * 8 + c, n = col < n_out ? col : n_out - 1;
+                float *d = dw + b * PN + half * 8 + c, *mn = mw + b * PN + half * 8 + c;
+                if (k_block(type)) { /* a K-quant's piece b (kquant_pieces.h) */
+                    k_panel_block(type, w + (size_t)n * row_bytes, b, &lo[c], &hi[c], d, mn);
+                    continue;
+                }
                 const uint8_t *blk = w + (size_t)n * row_bytes + (size_t)b * bb;
                 block_i16_avx2(type, blk, &lo[c], &hi[c]);
-                dw[b * PN + half * 8 + c] = h2f(blk);
-                mw[b * PN + half * 8 + c] = type == TQ_Q4_1 ? h2f(blk + 2) : 0.0f;
+                *d = h2f(blk);
+                *mn = type == TQ_Q4_1 ? h2f(blk + 2) : 0.0f;
             }
             transpose8(lo);
             transpose8(hi);
@@ -125,7 +130,7 @@ static inline __attribute__((always_inline)) void panel_tile(
             acc[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][0]), dx), d0, acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][1]), dx), d1, acc[i][1]);
         }
-        if (type == TQ_Q4_1) {
+        if (type == TQ_Q4_1) { /* Q4_K, Q5_K: called as Q4_1 (gemm_panel) */
             const __m256 m0 = _mm256_loadu_ps(mw + b * PN), m1 = _mm256_loadu_ps(mw + b * PN + 8);
             for (int i = 0; i < PM; i++) {
                 const __m256 sx = _mm256_set1_ps(ds[i][2 * b + 1]);

@@ -78,10 +78,17 @@ static void build_panel(int type, const uint8_t *w, size_t row_bytes, int n_out,
             __m512i r[16];
             for (int c = 0; c < 16; c++) {
                 const int col = n0 + half * 16 + c, n = col < n_out ? col : n_out - 1;
+                float *d = dw + b * PN + half * 16 + c, *mn = mw + b * PN + half * 16 + c;
+                if (k_block(type)) { /* a K-quant's piece b (kquant_pieces.h) */
+                    __m256i lo, hi;
+                    k_panel_block(type, w + (size_t)n * row_bytes, b, &lo, &hi, d, mn);
+                    r[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                    continue;
+                }
                 const uint8_t *blk = w + (size_t)n * row_bytes + (size_t)b * bb;
                 r[c] = block_i16(type, blk);
-                dw[b * PN + half * 16 + c] = h2f(blk);
-                mw[b * PN + half * 16 + c] = type == TQ_Q4_1 ? h2f(blk + 2) : 0.0f;
+                *d = h2f(blk);
+                *mn = type == TQ_Q4_1 ? h2f(blk + 2) : 0.0f;
             }
             transpose16(r);
             for (int p = 0; p < 16; p++) _mm512_storeu_si512(panel + ((size_t)b * 16 + p) * PN + half * 16, r[p]);
@@ -159,8 +166,9 @@ static int gemm_panel(int type, const uint8_t *w, size_t row_bytes, int n_out, i
             build_panel(type, w, row_bytes, n_out, nb, n0, panel, dw, mw);
             for (int t0 = 0; t0 < m; t0 += PM) {
                 float out[PM * PN];
-                if (type == TQ_Q4_1) panel_tile(TQ_Q4_1, panel, dw, mw, nb, &xq, t0, m, out);
-                else panel_tile(TQ_Q8_0, panel, dw, mw, nb, &xq, t0, m, out); /* Q4_0: no min term either */
+                /* Q4_K and Q5_K have Q4_1's min term; Q4_0 and Q6_K, as Q8_0, none */
+                if (panel_has_min(type)) panel_tile(TQ_Q4_1, panel, dw, mw, nb, &xq, t0, m, out);
+                else panel_tile(TQ_Q8_0, panel, dw, mw, nb, &xq, t0, m, out);
                 const int mr = m - t0 < PM ? m - t0 : PM;
                 for (int i = 0; i < mr; i++) memcpy(y + (size_t)(t0 + i) * ldy + n0, out + i * PN, sizeof(float) * nc);
             }

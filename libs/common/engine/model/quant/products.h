@@ -94,6 +94,20 @@ static inline void dequant_row(int type, const uint8_t *row, int k, float *out) 
     for (int b = 0; b < nb; b++) dequant_block(type, row + (size_t)b * bb, out + (size_t)b * bs);
 }
 
+/* y = x W^T for any m through the int16 panels, the K-quants' too (their 32-value pieces,
+ * kquant_pieces.h): the wide product of a prefill chunk. A row's bits do not depend on
+ * the rows beside it. -1 where the build has no panels (generic, NEON). */
+int tq_gemm_panel(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+                  int m, float *y, int ldy) {
+    if (tq_block_bytes(type) == 0 || k % tq_block_size(type) != 0 || m < 1) return -1;
+#if defined(TQ_PANEL) && defined(TQ_KX) && !defined(TQ_NEON)
+    if (small_block(type) || k_block(type)) return gemm_panel(type, w, row_bytes, n_out, k, x, m, y, ldy);
+#else
+    (void)w, (void)row_bytes, (void)n_out, (void)x, (void)y, (void)ldy;
+#endif
+    return -1;
+}
+
 #define TQ_NR 4 /* weight rows a tile */
 #define TQ_MR 4 /* rows of x a tile */
 
