@@ -235,7 +235,9 @@ def test_with_int16_panels_a_prefill_row_has_the_bits_of_a_decode_batch_row(
 
 @pytest.mark.parametrize("variant", PANEL_VARIANTS)
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
-def test_a_k_quant_prefill_chunk_goes_through_int16_panels_of_its_pieces(kind, variant, monkeypatch):
+def test_a_k_quant_prefill_chunk_goes_through_int16_panels_of_its_pieces(
+    kind, variant, monkeypatch
+):
     """Above GEMM_ROWS (a prefill chunk) the K-quants are multiplied in the int16 panels,
     each 256-value block as 8 pieces of 32 with their own scales (quant/kquant_pieces.h):
     gguf-py's weights times x rounded, and a row's bits the same in any chunk of 129+ rows
