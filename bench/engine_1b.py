@@ -13,7 +13,10 @@ machine's memory bandwidth. In one run, with the same threads:
 - memory (MiB): the process's RSS before the load, after the runs and at its peak;
 - the read-bandwidth bound: measure_read_bandwidth / weight bytes a decode step reads (the
   same bytes for both engines: the file's blocks);
-- llama.cpp: `llama-bench -p 0 -n 128 -r 3` (tg128) on the same file.
+- llama.cpp: `llama-bench -p 512 -n 128 -r 3` (tg128, and pp512) on the same file;
+- prefill: ours, a 512-token prompt (PREFILL_TOKENS, one chunk) to its first token, three
+  times, tok/s = 512 / that time (their mean), against llama-bench's pp512 (no goal:
+  K-quant prompts were slow, docs/engine.md "Weights in memory").
 Verdicts: issue 40's goals, ours >= 1.0x tg128 and >= 50% of the read-bandwidth bound.
 About 5 minutes on 2 threads (plus ~30 s for the file's first write).
 """
@@ -38,6 +41,7 @@ from bench.engine_measure import (
 
 MODEL_NAME = "synthetic-1b"
 RUNS = 3
+PREFILL_TOKENS = 512  # the prompt of the prefill figure, against llama-bench's pp512
 # Issue 40's goals on this model.
 GOALS = {"single_stream_vs_tg": 1.0, "fraction_of_read_bandwidth_bound": 0.5}
 
@@ -59,8 +63,13 @@ def single_stream(core, vocab: int, args) -> dict:
     run_ours(core, prompt, 4, SamplingParams)  # warm-up: the kernels' first use
     runs = [run_ours(core, prompt, args.new_tokens, SamplingParams) for _ in range(RUNS)]
     rates = [r["decode_tok_s"] for r in runs]
+    long_prompt = token_prompts(1, PREFILL_TOKENS, vocab)
+    prefills = [PREFILL_TOKENS / run_ours(core, long_prompt, 1, SamplingParams)["seconds"]
+                for _ in range(RUNS)]  # fmt: skip
     return {"decode_tok_s": round(sum(rates) / len(rates), 2),
-            "decode_tok_s_runs": rates, "runs": runs}  # fmt: skip
+            "decode_tok_s_runs": rates, "runs": runs,
+            "prefill_tok_s": round(sum(prefills) / len(prefills), 2),
+            "prefill_tok_s_runs": [round(r, 2) for r in prefills]}  # fmt: skip
 
 
 def peer_section(folder: pathlib.Path | None, model: pathlib.Path, args) -> dict:
@@ -73,15 +82,17 @@ def peer_section(folder: pathlib.Path | None, model: pathlib.Path, args) -> dict
     print("llama.cpp ...", file=sys.stderr)
     try:
         section["llama_bench"] = peer_llama_cpp.run_llama_bench(
-            folder, model, args.threads, [0], args.new_tokens, repetitions=RUNS)  # fmt: skip
+            folder, model, args.threads, [PREFILL_TOKENS], args.new_tokens, repetitions=RUNS
+        )
     except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
         section["llama_bench_error"] = str(e)
     return section
 
 
-def verdicts(ours: float, bound: float, peer: dict, tg: str) -> dict:
+def verdicts(ours: float, bound: float, peer: dict, tg: str, prefill: float = 0.0) -> dict:
     """The ratios and one verdict per goal; without the peer's figure its goal has none."""
     fraction = round(ours / bound, 3)
+    pp = peer.get("llama_bench", {}).get(f"pp{PREFILL_TOKENS}", {}).get("tok_s")
     out: dict = {"ratios": {"fraction_of_read_bandwidth_bound": fraction}, "verdicts": {
         f"single_stream_{GOALS['fraction_of_read_bandwidth_bound']:.0%}_read_bandwidth_bound":
             fraction >= GOALS["fraction_of_read_bandwidth_bound"]}}  # fmt: skip
@@ -92,6 +103,8 @@ def verdicts(ours: float, bound: float, peer: dict, tg: str) -> dict:
         out["ratios"][f"single_stream_vs_{tg}"] = ratio
         out["ratios"]["llama_cpp_fraction_of_read_bandwidth_bound"] = round(theirs / bound, 3)
         out["verdicts"][f"single_stream_vs_{tg}_{goal}x"] = ratio >= goal
+    if pp and prefill:
+        out["ratios"][f"prefill_vs_pp{PREFILL_TOKENS}"] = round(prefill / pp, 3)
     return out
 
 
@@ -111,9 +124,10 @@ def run(args, report: dict) -> dict:
     made_s = time.perf_counter() - start
     before = memory_mb()
     print(f"{MODEL_NAME}: ours ...", file=sys.stderr)
-    kv_mb = max(64, (args.prompt_tokens + args.new_tokens) * 65 // 1024 + 16)  # 64 KiB a token
+    tokens = max(args.prompt_tokens + args.new_tokens, PREFILL_TOKENS + 1)
+    kv_mb = max(64, tokens * 65 // 1024 + 16)  # 64 KiB a token
     core = EngineCore(EngineConfig(model=str(path), num_threads=args.threads, weights="native",
-                                   max_num_batched_tokens=max(512, args.prompt_tokens),
+                                   max_num_batched_tokens=max(PREFILL_TOKENS, args.prompt_tokens),
                                    max_num_seqs=1, kv_cache_mb=kv_mb,
                                    enable_prefix_cache=False))  # fmt: skip
     cfg = core.model.config
@@ -145,6 +159,6 @@ def run(args, report: dict) -> dict:
     folder = None if args.peer_llama_cpp == "none" else pathlib.Path(args.peer_llama_cpp)
     report["llama_cpp"] = peer_section(folder, path, args)
     report.update(verdicts(ours["decode_tok_s"], bound, report["llama_cpp"],
-                           f"tg{args.new_tokens}"))  # fmt: skip
+                           f"tg{args.new_tokens}", ours["prefill_tok_s"]))  # fmt: skip
     report["machine"]["loadavg_end"] = os.getloadavg()
     return report

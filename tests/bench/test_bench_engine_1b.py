@@ -127,6 +127,14 @@ def test_with_the_peer_the_ratio_is_ours_over_tg():
                                "single_stream_vs_tg128_1.0x": False}  # fmt: skip
 
 
+def test_the_prefill_ratio_is_ours_over_pp512_and_has_no_verdict():
+    peer = {"llama_bench": {"tg128": {"tok_s": 40.0}, "pp512": {"tok_s": 200.0}}}
+    out = engine_1b.verdicts(30.0, 80.0, peer, "tg128", prefill=300.0)
+    assert out["ratios"]["prefill_vs_pp512"] == 1.5
+    assert "prefill_vs_pp512" not in str(out["verdicts"])
+    assert "prefill_vs_pp512" not in engine_1b.verdicts(30.0, 80.0, peer, "tg128")["ratios"]
+
+
 def test_the_built_llama_bench_reads_the_synthetic_file(small_file):
     folder = peer_llama_cpp.DEFAULT_DIR
     why = peer_llama_cpp.missing(folder, ("llama-bench",))
