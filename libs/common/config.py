@@ -102,6 +102,14 @@ class CommonConfig:
         default=10.0,
         metadata={"help": "on SIGTERM, seconds to let in-flight work finish before exiting"},
     )
+    otlp_endpoint: str = field(
+        default="",
+        metadata={
+            "help": "OpenTelemetry collector (OTLP/HTTP, e.g. http://jaeger:4318) that gets "
+            "one trace per request; unset: OTEL_EXPORTER_OTLP_ENDPOINT, else tracing off "
+            "(docs/operations.md, 'Traces')"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.service_id:
@@ -122,6 +130,10 @@ class CommonConfig:
             raise ValueError(f"--subject-prefix: {self.subject_prefix!r} is not a valid token")
         for name in ("connect_timeout", "request_timeout", "drain_timeout"):
             require_positive(self, name)
+        if self.otlp_endpoint and not re.match(r"^https?://[^\s]+$", self.otlp_endpoint):
+            raise ValueError(
+                f"--otlp-endpoint: expected http(s)://host:port, got {self.otlp_endpoint!r}"
+            )
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

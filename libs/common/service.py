@@ -2,12 +2,12 @@
 
     main(Cls, ConfigCls)
       -> config = ConfigCls.parse()            (--help, flags, TANDEM_* variables)
-      -> setup_logging()
+      -> setup_logging(); tracing.setup() when an OTLP endpoint is set (libs/common/tracing.py)
       -> service.start()   connect NATS (bounded retries), on_start(), register micro
                            service `tandem-<name>` with `info` + the service's endpoints
       -> wait for SIGTERM / SIGINT
       -> service.stop()    unregister (no new work), let in-flight work finish within
-                           --drain-timeout, on_stop(), close NATS
+                           --drain-timeout, on_stop(), close NATS, send the last spans
       -> exit 0            (1 when start failed, e.g. NATS unreachable)
 
 `stop()` is safe to call twice and on a half-started service.
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from libs.common import __version__, event_loop
+from libs.common import __version__, event_loop, tracing
 from libs.common.bus.connection import Bus, BusError, Endpoint
 from libs.common.config import CommonConfig, redact_url
 from libs.common.log import get_logger, setup_logging
@@ -116,6 +116,7 @@ class BaseService:
             await self.on_stop()
         finally:
             await self.bus.close()
+            await asyncio.to_thread(tracing.shutdown)  # the last spans leave (when on)
             self._stopped.set()
             log.info("service stopped")
 
@@ -152,6 +153,8 @@ def main(
     setup_logging(
         config.log_level, config.log_format, service=config.SERVICE, service_id=config.service_id
     )
+    if tracing.setup(config.SERVICE, config.service_id, tracing.endpoint(config.otlp_endpoint)):
+        log.info("tracing on", otlp_endpoint=tracing.endpoint(config.otlp_endpoint))
     loop = event_loop.loop_name(config.event_loop)
     log.info("event loop", event_loop=loop)
     sys.exit(event_loop.run(serve(service_cls(config)), loop))

@@ -187,6 +187,18 @@ def test_monitoring_is_published_only_by_the_monitoring_override():
     assert port == "${PUBLISH_ADDR:-127.0.0.1}:${NATS_MONITOR_HOST_PORT:-8222}:8222"
 
 
+def test_monitoring_sends_every_services_traces_to_its_otlp_collector():
+    jaeger = MONITORING["services"]["jaeger"]
+    assert jaeger["image"].startswith("${JAEGER_IMAGE:-jaegertracing/")
+    assert [p for p in jaeger["ports"] if p.endswith(":16686")]  # its UI, on PUBLISH_ADDR
+    traced = {n for n in MONITORING["services"] if n not in ("nats", "jaeger")}
+    assert traced == set(TANDEM)
+    for name in traced:
+        env = _env(MONITORING["services"][name])
+        assert env == {"TANDEM_OTLP_ENDPOINT": "${TANDEM_OTLP_ENDPOINT:-http://jaeger:4318}"}
+        assert set(env) <= env_vars(TANDEM[name])
+
+
 def test_models_come_from_the_mounted_volume_or_the_built_in_default():
     for name in ("router", "prefill", "decode"):
         spec = COMPOSE["services"][name]

@@ -5,6 +5,6 @@ Owns the connection (request/reply, publish, subscribe, JetStream), the service 
 (`tandem.kv.events.<id>` and its JetStream stream), and who may use which subject: a
 service's NATS identity (credentials.py) and each role's allow lists (permissions.py).
 
-May import: libs.common.config, libs.common.log, libs.common.messages, libs.common.engine.core
-(page-event types). Never torch, the transfer engine or a service.
+May import: libs.common.config, libs.common.log, libs.common.tracing, libs.common.messages,
+libs.common.engine.core (page-event types). Never torch, the transfer engine or a service.
 """

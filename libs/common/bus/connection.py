@@ -10,6 +10,9 @@
 - `add_service()` registers a `nats.micro` service (`nats micro ls` shows it) whose
   endpoints take a typed request and return a typed reply; an exception in a handler
   becomes an error reply and never kills the subscription that serves everyone else.
+- Traces cross the bus: `request()` sends the current trace context as a `traceparent`
+  header, and an endpoint whose request carries one runs its handler inside a server span
+  of that trace (libs/common/tracing.py; nothing is added while tracing is off).
 - Subscriptions (micro endpoints included) come back by themselves after a reconnect;
   state a restarted nats-server lost (a JetStream stream, a consumer) does not:
   `on_reconnect(hook)` re-creates it after every reconnect.
@@ -33,6 +36,7 @@ from nats.micro import ServiceConfig, add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service
 
+from libs.common import tracing
 from libs.common.bus.credentials import connect_options
 from libs.common.config import redact_url
 from libs.common.log import get_logger
@@ -192,11 +196,13 @@ class Bus:
         now = asyncio.get_running_loop().time()
         deadline = now + timeout
         give_up = now + (timeout if responder_wait is None else min(responder_wait, timeout))
-        payload, pause = message.encode(), 0.02
+        payload, pause, headers = message.encode(), 0.02, tracing.headers()
         while True:
             left = deadline - asyncio.get_running_loop().time()
             try:
-                msg = await self.nc.request(subject, payload, timeout=max(left, 0.001))
+                msg = await self.nc.request(
+                    subject, payload, timeout=max(left, 0.001), headers=headers
+                )
                 break
             except nats.errors.NoRespondersError:
                 # A responder may be (re)subscribing: a service restarting, a reconnect, or
@@ -253,7 +259,7 @@ class Bus:
         async def serve(req: Request) -> None:
             try:
                 message = ep.request_type.decode(req.data or b"{}")
-                reply = await ep.handler(message)
+                reply = await _handle(ep, message, tracing.remote(req.headers))
             except MessageError as e:
                 await _respond_error(req, 400, str(e))
             except HandlerError as e:
@@ -329,6 +335,15 @@ class Bus:
                 await asyncio.wait_for(nc.close(), timeout=5)
             except Exception as e:
                 log.warning("nats close failed", error=str(e) or type(e).__name__)
+
+
+async def _handle(ep: Endpoint, message: Message, context: Any) -> Message:
+    """The handler's reply; inside a server span when the request came with a trace."""
+    if context is None:
+        return await ep.handler(message)
+    rid = getattr(message, "request_id", "")
+    with tracing.span(ep.name, rid, context=context, kind=tracing.SpanKind.SERVER):
+        return await ep.handler(message)
 
 
 async def _respond_error(req: Request, code: int, message: str) -> None:

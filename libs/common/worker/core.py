@@ -25,6 +25,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from libs.common import tracing
 from libs.common.bus.connection import Bus
 from libs.common.bus.kv_events import KvEventPublisher, keep_kv_stream
 from libs.common.config import WorkerConfig
@@ -268,12 +269,15 @@ class WorkerCore:
             n = min(n, params.prompt_logits_from)
         return n
 
-    def write_back(self, token_ids: list[int], num_tokens: int, cache_salt: str) -> None:
+    def write_back(
+        self, token_ids: list[int], num_tokens: int, cache_salt: str, *, request_id: str = ""
+    ) -> None:
         """Copy computed full pages to the pool in the background (write-through)."""
         if self.pool is not None:
             keys = self.page_keys(token_ids, num_tokens, cache_salt)
             if keys:
-                self.bus.spawn(self.pool.write_back(keys), name="pool-write-back")
+                put = _pool_put(self.pool, keys, request_id)
+                self.bus.spawn(put, name="pool-write-back")
 
     # --- cancels ---------------------------------------------------------------------------
 
@@ -389,3 +393,8 @@ class WorkerCore:
     async def _flush_events(self) -> None:
         events, self._pending_events = self._pending_events, []
         await self.events.publish(events)
+
+
+async def _pool_put(pool: PoolTier, keys: list[str], request_id: str) -> None:
+    with tracing.span("pool.put", request_id, pages=len(keys)):
+        await pool.write_back(keys)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from libs.common import tracing
 from libs.common.bus.connection import Endpoint, HandlerError
 from libs.common.engine.core.outputs import RequestOutput
 from libs.common.engine.core.sampling_params import SamplingParams
@@ -127,7 +128,12 @@ class DecodeRole:
                 self.core.queued_prompt_tokens -= len(req.token_ids)
                 self.backlog.done(len(req.token_ids))
 
-        with request_context(req.request_id, router=req.router, label=req.label):
+        with (
+            request_context(req.request_id, router=req.router, label=req.label),
+            tracing.span("decode.request", req.request_id, prompt_tokens=len(req.token_ids),
+                         continued_after=len(req.generated),  # > 0: a migrated request
+                         prefill_worker=req.prefill_worker),
+        ):  # fmt: skip
             try:
                 async with asyncio.timeout(req.timeout):
                     await run(stream, prompt_done)
@@ -152,7 +158,9 @@ class DecodeRole:
             if core.pool is not None:  # L1 first, then the pool
                 reusable = core.reusable(tokens, params, req.generated)
                 keys = core.page_keys(tokens, reusable, params.cache_salt)
-                _, from_pool = await core.pool.fetch_prefix(keys)
+                with tracing.span("pool.get", req.request_id, pages=len(keys)):
+                    _, from_pool = await core.pool.fetch_prefix(keys)
+                    tracing.annotate(pages_read=from_pool)
                 pool_tokens = from_pool * core.config.page_size
             key = request_key(req.router, req.request_id)
             outputs = core.engine.add_request(req.token_ids, params, request_id=key,
@@ -164,7 +172,11 @@ class DecodeRole:
 
     def _run_disaggregated(self, req: GenerateRequest, pages: list[int], held: int) -> Run:
         async def run(stream: TokenStream, prompt_done: PromptDone) -> None:
-            result = await self.receiver.receive(req, pages[held:], held)
+            with tracing.span("kv.handoff", req.request_id, pages=len(pages) - held,
+                              held_pages=held):  # fmt: skip
+                result = await self.receiver.receive(req, pages[held:], held)
+                tracing.annotate(**{f"cached_tokens.{k}": v
+                                    for k, v in result.cached_tokens.items()})  # fmt: skip
             prompt_done()
             key = request_key(req.router, req.request_id)
             if result.finish_reason is not None:  # the prefill worker ended the stream
@@ -192,9 +204,12 @@ class DecodeRole:
         prefill worker's cached-token count by tier; without one the prompt ran here, with
         `pool_tokens` of its cached tokens read from the pool."""
         first, generated = True, list(req.generated)
+        started = first_at = tracing.now()
         async for out in outputs:
             if first:
                 prompt_done()
+                first_at = tracing.now()  # the wait for a batch slot and the first step
+                tracing.record("decode.queue", req.request_id, started, first_at)
             ids, text, lps = out.token_ids, out.text, logprobs_wire(out.logprobs)
             if first and skip_first:  # token 0 (and its text) came from the prefill worker
                 ids, text, lps = ids[1:], "", lps[1:]
@@ -216,10 +231,13 @@ class DecodeRole:
                 )
                 await stream.finish(out.finish_reason or "stop", usage,
                                     stop_reason=out.stop_reason)  # fmt: skip
+                tracing.record("decode.tokens", req.request_id, first_at, tracing.now(),
+                               completion_tokens=out.num_output_tokens)  # fmt: skip
                 # the next turn of this conversation starts with these pages: pool them
                 # (the last token was sampled, never computed, so it has no KV yet)
                 tokens = req.token_ids + generated
-                self.core.write_back(tokens, len(tokens) - 1, req.sampling.cache_salt)
+                self.core.write_back(tokens, len(tokens) - 1, req.sampling.cache_salt,
+                                     request_id=req.request_id)  # fmt: skip
                 log.info("request finished", reason=out.finish_reason,
                          completion_tokens=out.num_output_tokens)  # fmt: skip
                 return

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 
+from libs.common import tracing
 from libs.common.bus.connection import Endpoint, HandlerError
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.log import get_logger, request_context
@@ -128,18 +129,24 @@ class PrefillRole:
     async def _run(
         self, req: PrefillRequest, params: SamplingParams, sender: KvSender
     ) -> PrefillResult:
-        core = self.core
+        core, rid = self.core, req.request_id
         pool_tokens = 0
         if core.pool is not None:  # L1 first, then the pool; at least 1 token is computed
             reusable = core.reusable(req.token_ids, params)
             keys = core.page_keys(req.token_ids, reusable, params.cache_salt)
-            _, from_pool = await core.pool.fetch_prefix(keys)
+            with tracing.span("pool.get", rid, pages=len(keys)):
+                _, from_pool = await core.pool.fetch_prefix(keys)
+                tracing.annotate(pages_read=from_pool)
             pool_tokens = from_pool * core.config.page_size
         last = None
         key = request_key(req.router, req.request_id)
+        chunk, since = 0, tracing.now()  # chunk 0's span holds its wait in the queue too
         async for out in core.engine.add_request(
             req.token_ids, params, request_id=key, prefill_only=True
         ):
+            done = tracing.now()
+            tracing.record("prefill.chunk", rid, since, done, chunk=chunk)
+            chunk, since = chunk + 1, done
             if not out.finished and out.page_table:
                 sender.send(out.page_table)  # a chunk is done: move its pages meanwhile
             last = out
@@ -149,6 +156,7 @@ class PrefillRole:
         first = last.token_ids[0]
         pool_tokens = min(pool_tokens, last.num_cached_tokens)  # unless evicted meanwhile
         cached = {"device": last.num_cached_tokens - pool_tokens, "pool": pool_tokens}
+        tracing.annotate(**{f"cached_tokens.{k}": v for k, v in cached.items()})
         finished = last.finish_reason is not None
         core.count_output_tokens(1)
         await core.bus.publish(
@@ -173,10 +181,11 @@ class PrefillRole:
         kv_mac = ""
         if not finished:
             page_table = last.page_table or []
-            await sender.finish(page_table)  # ValueError unless it holds every prompt page
+            with tracing.span("kv.finish", rid):  # the writes still in flight land
+                await sender.finish(page_table)  # ValueError unless it holds every prompt page
             local_pages = page_table[sender.skip : sender.num_pages]
             kv_mac = await vouch(core, req, first, local_pages)
-        core.write_back(req.token_ids, len(req.token_ids), params.cache_salt)
+        core.write_back(req.token_ids, len(req.token_ids), params.cache_salt, request_id=rid)
         log.info("prefill done", prompt_tokens=len(req.token_ids), cached=cached,
                  finished=finished, pages_sent=len(sender.sent))  # fmt: skip
         return PrefillResult(

@@ -1,7 +1,8 @@
 """The aiohttp application: routes, request ids, API keys, errors in OpenAI's shape
 (Anthropic's on /v1/messages*).
 
-    middleware  request id (x-request-id in and out; bound to every log line)
+    middleware  a POST's root span, when tracing is on (libs/common/tracing.py)
+                -> request id (x-request-id in and out; bound to every log line)
                 -> API key check on /v1/*, /tokenize and /detokenize
                 -> a declared body over --max-body-bytes: 413 before it is read
                 -> handler; ApiError / HTTP errors / anything else -> an error body
@@ -30,6 +31,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from libs.common import tracing
 from libs.common.log import get_logger, request_context
 from services.router.admission import budget
 from services.router.admission.credentials import tenant_of
@@ -57,7 +59,9 @@ KEYS: web.AppKey[KeyRing] = web.AppKey("api_keys", KeyRing)
 
 def build_app(state: RouterState, keys: KeyRing, gate: Gate) -> web.Application:
     # connections: the header deadline ends as a request starts; its body has a deadline.
-    middlewares = [connection_middleware.track, _middleware, connection_middleware.read_body]
+    middlewares = [
+        connection_middleware.track, _traced, _middleware, connection_middleware.read_body
+    ]  # fmt: skip
     app = web.Application(middlewares=middlewares, client_max_size=state.config.max_body_bytes)
     connection_middleware.install(app, ConnectionLimits.of(state.config))
     app[STATE], app[KEYS], app[GATE] = state, keys, gate
@@ -98,6 +102,21 @@ def _json(body: object, status: int = 200, headers: dict[str, str] | None = None
     return web.Response(
         body=orjson.dumps(body), status=status, headers=headers, content_type="application/json"
     )
+
+
+@web.middleware
+async def _traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The root span of a POST's trace (a `traceparent` header from the client continues
+    the client's trace); the requests a GET answers are not traced."""
+    if request.method != "POST" or not tracing.enabled():
+        return await handler(request)
+    name, context = f"POST {request.path}", tracing.joined(request.headers)
+    with tracing.span(name, "", context=context, kind=tracing.SpanKind.SERVER) as span:
+        response = await handler(request)
+        if span is not None:
+            span.set_attributes({tracing.REQUEST_ID: request.get("request_id", ""),
+                                 "http.response.status_code": response.status})  # fmt: skip
+        return response
 
 
 @web.middleware

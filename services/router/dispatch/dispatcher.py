@@ -46,6 +46,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+from libs.common import tracing
 from libs.common.bus.connection import Bus, BusError, RemoteError
 from libs.common.log import get_logger
 from libs.common.messages.control import (
@@ -257,6 +258,14 @@ class Dispatcher:
     async def _attempt(
         self, rid: str, gen: Generation, route: Route, deadline: float, *, label: str = ""
     ) -> None:
+        """One try on `route`, in a span (a migration's try: continued_after > 0)."""
+        with tracing.span("router.attempt", label or rid, attempt=rid, decode=route.decode,
+                          prefill=route.prefill, continued_after=len(gen.sent)):  # fmt: skip
+            await self._try(rid, gen, route, deadline, label=label)
+
+    async def _try(
+        self, rid: str, gen: Generation, route: Route, deadline: float, *, label: str = ""
+    ) -> None:
         try:
             await self.streams.start()
         except Exception as e:  # no connection: nothing was sent, another try may work
@@ -287,12 +296,13 @@ class Dispatcher:
             )
             sent = time.monotonic()
             try:
-                await self.bus.request(
-                    f"{self.prefix}.decode.{route.decode}.generate",
-                    request,
-                    GenerateAccepted,
-                    timeout=min(self.request_timeout, max(0.1, deadline - sent)),
-                )
+                with tracing.span("router.accept", label or rid):
+                    await self.bus.request(
+                        f"{self.prefix}.decode.{route.decode}.generate",
+                        request,
+                        GenerateAccepted,
+                        timeout=min(self.request_timeout, max(0.1, deadline - sent)),
+                    )
             except RemoteError as e:
                 if e.code == 429:
                     raise WorkerBusy(e.message) from None
@@ -305,7 +315,10 @@ class Dispatcher:
             self._waiting.add(stream)
             if self._sweeper is None or self._sweeper.done():
                 self._sweeper = asyncio.create_task(self._sweep(), name="stream-sweeper")
-            await stream.done
+            with tracing.span("router.stream", label or rid) as span:
+                await stream.done
+                if span is not None:
+                    span.set_attribute("tandem.chunks", stream.delivered)
         finally:
             self._waiting.discard(stream)
             stream.settle()

@@ -35,6 +35,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
+from libs.common import tracing
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import SamplingSpec, TokenChunk
 from services.router.admission import budget
@@ -66,7 +67,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     """The whole request; each step is one call, defined below in this order."""
     state = request.app[STATE]
-    api = await parse(request, endpoint, state)
+    with tracing.span("router.parse", request["request_id"]):
+        api = await parse(request, endpoint, state)
     prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
     return await run_request(request, api, prefix, stream if api.stream else collect)
 
@@ -81,11 +83,12 @@ async def run_request(
     Responses and Messages formats beside it): admit, prompts, choices, then `respond`
     runs the choices (`dispatch`) and writes the response in its format."""
     state = request.app[STATE]
-    ticket = await admit(request, api, state.context_len())
+    arrived, label, rid = request["arrived"], request["request_id"], state.new_request_id()
+    with tracing.span("router.admit", label):
+        ticket = await admit(request, api, state.context_len())
     tally: Tally | None = None
     state.pending += 1
     state.metrics.running.labels(state.metrics.model).inc()
-    arrived, label, rid = request["arrived"], request["request_id"], state.new_request_id()
     try:
         with request_context(label, wire_id=rid):
             if api.user:  # user (OpenAI), metadata.user_id (Anthropic): for the operator
@@ -93,10 +96,14 @@ async def run_request(
             # On the router's CPU threads (--cpu-threads): the template holds the GIL, and
             # tokenizers more than the cores contend with the loop for the CPU.
             context, defaults = state.context_len(), state.sampling_defaults
-            prompts = await state.cpu_work(lambda: prepare(api, state.tokenizer, context, defaults))
+            with tracing.span("router.prompts", label):
+                prompts = await state.cpu_work(
+                    lambda: prepare(api, state.tokenizer, context, defaults)
+                )
             choices = make_choices(rid, api, prompts, arrived, label)
             tally = Tally(state, api, prompts, id_prefix + label)
-            return await respond(request, tally, choices)
+            with tracing.span("router.respond", label, wire_id=rid, stream=api.stream):
+                return await respond(request, tally, choices)
     finally:  # every way out (an error, a cancel, the client gone) gives the slot back
         totals = tally.running_totals() if tally else None  # a cancelled one's tokens too
         used = totals.prompt_tokens + totals.completion_tokens if totals else 0
@@ -190,7 +197,7 @@ async def dispatch(state: RouterState, choices: list[Choice], on_delta: OnDelta)
 
 async def run_choice(state: RouterState, choice: Choice, on_delta: OnDelta) -> None:
     """One choice: route, dispatch, and hand its Deltas to `on_delta` until it finishes."""
-    route = state.selector.plan(choice.token_ids, choice.sampling.cache_salt)
+    route = state.selector.plan(choice.token_ids, choice.sampling.cache_salt, choice.label)
     deltas = ChoiceDeltas(state, choice, on_delta)
     timeout = state.config.generate_timeout
     await state.dispatcher.run(

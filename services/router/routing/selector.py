@@ -13,11 +13,18 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Set
 
+from libs.common import tracing
 from libs.common.engine.core.kv_hash import PageHasher
 from libs.common.log import get_logger
 from services.router.metrics import RouterMetrics
 from services.router.routing.kv_index import KvIndex, PrefixMatch
-from services.router.routing.policy import PolicyConfig, Route, choose
+from services.router.routing.policy import (
+    PolicyConfig,
+    Route,
+    choose,
+    decode_cost,
+    prefill_cost,
+)
 from services.router.routing.workers import Worker, WorkerTable
 
 log = get_logger(__name__)
@@ -51,11 +58,13 @@ class RouteSelector:
         ]
 
     def plan(
-        self, token_ids: list[int], cache_salt: str = ""
+        self, token_ids: list[int], cache_salt: str = "", request_id: str = ""
     ) -> Callable[[Set[str]], Route | None]:
+        """`request_id` names the request in its trace's route spans."""
         keys_by_salt: dict[tuple[str, str, int], list[str]] = {}
 
         def route(exclude: Set[str]) -> Route | None:
+            started = tracing.now()
             # A retry avoids the workers that failed, but a lone decode worker is still
             # tried again (with another prefill worker, or prefilling itself).
             decodes = self.eligible("decode", exclude) or self.eligible("decode")
@@ -78,9 +87,35 @@ class RouteSelector:
             )
             if chosen is not None:
                 self._record(chosen, match)
+            if tracing.enabled():
+                self._trace(request_id, started, chosen, len(token_ids), match,
+                            decodes=decodes, prefills=prefills)  # fmt: skip
             return chosen
 
         return route
+
+    def _trace(
+        self,
+        request_id: str,
+        started: int,
+        chosen: Route | None,
+        prompt_len: int,
+        match: PrefixMatch,
+        *,
+        decodes: list[Worker],
+        prefills: list[Worker],
+    ) -> None:
+        """The routing decision as a span: the choice and every candidate's cost."""
+        policy, page_size = self.policy, decodes[0].report.page_size
+        d = [f"{w.id}={decode_cost(w, policy):.3f}" for w in decodes]
+        p = [f"{w.id}={prefill_cost(w, prompt_len, page_size, match, policy):.3f}"
+             for w in prefills]  # fmt: skip
+        tracing.record(
+            "router.route", request_id, started, tracing.now(),
+            decode=chosen.decode if chosen else "", prefill=chosen.prefill if chosen else "",
+            reason=chosen.reason if chosen else "none",
+            cached_pages=chosen.cached_pages if chosen else 0, decode_costs=d, prefill_costs=p,
+        )  # fmt: skip
 
     def _hasher(self, salt: tuple[str, str, int]) -> PageHasher:
         hasher = self._hashers.get(salt)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from libs.common import tracing
 from libs.common.bus.connection import HandlerError
 from libs.common.messages.control import PrefillRequest
 from libs.common.transfer import RegionDescriptor, TransferEngine
@@ -66,6 +67,7 @@ class KvSender:
         self.local, self.remote = local, remote
         self.num_pages, self.skip, self.remote_pages = num_prompt_pages, skip, remote_pages
         self.sent: dict[int, int] = {}  # prompt page index -> local page it was sent from
+        self.request_id = ""  # names the transfers in the request's trace
         self._writes: list[asyncio.Task] = []
 
     def send(self, page_table: list[int]) -> None:
@@ -89,7 +91,10 @@ class KvSender:
     async def _write(self, earlier: list[asyncio.Task], ops) -> None:
         for write in earlier:
             await write
-        await self.transfer.write(self.local_region, self.remote_region, ops)
+        transport, size = self.transfer.transport, sum(op[2] for op in ops)
+        with tracing.span("kv.transfer", self.request_id, transport=transport, bytes=size,
+                          ops=len(ops)):  # fmt: skip
+            await self.transfer.write(self.local_region, self.remote_region, ops)
 
     async def finish(self, page_table: list[int]) -> None:
         """Send the rest from the final page table and wait for every write to land."""
@@ -113,13 +118,15 @@ class KvSender:
         """The sender of `req`'s prompt pages from `core`'s pool into `remote`;
         ValueError when the request's pages do not add up."""
         kv = core.engine_core.kv_cache
-        return cls(
+        sender = cls(
             core.transfer, core.kv_region,
             KvLayout(kv.num_layers, kv.num_pages, kv.slice_nbytes),
             remote, KvLayout(kv.num_layers, req.kv_num_pages, kv.slice_nbytes),
             num_prompt_pages=-(-len(req.token_ids) // core.config.page_size),
             skip=req.skip_pages, remote_pages=req.page_indices,
         )  # fmt: skip
+        sender.request_id = req.request_id
+        return sender
 
 
 async def vouch(
