@@ -8,6 +8,7 @@ SDK exporter (--otlp-endpoint).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ class OtlpReceiver:
         lock, spans, receiver = threading.Lock(), self.spans, self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 try:
                     assert self.path == "/v1/traces", self.path
@@ -108,13 +109,13 @@ class OtlpReceiver:
     def trace(self, trace_id: str) -> list[ReceivedSpan]:
         return [s for s in list(self.spans) if s.trace_id == trace_id]
 
-    def wait_for(self, predicate, timeout: float = 60.0) -> bool:
+    async def wait_for(self, predicate, timeout: float = 60.0) -> bool:
         """Poll (bounded by `timeout`) until `predicate()` holds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if predicate():
                 return True
-            time.sleep(0.2)
+            await asyncio.sleep(0.2)
         return bool(predicate())
 
 

@@ -9,6 +9,7 @@ nothing, even through workers whose tracing is on.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -78,7 +79,7 @@ async def test_one_request_is_one_trace_over_router_prefill_and_decode(cluster, 
     label = f"trace-{uuid.uuid4().hex[:12]}"
     sent, last_byte, data = await _stream(cluster.url, label)
     assert data.rstrip().endswith(b"data: [DONE]")
-    assert receiver.wait_for(lambda: _root(receiver, label) is not None)
+    assert await receiver.wait_for(lambda: _root(receiver, label) is not None)
     root = _root(receiver, label)
     assert root is not None and root.parent_id == ""  # the client sent no traceparent
     wire = next(s for s in receiver.trace(root.trace_id) if s.name == "router.respond")
@@ -88,7 +89,8 @@ async def test_one_request_is_one_trace_over_router_prefill_and_decode(cluster, 
         names = {s.name for s in receiver.trace(root.trace_id)}
         return ROUTER_PHASES | WORKER_PHASES <= names
 
-    assert receiver.wait_for(complete), sorted({s.name for s in receiver.trace(root.trace_id)})
+    found = await receiver.wait_for(complete)
+    assert found, sorted({s.name for s in receiver.trace(root.trace_id)})
     spans = receiver.trace(root.trace_id)
     # one trace: every span of this request, in any process, is in it
     ours = [s for s in list(receiver.spans)
@@ -118,18 +120,24 @@ async def test_one_request_is_one_trace_over_router_prefill_and_decode(cluster, 
     phases = [s for s in spans if s.name not in wrappers]
     for what, holes in (("all spans", gaps(root, spans)), ("phases", gaps(root, phases))):
         worst = holes[0] if holes else (root.start_ns, root.start_ns)
+        at, length = (worst[0] - root.start_ns) / 1e6, (root.end_ns - root.start_ns) / 1e6
         print(f"{what}: largest uncovered gap {(worst[1] - worst[0]) / 1e6:.2f} ms at "
-              f"+{(worst[0] - root.start_ns) / 1e6:.2f} ms of {(root.end_ns - root.start_ns) / 1e6:.1f} ms")  # fmt: skip
-    print(f"client send -> root {(root.start_ns - sent) / 1e6:.2f} ms; root end -> last "
-          f"byte {(last_byte - root.end_ns) / 1e6:.2f} ms")
+              f"+{at:.2f} ms of {length:.1f} ms")  # fmt: skip
+    print(
+        f"client send -> root {(root.start_ns - sent) / 1e6:.2f} ms; root end -> last "
+        f"byte {(last_byte - root.end_ns) / 1e6:.2f} ms"
+    )
     for s in sorted(spans, key=lambda s: s.start_ns):
-        print(f"  {s.service:15} {s.name:26} +{(s.start_ns - root.start_ns) / 1e6:8.2f} "
-              f"{(s.end_ns - s.start_ns) / 1e6:8.2f} ms")
+        print(
+            f"  {s.service:15} {s.name:26} +{(s.start_ns - root.start_ns) / 1e6:8.2f} "
+            f"{(s.end_ns - s.start_ns) / 1e6:8.2f} ms"
+        )
     assert receiver.bad_requests == 0
 
 
-async def test_a_router_with_tracing_off_exports_nothing_and_serves(cluster, receiver,
-                                                                    module_nats, tmp_path):  # fmt: skip
+async def test_a_router_with_tracing_off_exports_nothing_and_serves(
+    cluster, receiver, module_nats, tmp_path
+):
     routers = Routers(module_nats.url, tmp_path)
     try:
         url = await routers.astart("router-untraced", "--disagg-threshold", "32")
@@ -141,8 +149,8 @@ async def test_a_router_with_tracing_off_exports_nothing_and_serves(cluster, rec
         # a traced request after it: once its spans are in, the untraced one's would be too
         traced = f"after-{uuid.uuid4().hex[:12]}"
         await _stream(cluster.url, traced)
-        assert receiver.wait_for(lambda: _root(receiver, traced) is not None)
-        time.sleep(1.0)  # the workers' batches of the same moment
+        assert await receiver.wait_for(lambda: _root(receiver, traced) is not None)
+        await asyncio.sleep(1.0)  # the workers' batches of the same moment
         new = receiver.spans[before:]
         assert [s for s in new if s.trace_id != _root(receiver, traced).trace_id] == []
     finally:

@@ -1,0 +1,42 @@
+"""bench.tracing: its sink answers the SDK's OTLP exporter as a collector does; the table
+compares the rounds' means."""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from bench.tracing import Sink, table
+
+
+async def test_the_sink_takes_an_otlp_export_and_counts_it():
+    sink = Sink()
+    await sink.start()
+    try:
+        memory = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        with provider.get_tracer("t").start_as_current_span("one"):
+            pass
+        exporter = OTLPSpanExporter(endpoint=f"{sink.url}/v1/traces", timeout=5)
+        result = await asyncio.to_thread(exporter.export, memory.get_finished_spans())
+        assert result is SpanExportResult.SUCCESS
+        assert sink.requests == 1 and sink.bytes > 0
+    finally:
+        await sink.stop()
+
+
+def test_the_table_gives_on_over_off_of_each_metric():
+    def run(tput: float, ttft: float, exports: int = 0) -> dict:
+        stats = {"mean": ttft}
+        summary = {"output_throughput": tput, "ttft_ms": stats, "tpot_ms": stats,
+                   "e2e_ms": stats, "completed": 4}  # fmt: skip
+        return {"summary": summary, "exports": exports}
+
+    text = table({"off": [run(100, 10), run(102, 10)], "on": [run(99, 11, 3), run(97, 11, 2)]})
+    assert "output tok/s           101.0        98.0     0.970" in text
+    assert "completed: {'off': 8, 'on': 8}; exports to the sink (on): 5" in text
