@@ -10,10 +10,14 @@ from collections.abc import Collection
 from collections.abc import Sequence as SequenceT
 from typing import Any
 
+import structlog
+
 from libs.common.engine.core.outputs import TokenLogprobs
 from libs.common.engine.core.sequence import Sequence
 from libs.common.engine.core.stop import StopChecker
 from libs.common.engine.model.sampler import SamplingRow
+
+log = structlog.get_logger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,6 +54,19 @@ class RequestState:
             output = [*seq.output_token_ids, *drafted]
             return SamplingRow(params, self.seed, step, seq.prompt_token_ids, output, suppress)
         return SamplingRow(params, self.seed, step, suppress=suppress)
+
+    def advance_grammar(self, token: int) -> None:
+        """The grammar's matcher takes the sampled token; a complete grammar ends the
+        request ("stop"). A token it refuses (never sampled under its mask) ends it too."""
+        seq, matcher = self.seq, self.matcher
+        if matcher is None or seq.prefill_only:
+            return  # a prefill-only request samples one token: its matcher has no future
+        if not matcher.consume_token(token):
+            log.error("grammar.refused_token", request_id=seq.request_id, token=token,
+                      error=matcher.get_error())  # fmt: skip
+            self.grammar_done = True
+        elif matcher.is_stopped():
+            self.grammar_done = True
 
     def stop_reason(self, token: int, hit: bool) -> str | int | None:
         """What ended a request that finished "stop" on `token`: the stop string it hit,

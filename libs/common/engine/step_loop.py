@@ -180,7 +180,7 @@ class EngineCore:
         matcher replays that token: it was sampled under the same grammar, never twice."""
         self.scheduler.add_imported(request_id, first_token_id)
         req = self._requests[request_id]
-        self._advance_grammar(req, first_token_id)
+        req.advance_grammar(first_token_id)
         return self._output(req, first_token_id, None)
 
     def abort(self, request_id: str, retire_pages: bool = False) -> RequestOutput | None:
@@ -272,7 +272,7 @@ class EngineCore:
             if item.num_drafts:
                 outputs.extend(self._take_run(item, req, tokens, lps))
                 continue
-            self._advance_grammar(req, tokens[0])
+            req.advance_grammar(tokens[0])
             outputs.append(self._output(req, tokens[0], lps[0]))
         return outputs
 
@@ -294,7 +294,7 @@ class EngineCore:
         for token, lp in zip(run, lps, strict=False):  # lps: every position's
             if not self.scheduler.take_verified(item, token):
                 break
-            self._advance_grammar(req, token)
+            req.advance_grammar(token)
             outputs.append(self._output(req, token, lp))
             if req.seq.is_finished:
                 break
@@ -344,19 +344,6 @@ class EngineCore:
             self._masks = GrammarMasks(self.model.config.vocab_size, self.config.num_threads)
         return self._masks
 
-    def _advance_grammar(self, req: RequestState, token: int) -> None:
-        """The grammar's matcher takes the sampled token; a complete grammar ends the
-        request ("stop"). A token it refuses (never sampled under its mask) ends it too."""
-        seq, matcher = req.seq, req.matcher
-        if matcher is None or seq.prefill_only:
-            return  # a prefill-only request samples one token: its matcher has no future
-        if not matcher.consume_token(token):
-            log.error("grammar.refused_token", request_id=seq.request_id, token=token,
-                      error=matcher.get_error())  # fmt: skip
-            req.grammar_done = True
-        elif matcher.is_stopped():
-            req.grammar_done = True
-
     def _replay(self, req: RequestState, generated: list[int]) -> RequestOutput | None:
         """Bring a migrated request's grammar and stop state to where its first worker
         left them: each token as if just sampled. Only the last one can end the request
@@ -364,10 +351,10 @@ class EngineCore:
         if not generated:
             return None
         for token in generated[:-1]:
-            self._advance_grammar(req, token)
+            req.advance_grammar(token)
             req.stop.step(token, None)
         last = generated[-1]
-        self._advance_grammar(req, last)
+        req.advance_grammar(last)
         reason = self.scheduler.stop_reason(req.seq)
         if reason is not None:
             self.scheduler.finish(req.seq.request_id, reason)
