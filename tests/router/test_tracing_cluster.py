@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(600)
 ROUTER_PHASES = {"router.parse", "router.admit", "router.prompts", "router.route",
                  "router.respond", "router.attempt", "router.accept", "router.stream"}  # fmt: skip
 WORKER_PHASES = {"generate", "decode.request", "kv.handoff", "decode.queue", "decode.tokens",
-                 "prefill", "prefill.chunk", "kv.transfer", "kv.finish"}  # fmt: skip
+                 "prefill", "prefill.queue", "prefill.chunk", "kv.transfer",
+                 "kv.finish"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -314,6 +314,7 @@ class EngineCore:
         )
         out = RequestOutput(seq.request_id, [], "", num_prompt_tokens=seq.num_prompt_tokens)
         out.page_table = list(seq.page_table[:stable])
+        out.queue_time = seq.queue_time
         return out
 
     # -- internals ----------------------------------------------------------------------
@@ -387,6 +388,7 @@ class EngineCore:
             seq.num_cached_tokens,
             seq.num_output_tokens,
         )
+        out.queue_time = seq.queue_time
         if finished and reason == FinishReason.STOP.value:
             out.stop_reason = req.stop_reason(token, by_string)
         if req.scores is not None:

@@ -26,6 +26,7 @@ import asyncio
 
 from libs.common import tracing
 from libs.common.bus.connection import Endpoint, HandlerError
+from libs.common.engine.core.outputs import RequestOutput
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import (
@@ -140,13 +141,11 @@ class PrefillRole:
             pool_tokens = from_pool * core.config.page_size
         last = None
         key = request_key(req.router, req.request_id)
-        chunk, since = 0, tracing.now()  # chunk 0's span holds its wait in the queue too
+        steps = ChunkSpans(rid)
         async for out in core.engine.add_request(
             req.token_ids, params, request_id=key, prefill_only=True
         ):
-            done = tracing.now()
-            tracing.record("prefill.chunk", rid, since, done, chunk=chunk)
-            chunk, since = chunk + 1, done
+            steps.done(out)
             if not out.finished and out.page_table:
                 sender.send(out.page_table)  # a chunk is done: move its pages meanwhile
             last = out
@@ -196,3 +195,22 @@ class PrefillRole:
             finish_reason=last.finish_reason,
             kv_mac=kv_mac,
         )
+
+
+class ChunkSpans:
+    """A prompt's steps in its trace: `prefill.queue` (from add_request to its first
+    step), then one `prefill.chunk` per output, each from the previous one's end."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.index, self.since = request_id, 0, tracing.now()
+
+    def done(self, out: RequestOutput) -> None:
+        if not tracing.enabled():
+            return
+        now = tracing.now()
+        if self.index == 0 and out.queue_time is not None:
+            queued = min(self.since + int(out.queue_time * 1e9), now)
+            tracing.record("prefill.queue", self.request_id, self.since, queued)
+            self.since = queued
+        tracing.record("prefill.chunk", self.request_id, self.since, now, chunk=self.index)
+        self.index, self.since = self.index + 1, now

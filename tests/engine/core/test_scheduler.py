@@ -297,3 +297,19 @@ def test_abort_with_retired_pages_never_hands_the_reserved_pages_out_again():
         got = s.reserve(other)
         assert got is not None and not set(got) & set(pages[held:])
         s.abort(f"o{i}")
+
+
+def test_queue_time_ends_at_the_first_step_once():
+    s = make(seqs=1, budget=64)
+    first, second = seq("q1", 6), seq("q2", 6, first=300)
+    s.add(first)
+    s.add(second)
+    assert first.queue_time is None and second.queue_time is None
+    step(s)  # one seat: only q1 runs
+    assert first.queue_time is not None and first.queue_time >= 0
+    assert second.queue_time is None  # still waiting
+    ran = first.scheduled_time
+    run_until_done(s)
+    assert first.scheduled_time == ran  # set once, at its first step
+    assert second.scheduled_time is not None and ran is not None
+    assert second.scheduled_time >= ran

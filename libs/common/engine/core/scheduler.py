@@ -13,6 +13,7 @@ writing into the pages of that step: freed pages can be handed out at once.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 
@@ -188,6 +189,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:  # its queue time ends here (traces)
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             picked[seq.request_id] = ScheduledSeq(seq, seq.num_computed_tokens, chunk)
             budget -= chunk

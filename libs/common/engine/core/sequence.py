@@ -89,6 +89,7 @@ class Sequence:
         self.prefill_only = prefill_only
         self.keep_pages = keep_pages or prefill_only
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduled_time: float | None = None  # time.monotonic() of its first step
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.page_table: list[int] = []
@@ -105,6 +106,13 @@ class Sequence:
             f"Sequence({self.request_id!r}, {self.status}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, pages={len(self.page_table)})"
         )
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from its arrival to its first step (None before that step)."""
+        if self.scheduled_time is None:
+            return None
+        return self.scheduled_time - self.arrival_time
 
     @property
     def num_tokens(self) -> int:
