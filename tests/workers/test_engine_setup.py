@@ -40,4 +40,5 @@ def test_a_bad_speculation_flag_exits_2_naming_it(argv, flag, capsys):
 def test_info_reports_the_mode_and_zero_drafts_before_the_engine_starts():
     flags = DecodeConfig.parse(["--speculation-max-draft", "5"], env={})
     stats = speculation_stats(flags, None)
-    assert stats == {"mode": "ngram", "max_draft": 5, "drafts_proposed": 0, "drafts_accepted": 0}
+    assert stats == {"mode": "ngram", "max_draft": 5, "drafts_proposed": 0, "drafts_accepted": 0,
+                     "step_costs": None}  # fmt: skip

@@ -9,6 +9,7 @@ Not thread-safe: one caller at a time (the async Engine serializes calls).
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -243,6 +244,7 @@ class EngineCore:
     # -- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
         if self.speculator is not None:
             self._draft(self.speculator)
         out = self.scheduler.schedule()
@@ -274,6 +276,8 @@ class EngineCore:
                 continue
             req.advance_grammar(tokens[0])
             outputs.append(self._output(req, tokens[0], lps[0]))
+        if self.speculator is not None and len(out.scheduled) == 1:
+            self.speculator.timed(out.scheduled[0], time.perf_counter() - began)
         return outputs
 
     def _draft(self, speculator: Speculator) -> None:

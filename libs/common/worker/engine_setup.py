@@ -36,12 +36,14 @@ def engine_config(flags: WorkerConfig) -> EngineConfig:
 
 
 def speculation_stats(flags: WorkerConfig, core: EngineCore | None) -> dict[str, Any]:
-    """The mode, and the draft tokens verified and accepted since the engine started
-    (zeros while speculation is off or the engine is not started)."""
+    """The mode, the draft tokens verified and accepted since the engine started (zeros
+    while speculation is off or the engine is not started) and the step costs in use."""
     spec = core.speculator if core is not None else None
     return {
         "mode": flags.speculation,
         "max_draft": flags.speculation_max_draft,
         "drafts_proposed": spec.num_proposed if spec is not None else 0,
         "drafts_accepted": spec.num_accepted if spec is not None else 0,
+        # the policy's step costs by draft length, measured on this worker (StepCosts)
+        "step_costs": spec.costs.stats() if spec is not None else None,
     }

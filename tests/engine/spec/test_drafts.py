@@ -9,9 +9,12 @@ from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.core.sequence import Sequence, SequenceStatus
 from libs.common.engine.spec.ngram import NgramProposer
 from libs.common.engine.spec.speculator import (
+    COST_SAMPLES,
     FIRST_ACCEPTANCE,
     PROBE_ACCEPTANCE,
+    ROW_COST,
     Speculator,
+    StepCosts,
     best_draft_length,
 )
 from libs.common.engine.spec.verify import accepted_run
@@ -74,6 +77,36 @@ def test_draft_length_is_the_one_with_most_tokens_per_step_cost():
     # Drafts that always hold: the longest that still takes the fused 4-row step (3) beats
     # 8 in the panel form ((1 + 3) / ROW_COST[3] > (1 + 8) / ROW_COST[8]).
     assert best_draft_length(1.0, 8) == 3 and best_draft_length(1.0, 2) == 2
+
+
+def test_measured_step_costs_replace_the_table_once_a_length_has_enough_steps():
+    costs = StepCosts()
+    for _ in range(COST_SAMPLES - 1):
+        costs.add(0, 0.010)
+        costs.add(1, 0.0105)
+    assert costs.relative() == ROW_COST  # too few steps yet
+    costs.add(0, 0.010)
+    costs.add(1, 0.0105)
+    c = costs.relative()
+    assert c[0] == 1.0 and c[1] == pytest.approx(1.05)
+    # unmeasured lengths within the fused layer: linear in rows from the longest measured;
+    # past it (the panel form) the table's
+    assert c[3] == pytest.approx(1.15) and c[5] == ROW_COST[5]
+    # a host where a draft row is this cheap drafts longer at an acceptance where the table
+    # says one draft
+    assert best_draft_length(0.5, 3) == 1 and best_draft_length(0.5, 3, c) == 3
+    costs.add(0, 1.0)  # one step slowed by something else counts as twice the mean
+    assert costs.relative()[1] > 0.85 * 1.05
+    assert costs.stats()["steps"][:2] == [COST_SAMPLES + 1, COST_SAMPLES]
+
+
+def test_costly_drafts_measured_on_this_host_stop_drafting():
+    costs = StepCosts()
+    for _ in range(COST_SAMPLES):
+        costs.add(0, 0.010)
+        costs.add(1, 0.030)  # a verification row as dear as two whole steps
+    assert costs.relative()[3] == pytest.approx(7.0)
+    assert best_draft_length(0.75, 3) > 0 and best_draft_length(0.75, 3, costs.relative()) == 0
 
 
 def test_draft_length_grows_with_acceptance_and_never_passes_max_tokens():

@@ -72,6 +72,9 @@ def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(make_core,
     assert plain["stop"]["end"][0] == "stop" and plain["length"]["end"] == ("length", None, 13)
     s = core.speculator
     assert 0 < s.num_accepted < s.num_proposed, "drafts were both accepted and rejected"
+    # the lone-sequence steps were timed by draft length for the policy (StepCosts)
+    steps = s.costs.stats()["steps"]
+    assert steps[0] > 0 and sum(steps[1:]) > 0, steps
 
 
 def test_greedy_json_schema_output_equals_decoding_without_speculation(make_core, tokenizer):

@@ -4,13 +4,15 @@
     speculator.verified(seq, p, a)       # after verification: p proposed, a accepted
     speculator.release(request_id)       # the request is gone
 
-Policy (pure Python, no torch). A step that verifies k drafts costs ROW_COST[k] times a
+Policy (pure Python, no torch). A step that verifies k drafts costs c[k] times a
 one-token step and emits 1 + a + ... + a^k tokens on average when each draft holds with
-probability a. Per request, `a` is a running estimate from its verified drafts, and the
-draft length is the k (0 .. max_draft) with the most tokens per cost; k = 0 stops
-drafting for that request for a while (4 steps, doubling up to 64 each time), then it
-tries one draft again. Only a lone running sequence drafts (MAX_STREAMS): with two or
-more, the fused decode step they share is cheaper than any verification step measured.
+probability a. c is measured as the engine runs (StepCosts: its own lone-sequence steps
+by draft length), ROW_COST's table until enough steps of a length are seen. Per request,
+`a` is a running estimate from its verified drafts, and the draft length is the k
+(0 .. max_draft) with the most tokens per cost; k = 0 stops drafting for that request
+for a while (4 steps, doubling up to 64 each time), then it tries one draft again. Only a
+lone running sequence drafts (MAX_STREAMS): with two or more, the fused decode step they
+share is cheaper than any verification step measured.
 """
 
 from __future__ import annotations
@@ -36,6 +38,66 @@ FIRST_ACCEPTANCE = 0.75  # the estimate a request starts with: drafts from its f
 PROBE_ACCEPTANCE = 0.65  # after a pause: an estimate for which a short draft is worth trying
 EMA_WEIGHT = 0.3  # weight of the last verification in the estimate
 FIRST_PAUSE, MAX_PAUSE = 4, 64  # steps
+# StepCosts: steps of a draft length seen before their measured cost replaces the table's,
+# the weight of a new step in the running mean, and the drafts the fused decode layer
+# verifies (QuantLinear.GEMV_ROWS - 1), within which an unmeasured length's cost is
+# extrapolated from the longest measured one (past it, the table's jump to the panels).
+COST_SAMPLES = 8
+COST_WEIGHT = 0.1
+FUSED_DRAFTS = 3
+
+
+class StepCosts:
+    """What a lone sequence's step costs by its number of drafts, relative to a one-token
+    step (draft length 0): running means of the step times EngineCore.step reports
+    (`add`), so the policy fits this host and model. ROW_COST (one model, one host) stands
+    in until a length has COST_SAMPLES steps; within the fused layer's lengths an
+    unmeasured one is extrapolated from the longest measured (cost linear in rows), so a
+    cheap measured draft leads to trying longer ones. A step slower than twice the mean
+    (the host busy with something else) counts as twice the mean."""
+
+    def __init__(self, table: tuple[float, ...] = ROW_COST) -> None:
+        self.table = table
+        self._mean = [0.0] * len(table)
+        self._count = [0] * len(table)
+        self._relative = table
+
+    def add(self, drafts: int, seconds: float) -> None:
+        if not 0 <= drafts < len(self._mean) or seconds <= 0:
+            return
+        n, mean = self._count[drafts] + 1, self._mean[drafts]
+        if n > COST_SAMPLES:
+            seconds = min(seconds, 2 * mean)
+        self._mean[drafts] = mean + max(COST_WEIGHT, 1 / n) * (seconds - mean)
+        self._count[drafts] = n
+        self._relative = self._estimate()
+
+    def relative(self) -> tuple[float, ...]:
+        """c[k] for k = 0 .. len(table) - 1 (c[0] = 1)."""
+        return self._relative
+
+    def _estimate(self) -> tuple[float, ...]:
+        if self._count[0] < COST_SAMPLES:
+            return self.table
+        base = self._mean[0]
+        out = [1.0]
+        for k in range(1, len(self.table)):
+            if self._count[k] >= COST_SAMPLES:
+                out.append(self._mean[k] / base)
+                continue
+            known = [
+                j for j in range(1, min(k, FUSED_DRAFTS + 1)) if self._count[j] >= COST_SAMPLES
+            ]
+            if k <= FUSED_DRAFTS and known:
+                j = known[-1]
+                out.append(1.0 + (out[j] - 1.0) * k / j)
+            else:
+                out.append(self.table[k])
+        return tuple(out)
+
+    def stats(self) -> dict[str, Any]:
+        """For a worker's info: the costs in use and the steps measured per draft length."""
+        return {"relative": [round(c, 3) for c in self._relative], "steps": list(self._count)}
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,14 +107,16 @@ class _State:
     backoff: int = FIRST_PAUSE  # the next pause's length
 
 
-def best_draft_length(acceptance: float, max_draft: int) -> int:
+def best_draft_length(
+    acceptance: float, max_draft: int, costs: tuple[float, ...] = ROW_COST
+) -> int:
     """The draft length with the most expected tokens per step cost (0: none)."""
     best, best_rate = 0, 1.0
     expected, term = 1.0, 1.0
     for k in range(1, max_draft + 1):
         term *= acceptance
         expected += term
-        cost = ROW_COST[k] if k < len(ROW_COST) else ROW_COST[-1] + 0.06 * (k - 8)
+        cost = costs[k] if k < len(costs) else costs[-1] + 0.06 * (k - len(costs) + 1)
         if expected / cost > best_rate:
             best, best_rate = k, expected / cost
     return best
@@ -68,6 +132,7 @@ class Speculator:
         self.max_draft = max_draft
         self.max_streams = max_streams
         self._states: dict[str, _State] = {}
+        self.costs = StepCosts()
         self.num_proposed = 0  # totals, for logs and tests
         self.num_accepted = 0
 
@@ -87,7 +152,7 @@ class Speculator:
                 if state.pause == 0:
                     state.acceptance = PROBE_ACCEPTANCE
                 continue
-            k = best_draft_length(state.acceptance, self.max_draft)
+            k = best_draft_length(state.acceptance, self.max_draft, self.costs.relative())
             if k == 0:
                 state.pause, state.backoff = state.backoff, min(MAX_PAUSE, 2 * state.backoff)
                 continue
@@ -120,6 +185,13 @@ class Speculator:
         state.acceptance += EMA_WEIGHT * (accepted / trials - state.acceptance)
         if accepted == proposed:
             state.backoff = FIRST_PAUSE
+
+    def timed(self, item: Any, seconds: float) -> None:
+        """A step whose one item (a ScheduledSeq) took `seconds`: a decode step of a lone
+        sequence, with or without drafts, goes into the step costs."""
+        decode = item.start >= item.seq.num_prompt_tokens
+        if item.sample and decode and item.num_tokens == 1 + item.num_drafts:
+            self.costs.add(item.num_drafts, seconds)
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
