@@ -37,7 +37,7 @@ from libs.common.bus.credentials import Credentials, inbox_prefix, read_credenti
 from libs.common.config import CommonConfig
 from libs.common.flags import env_names
 
-SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router")
+SERVICES = ("cache_master", "cache_store", "prefill", "decode", "router", "planner")
 
 
 class Unhealthy(Exception):

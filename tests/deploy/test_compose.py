@@ -42,7 +42,7 @@ def test_every_role_runs_as_its_own_compose_service():
     assert sorted(set(TANDEM.values())) == sorted(SERVICES)
     assert sorted(TANDEM) == sorted(
         ["cache_master", "cache_master_2", "cache_store_1", "cache_store_2", "prefill",
-         "decode", "decode_2", "router"]
+         "decode", "decode_2", "router", "planner"]
     )  # fmt: skip
     for module in TANDEM.values():
         assert (REPO / "services" / module / "__main__.py").is_file()

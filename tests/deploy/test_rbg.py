@@ -43,7 +43,9 @@ def test_the_group_runs_the_five_roles_in_place_of_the_base_workloads(out, roles
     assert workloads == {"nats"}  # NATS stays as in deploy/k8s; no role runs twice
     base = {d["metadata"]["name"] for d in rendered()["deploy/k8s/base"]
             if d["kind"] in WORKLOAD_KINDS}  # fmt: skip
-    assert base - {"nats"} == ROLES
+    assert base - {"nats", "planner"} == ROLES  # the planner scales Deployments: not here
+    kinds = ("Deployment", "ServiceAccount", "Role", "RoleBinding")
+    assert not [d for d in out if d["kind"] in kinds and "planner" in d["metadata"]["name"]]
 
 
 def test_each_role_runs_the_pod_of_its_base_workload(roles):

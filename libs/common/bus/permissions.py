@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from libs.common.bus.credentials import inbox_prefix
 from libs.common.bus.kv_events import stream_name
 
-ROLES = ("router", "prefill", "decode", "both", "cache_master", "cache_store", "cli")
+ROLES = ("router", "prefill", "decode", "both", "cache_master", "cache_store", "planner", "cli")
 # The service (`python -m services.<service>`, micro name `tandem-<service>`) of each role.
 SERVICE_OF = {"both": "decode", "cli": ""} | {r: r for r in ROLES if r not in ("both", "cli")}
 # The roles that own a transfer engine (peers dial them for rdma queue pairs).
@@ -150,6 +150,11 @@ def _cache_store(p: str, scope: str) -> tuple[list[str], list[str]]:
     return publish, subscribe
 
 
+def _planner(p: str, scope: str) -> tuple[list[str], list[str]]:
+    """It only listens: the workers' load reports (services/planner)."""
+    return [], [f"{p}.workers.*.*.load"]
+
+
 _ROLE_RULES = {
     "router": _router,
     "prefill": _prefill,
@@ -157,6 +162,7 @@ _ROLE_RULES = {
     "both": _both,
     "cache_master": _cache_master,
     "cache_store": _cache_store,
+    "planner": _planner,
 }
 
 
