@@ -69,6 +69,19 @@ def identities(specs: tuple[Spec, ...]) -> tuple[Identity, ...]:
             Identity("cli", "cli"))  # fmt: skip
 
 
+PLANNED = 8  # `make run --planner`: ids <role>-p1..p8 its local actuator may start
+
+
+def with_planner(specs: tuple[Spec, ...], secrets: Path) -> tuple[tuple[Spec, ...], tuple]:
+    """`make run --planner`: the planner with the local actuator, and identities for the
+    workers it may start (each bound to its id; services/planner/actuators.py)."""
+    flags = ("--service-id", "planner-1", "--actuator", "local",
+             "--local-credentials-dir", str(secrets))  # fmt: skip
+    workers = tuple(Identity(f"{role}-p{n}", role, f"{role}-p{n}")
+                    for role in ("prefill", "decode") for n in range(1, PLANNED + 1))  # fmt: skip
+    return (*specs, ("planner", "planner", flags)), workers
+
+
 def router_ports(routers: int, first: int) -> dict[str, list[str]]:
     """Each router's --port: `first` for `router`, then first + 1, ... (0: each a free one)."""
     labels = ["router", *(f"router_{k}" for k in range(2, routers + 1))]
@@ -255,9 +268,12 @@ async def _run(args: argparse.Namespace) -> int:
     # NATS refuses clients without an identity: one per process, made once in run/secrets
     # (0600) and kept; the services get the path of theirs through their environment.
     run_dir: Path = args.run_dir
-    specs_run = topology(args.routers)
+    specs_run, planned = topology(args.routers), ()
+    if args.planner:
+        specs_run, planned = with_planner(specs_run, run_dir / "secrets")
     try:
-        credentials = ensure(run_dir / "secrets", identities(specs_run), kv_secret=False)
+        credentials = ensure(run_dir / "secrets", (*identities(specs_run), *planned),
+                             kv_secret=False)  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"cannot make the NATS identities in {run_dir / 'secrets'}: {e}", file=sys.stderr)
         return 1
@@ -338,6 +354,11 @@ def main() -> None:
         help="routers to start, active-active: router-1 on --router-port, router-2 on the "
         "next port... (env TANDEM_ROUTERS; default 1; docs/operations.md, 'Several routers')",
     )
+    parser.add_argument(
+        "--planner", action="store_true",
+        help="also run the planner with the local actuator: it starts and stops prefill and "
+        "decode workers on this host (docs/operations.md, 'Planner')",
+    )  # fmt: skip
     parser.add_argument(
         "--nats-monitor-port",
         type=int,

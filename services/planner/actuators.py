@@ -87,12 +87,12 @@ class LocalProcesses:
         wid = next(reversed(self.started[role]))
         proc = self.started[role].pop(wid)
         log.info("worker stopping", worker=wid, pid=proc.pid)
-        task = asyncio.create_task(self._end(proc, self.config.drain_timeout + 30.0))
+        task = asyncio.create_task(self._end(wid, proc, self.config.drain_timeout + 30.0))
         self.leaving[wid] = task
         task.add_done_callback(lambda _t: self.leaving.pop(wid, None))
 
     @staticmethod
-    async def _end(proc: asyncio.subprocess.Process, grace: float) -> None:
+    async def _end(wid: str, proc: asyncio.subprocess.Process, grace: float) -> None:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
         try:
@@ -100,6 +100,7 @@ class LocalProcesses:
         except TimeoutError:
             proc.kill()
             await proc.wait()
+        log.info("worker stopped", worker=wid, code=proc.returncode)
 
     async def stop(self) -> None:
         for role in self.started:
