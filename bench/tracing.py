@@ -2,6 +2,7 @@
 
     python -m bench.tracing                                # 32 streams, 2 rounds
     python -m bench.tracing --rounds 3 --json tracing.json
+    python -m bench.tracing --micro                        # µs per span, in-process
 
 Each configuration is a fresh cluster of the same build (its own nats-server, 2 prefill
 workers, 1 decode worker, a router; the default model; tcp transport), measured with
@@ -14,25 +15,30 @@ bench.serve's `random` workload, and stopped:
 
 Rounds alternate (off, on, off, on, ...) so that a drift of the shared host's load lands
 on both; the table gives each configuration's mean over its rounds and on / off.
+`--micro` times the helpers themselves in this process instead (libs/common/tracing.py):
+a span off, a span on (into an exporter that drops it) and the traceparent header.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import sys
+import timeit
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from bench import report
 from bench.client import Endpoint
 from bench.deployments import Deployment, Topology
 from bench.serve import add_workload_args, benchmark, make_arrivals, make_workload, served_model
-from libs.common import event_loop
+from libs.common import event_loop, tracing
 from scripts.cluster import REPO
 
 METRICS = (("output_throughput", "output tok/s"), ("ttft_ms", "mean TTFT ms"),
@@ -95,6 +101,34 @@ async def run_one(name: str, a: argparse.Namespace, sink: Sink, round_: int) -> 
     return run
 
 
+def micro(n: int = 100_000) -> dict[str, float]:
+    """µs per call of the tracing helpers, off and on (spans into an exporter that drops
+    them: what the services pay, without the export thread's encoding)."""
+
+    class Drop:
+        def export(self, spans: Any) -> Any:
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            pass
+
+        def force_flush(self, timeout_millis: int = 0) -> bool:
+            return True
+
+    def one_span() -> None:
+        with tracing.span("x", "r", a=1):
+            tracing.headers()
+
+    out = {"off_span_us": timeit.timeit(one_span, number=n) / n * 1e6}
+    tracing.setup("bench", "bench", "", exporter=Drop())
+    try:
+        with tracing.span("root", "r", context=tracing.joined(None)):
+            out["on_span_us"] = timeit.timeit(one_span, number=n // 10) / (n // 10) * 1e6
+    finally:
+        tracing.shutdown()
+    return out
+
+
 def table(runs: dict[str, list[dict[str, Any]]]) -> str:
     def mean(name: str, key: str) -> float:
         values = [r["summary"][key] for r in runs[name]]
@@ -123,6 +157,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, default=REPO / "run" / "bench-tracing")
     p.add_argument("--json", type=Path, help="write every round's results")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--micro", action="store_true", help="only time the helpers, in-process")
     add_workload_args(p)
     p.set_defaults(workload="random", num_prompts=96, input_len=256, output_len=32,
                    max_concurrency=32, duration=900.0)  # fmt: skip
@@ -130,6 +165,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 async def _main(a: argparse.Namespace) -> int:
+    if a.micro:
+        print(json.dumps({k: round(v, 3) for k, v in micro().items()}))
+        return 0
     if a.rounds < 1 or a.threads < 1:
         raise ValueError("--rounds and --threads must be >= 1")
     make_workload(a), make_arrivals(a)  # flag errors before any start

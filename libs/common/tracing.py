@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import trace
@@ -30,6 +30,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 REQUEST_ID = "tandem.request_id"
 _PROPAGATOR = TraceContextTextMapPropagator()
+_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 class _State:
@@ -93,7 +94,6 @@ def enabled() -> bool:
     return _State.tracer is not None
 
 
-@contextlib.contextmanager
 def span(
     name: str,
     request_id: str,
@@ -101,17 +101,15 @@ def span(
     context: Context | None = None,
     kind: SpanKind = SpanKind.INTERNAL,
     **attributes: Any,
-) -> Iterator[Span | None]:
+) -> contextlib.AbstractContextManager[Span | None]:
     """A span around the block, the current one inside it; None when tracing is off or
     when there is no trace to join: only a `context` (a request's root, or a remote
     parent) starts one, so a worker traces only the requests that came with a trace.
     An exception leaving the block is recorded on it and sets its status to error."""
     tracer = _State.tracer
     if tracer is None or (context is None and not _in_trace()):
-        yield None
-        return
-    with tracer.start_as_current_span(name, context, kind, _named(request_id, attributes)) as s:
-        yield s
+        return _NO_SPAN
+    return tracer.start_as_current_span(name, context, kind, _named(request_id, attributes))
 
 
 def record(name: str, request_id: str, start_ns: int, end_ns: int, **attributes: Any) -> None:

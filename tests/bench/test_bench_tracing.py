@@ -10,7 +10,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bench.tracing import Sink, table
+from bench.tracing import Sink, micro, table
+from libs.common import tracing
 
 
 async def test_the_sink_takes_an_otlp_export_and_counts_it():
@@ -40,3 +41,9 @@ def test_the_table_gives_on_over_off_of_each_metric():
     text = table({"off": [run(100, 10), run(102, 10)], "on": [run(99, 11, 3), run(97, 11, 2)]})
     assert "output tok/s           101.0        98.0     0.970" in text
     assert "completed: {'off': 8, 'on': 8}; exports to the sink (on): 5" in text
+
+
+def test_micro_times_a_span_off_and_on_and_leaves_tracing_off():
+    out = micro(n=1000)
+    assert set(out) == {"off_span_us", "on_span_us"} and all(v > 0 for v in out.values())
+    assert not tracing.enabled()
