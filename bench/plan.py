@@ -22,6 +22,7 @@ p90 and worker-seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from bench.plan_model import DEFAULT_CACHE, capacity_of, load_or_measure
 from bench.plan_sim import Cluster, Req, Run, simulate
+from libs.common.log import setup_logging
 from services.planner.policy import Capacity, Hysteresis, Planner, Targets
 
 TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
@@ -112,7 +114,11 @@ def score(trace: list[Req], result: dict, targets: Targets) -> dict:
 
 
 def compare(make_trace, args: argparse.Namespace, cap: Capacity, targets: Targets) -> dict:
-    """The planner, the reactive policy, then the static splits around the planner's mean."""
+    """The planner, the reactive policy, then the static splits around the planner's mean.
+    The planner's --mean-prompt-tokens is the trace's mean (what an operator would set)."""
+    sample = make_trace(args)
+    mean_prompt = sum(r.prompt for r in sample) / max(1, len(sample))
+    targets = dataclasses.replace(targets, mean_prompt_tokens=mean_prompt)
     policies = {
         "planner": planner(cap, targets, args.scale_down_after),
         "reactive": reactive(targets, args.scale_down_after),
@@ -189,6 +195,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    setup_logging(level="warning")  # the engine's info lines would mix into the JSON
     measured = load_or_measure(args.capacity, args.measure, args.threads, args.seats)
     cap = capacity_of(measured)
     bounds = {"min_workers": {"prefill": args.min, "decode": args.min},
