@@ -3,7 +3,8 @@
 JSON lines when stderr is not a TTY or `--log-format json`; a readable console otherwise.
 Each line carries the service name and id. Code that works on a request wraps it in
 `request_context(request_id)`, and every line logged inside (in this task and the tasks it
-creates) carries `request_id`: structlog's contextvars follow asyncio tasks.
+creates) carries `request_id`: structlog's contextvars follow asyncio tasks. With tracing
+on, a line logged inside a request's trace carries its `trace_id` too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import structlog
+
+from libs.common import tracing
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 _LEVELS["error"] = logging.ERROR
@@ -33,6 +36,7 @@ def setup_logging(level: str = "info", fmt: str = "auto", **static: str) -> None
     )
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
+        tracing.log_ids,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

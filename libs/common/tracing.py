@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from opentelemetry import trace
@@ -160,3 +160,15 @@ def joined(carrier: Mapping[str, str] | None) -> Context:
     """The context of a request's root span: the caller's trace when its headers carry
     one, else a new trace."""
     return remote(carrier) or Context()
+
+
+def log_ids(
+    _logger: Any, _name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """A structlog processor: a line logged inside a span carries its `trace_id` (what to
+    search the tracing backend for), when tracing is on."""
+    if _State.tracer is not None:
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            event_dict.setdefault("trace_id", f"{ctx.trace_id:032x}")
+    return event_dict

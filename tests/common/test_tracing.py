@@ -89,3 +89,11 @@ async def test_a_request_over_nats_continues_the_callers_trace(exported, nats_ur
     assert spans["ask"].parent.span_id == spans["root"].context.span_id  # across NATS
     assert spans["inner"].parent.span_id == spans["ask"].context.span_id
     assert spans["inner"].attributes == {tracing.REQUEST_ID: "r7", "tandem.step": 1}
+
+
+def test_a_line_logged_inside_a_span_names_its_trace(exported):
+    assert tracing.log_ids(None, "info", {}) == {}  # no span: nothing added
+    with tracing.span("root", "r9", context=tracing.joined(None)) as root:
+        assert root is not None
+        line = tracing.log_ids(None, "info", {"event": "x"})
+    assert line == {"event": "x", "trace_id": f"{root.get_span_context().trace_id:032x}"}

@@ -112,6 +112,10 @@ async def test_one_request_is_one_trace_over_router_prefill_and_decode(cluster, 
     assert tokens.attributes["tandem.completion_tokens"] == 16
     prefill = next(s for s in spans if s.name == "prefill")
     assert prefill.attributes["tandem.cached_tokens.pool"] == 0
+    # the workers' log lines about it name the trace
+    for worker in ("decode", "prefill"):
+        text = (cluster.logs / f"{worker}.log").read_text()
+        assert f'"trace_id": "{root.trace_id}"' in text, worker
     # the time between the client's send and its last byte, phase by phase
     assert sent <= root.start_ns  # (its end may follow the last byte: the handler returns)
     # Measured, not asserted (a loaded host stretches any gap): the largest stretch of the
