@@ -42,7 +42,7 @@ def test_every_role_runs_as_its_own_compose_service():
     assert sorted(set(TANDEM.values())) == sorted(SERVICES)
     assert sorted(TANDEM) == sorted(
         ["cache_master", "cache_master_2", "cache_store_1", "cache_store_2", "prefill",
-         "decode", "decode_2", "router", "planner"]
+         "decode", "decode_2", "router", "router_2", "planner"]
     )  # fmt: skip
     for module in TANDEM.values():
         assert (REPO / "services" / module / "__main__.py").is_file()
@@ -112,6 +112,15 @@ def test_second_decode_worker_differs_only_in_its_transfer_host_under_profile_ha
     diff = {k for k in set(_env(one)) | set(_env(two)) if _env(one).get(k) != _env(two).get(k)}
     assert diff == {"TANDEM_DECODE_TRANSFER_HOST"}
     assert _env(two)["TANDEM_DECODE_TRANSFER_HOST"] == "decode_2"
+    for key in ("command", "volumes", "depends_on", "healthcheck"):
+        assert one[key] == two[key], key
+
+
+def test_second_router_differs_only_in_its_published_port_under_profile_routers():
+    one, two = COMPOSE["services"]["router"], COMPOSE["services"]["router_2"]
+    assert two["profiles"] == ["routers"] and "profiles" not in one
+    assert _env(one) == _env(two) and _env(two)["TANDEM_ROUTER_SERVICE_ID"] is None
+    assert two["ports"] == ["${PUBLISH_ADDR:-127.0.0.1}:${ROUTER_2_HOST_PORT:-8001}:8000"]
     for key in ("command", "volumes", "depends_on", "healthcheck"):
         assert one[key] == two[key], key
 
