@@ -59,7 +59,9 @@ class RequestResult:
 
 @dataclass
 class Endpoint:
-    """Where and how to send: base URL (…/v1), model name, API flavour, extra body fields."""
+    """Where and how to send: base URL (…/v1), model name, API flavour, extra body fields.
+    Several base URLs, comma-separated (routers active-active): client-side round robin,
+    request `i` to URL `i mod n` (the turns of a conversation alternate between them)."""
 
     base_url: str
     model: str
@@ -74,10 +76,14 @@ class Endpoint:
             raise ValueError(f"--api: expected chat or completions, got {self.api!r}")
         if self.timeout <= 0:
             raise ValueError("--request-timeout: must be > 0")
-        self.base_url = self.base_url.rstrip("/")
+        self.bases = [u.strip().rstrip("/") for u in self.base_url.split(",") if u.strip()]
+        if not self.bases:
+            raise ValueError("--base-url: empty")
+        self.base_url = self.bases[0]
 
-    def url(self) -> str:
-        return f"{self.base_url}/{'chat/completions' if self.api == 'chat' else 'completions'}"
+    def url(self, request_id: int = 0) -> str:
+        base = self.bases[request_id % len(self.bases)]
+        return f"{base}/{'chat/completions' if self.api == 'chat' else 'completions'}"
 
     def body(self, turn: Turn) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -124,7 +130,7 @@ async def _stream(
 ) -> None:
     last = start
     parts: list[str] = []
-    async with http.post(ep.url(), json=ep.body(turn), headers=ep.headers()) as resp:
+    async with http.post(ep.url(turn.request_id), json=ep.body(turn), headers=ep.headers()) as resp:
         if resp.status != 200:
             res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             return

@@ -199,7 +199,9 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     g = p.add_argument_group("endpoint")
     g.add_argument(
-        "--base-url", default="http://127.0.0.1:8000/v1", help="the API root, ending in /v1"
+        "--base-url",
+        default="http://127.0.0.1:8000/v1",
+        help="the API root, ending in /v1; several, comma-separated: round robin over them",
     )
     g.add_argument("--model", default="", help="model name (default: the first of GET /models)")
     g.add_argument("--api", choices=("chat", "completions"), default="chat")
@@ -221,7 +223,7 @@ def parser() -> argparse.ArgumentParser:
 async def _main(a: argparse.Namespace) -> int:
     slo = Slo.parse(a.slo)
     workload, arrivals = make_workload(a), make_arrivals(a)
-    model = a.model or await served_model(a.base_url, a.api_key)
+    model = a.model or await served_model(a.base_url.split(",")[0], a.api_key)
     endpoint = Endpoint(a.base_url, model, a.api, a.api_key, not a.no_ignore_eos,
                         a.request_timeout)  # fmt: skip
     started = time.time()

@@ -181,3 +181,12 @@ def test_bad_flags_raise_value_error_naming_the_flag(argv, flag):
         serve.make_workload(a)
         serve.make_arrivals(a)
         Endpoint(a.base_url, a.model, a.api, timeout=a.request_timeout)
+
+
+async def test_several_base_urls_share_the_requests_round_robin():
+    async with FakeServer(ttft=0.01, itl=0.01) as one, FakeServer(ttft=0.01, itl=0.01) as two:
+        endpoint = Endpoint(f"{one.url}, {two.url}/", "fake-model", timeout=10)
+        out = await serve.benchmark(endpoint, random_workload(6), Arrivals(math.inf, 2, 30.0),
+                                    None, progress=False)  # fmt: skip
+        assert out["summary"]["completed"] == 6
+        assert (len(one.seen), len(two.seen)) == (3, 3)
