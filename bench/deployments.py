@@ -49,6 +49,7 @@ class Topology:
     both: int = 0  # `--role both` workers (their flags: role_args["decode"])
     store_segment: str = ""  # the store's DRAM segment ("": the Deployment's)
     ssd_size: str = ""  # an SSD tier of this size under it, in the workdir ("": none)
+    routers: int = 1  # routers active-active, each on its own free port (`urls`)
 
 
 async def wait_healthy(url: str, workers: dict[str, int], procs: dict, timeout: float) -> None:
@@ -81,6 +82,7 @@ class Deployment:
         self.nats: NatsServer | None = None
         self.cluster: LocalCluster | None = None
         self.url = ""
+        self.urls: list[str] = []  # every router's API root; `url` is the first
 
     async def start(self, timeout: float = 300.0) -> None:
         t = self.topo
@@ -102,14 +104,17 @@ class Deployment:
         for i in range(t.both):
             args = [*t.worker_args, *t.role_args.get("decode", []), "--role", "both"]
             self.cluster.start_one("decode", "--service-id", f"b{i + 1}", *args, label=f"b{i + 1}")
-        port = free_port()
-        self.cluster.start_one("router", "--port", str(port), *t.router_args)
+        ports = [free_port() for _ in range(t.routers)]
+        for k, port in enumerate(ports):
+            label = "router" if k == 0 else f"router_{k + 1}"
+            self.cluster.start_one("router", "--port", str(port), *t.router_args, label=label)
         await self.cluster.wait_ready(timeout)
-        base = f"http://127.0.0.1:{port}"
         counts = (("prefill", t.prefill), ("decode", t.decode), ("both", t.both))
         want = {k: n for k, n in counts if n}
-        await wait_healthy(base, want, self.cluster.procs, timeout)
-        self.url = f"{base}/v1"
+        for port in ports:
+            await wait_healthy(f"http://127.0.0.1:{port}", want, self.cluster.procs, timeout)
+        self.urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+        self.url = self.urls[0]
 
     def stop(self) -> None:
         if self.cluster is not None:
