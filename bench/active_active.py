@@ -92,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
                    question_len=32, output_len=8, max_concurrency=4)  # fmt: skip
     g = p.add_argument_group("deployment")
     g.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    g.add_argument("--prefill-kv-mb", type=int, default=96, help="each prefill worker's KV")
+    g.add_argument("--prefill-kv-mb", type=int, default=256, help="each prefill worker's KV")
     g.add_argument("--repeats", type=int, default=2, help="runs of each kind")
     g.add_argument("--base-seed", type=int, default=100)
     g.add_argument("--json", type=Path)

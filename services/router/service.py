@@ -22,11 +22,18 @@ from typing import Any
 from aiohttp import web
 from nats.aio.msg import Msg
 
+from libs.common.bus.connection import BusError
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.load.generation_config import FIELDS, model_sampling_defaults
 from libs.common.engine.load.source import load_tokenizer
 from libs.common.log import get_logger
-from libs.common.messages.control import LoadReport, MessageError, RouterHeartbeat
+from libs.common.messages.control import (
+    InfoRequest,
+    LoadReport,
+    MessageError,
+    RouterHeartbeat,
+    ServiceInfo,
+)
 from libs.common.service import BaseService
 from services.router.admission.gate import Gate, Limits
 from services.router.admission.tenants import load_keys
@@ -80,6 +87,7 @@ class RouterService(BaseService):
 
     async def on_start(self) -> None:
         cfg = self.config
+        await self._refuse_a_taken_id()
         loop = asyncio.get_running_loop()
         tokenizer, model_id, max_len = await loop.run_in_executor(None, load_tokenizer, cfg.model)
         defaults = await loop.run_in_executor(None, load_defaults, cfg.model, cfg.sampling_flags)
@@ -162,6 +170,22 @@ class RouterService(BaseService):
         # all, holding the GIL and so the event loop (0.3-0.8 s a pass on this host).
         gc.freeze()
         log.info("router listening", url=f"http://{cfg.host}:{self.port}", model_id=model_id)
+
+    async def _refuse_a_taken_id(self) -> None:
+        """Several routers serve one cluster (docs/operations.md, "Several routers"), each
+        with its own --service-id: it names the subjects its tokens come back on, and its
+        request ids are its own counter, so two routers under one id would read each
+        other's tokens. A live router answering `info` under ours: refuse to start."""
+        subject = self.subject(self.name, self.config.service_id, "info")
+        try:
+            other = await self.bus.request(subject, InfoRequest(), ServiceInfo, timeout=1.0,
+                                           responder_wait=0.1)  # fmt: skip
+        except BusError:  # nobody answers (no responders, or a timeout): the id is free
+            return
+        raise RuntimeError(
+            f"--service-id {self.config.service_id!r} is taken by a live router "
+            f"(instance {other.details.get('instance')}); give each router its own"
+        )
 
     async def _on_load(self, msg: Msg) -> None:
         try:

@@ -38,7 +38,8 @@ def prompt(k: int, n: int = 40) -> list[int]:
 class TwoRouters:
     def __init__(self, workdir):
         self.nats = NatsServer(workdir / "nats").start()
-        self.local = LocalCluster(self.nats.url, env=router_env(), capture=workdir / "logs")
+        self.logs = workdir / "logs"
+        self.local = LocalCluster(self.nats.url, env=router_env(), capture=self.logs)
         self.urls: dict[str, str] = {}
 
     def start(self) -> TwoRouters:
@@ -100,6 +101,15 @@ async def test_a_stored_response_made_through_one_router_continues_through_the_o
         assert second.previous_response_id == first.id
         assert second.usage.input_tokens > first.usage.input_tokens  # the stored turn
         assert (await cb.responses.retrieve(first.id)).output_text == first.output_text
+
+
+def test_a_router_under_a_live_routers_service_id_refuses_to_start(two):
+    # Its token subjects and request ids would collide with router-b's.
+    proc = two.local.start_one("router", "--service-id", "router-b", *ROUTER_ARGS,
+                               label="router-dup")  # fmt: skip
+    assert proc.wait(timeout=120) == 1
+    log = (two.logs / "router-dup.log").read_text()
+    assert "--service-id 'router-b' is taken by a live router" in log
 
 
 async def _clients(http, url: str, out: list[Outcome], stop: asyncio.Event, n: int = 2):
