@@ -256,6 +256,9 @@ def test_a_k_quant_prefill_chunk_goes_through_int16_panels_of_its_pieces(
     assert relative(wide, expected(kind, x, ref)) < 3e-5
     # the product below the panels' rows: the integer sub-block dots, same values
     assert relative(linear(x[:128]), wide[:128]) < 1e-6
+    # the kernel choice may take the panels at 5-128 rows: a row's bits the same there too
+    assert linear.candidates(1)[:2] == ["gemm", "panel"]
+    assert torch.equal(linear.product("panel", x[3:8]), wide[3:8])
 
 
 def test_prefill_sized_products_go_through_dequantized_slices(monkeypatch):

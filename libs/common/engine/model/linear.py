@@ -117,7 +117,8 @@ class QuantLinear:
     `GEMM_ROWS`: `tq_gemm` takes the same integer sub-block dots as `tq_gemv`
     (quant/kquant_products.h; a row's bits the same in any batch of 1 to `GEMM_ROWS`).
     More rows of K-quants (a prefill chunk): `tq_gemm_panel`, the int16 panels built from
-    the K-quant blocks' 32-value pieces (quant/kquant_pieces.h).
+    the K-quant blocks' 32-value pieces (quant/kquant_pieces.h); a candidate at 5-128 rows
+    too, where the kernel choice may take it (faster from ~16 rows, slower at 5-8).
 
     More than `GEMM_ROWS` rows without the panels (the generic and NEON builds): the weight is
     dequantized `SLICE_VALUES` at a time into a per-thread buffer and each slice multiplied
@@ -192,6 +193,8 @@ class QuantLinear:
         if row_class == 0:
             return [native]
         found = [native, *(["sliced"] if native != "sliced" else [])]
+        if row_class == 1 and self._native[2] == "panel":  # a K-quant with panels
+            found.insert(1, "panel")
         return [*found, "copy"] if onednn_usable(torch.device("cpu")) else found
 
     def use(self, paths: tuple[str, ...]) -> None:
