@@ -135,6 +135,12 @@ def _named(request_id: str, attributes: dict[str, Any]) -> dict[str, Any]:
     return {REQUEST_ID: request_id, **{f"tandem.{k}": v for k, v in attributes.items()}}
 
 
+def event(name: str, **attributes: Any) -> None:
+    """A moment inside the current span (token 0 sent): an event with its timestamp."""
+    if _State.tracer is not None and _in_trace():
+        trace.get_current_span().add_event(name, {f"tandem.{k}": v for k, v in attributes.items()})
+
+
 def now() -> int:
     """The span clock (epoch nanoseconds), 0 when tracing is off (nothing reads it then)."""
     return time.time_ns() if _State.tracer is not None else 0

@@ -31,6 +31,7 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     attributes: dict[str, Any] = field(default_factory=dict)
+    events: tuple[str, ...] = ()  # their names, in order
 
 
 def _value(v: Any) -> Any:
@@ -58,6 +59,7 @@ def decode(body: bytes) -> list[ReceivedSpan]:
                         start_ns=s.start_time_unix_nano,
                         end_ns=s.end_time_unix_nano,
                         attributes={a.key: _value(a.value) for a in s.attributes},
+                        events=tuple(e.name for e in s.events),
                     )
                 )
     return spans

@@ -112,6 +112,9 @@ async def test_one_request_is_one_trace_over_router_prefill_and_decode(cluster, 
     assert tokens.attributes["tandem.completion_tokens"] == 16
     prefill = next(s for s in spans if s.name == "prefill")
     assert prefill.attributes["tandem.cached_tokens.pool"] == 0
+    assert prefill.events == ("token 0 published",)
+    stream = next(s for s in spans if s.name == "router.stream")
+    assert stream.events == ("first chunk written",)  # the client's first token: TTFT
     # the workers' log lines about it name the trace
     for worker in ("decode", "prefill"):
         text = (cluster.logs / f"{worker}.log").read_text()

@@ -158,6 +158,7 @@ class PrefillRole:
         tracing.annotate(**{f"cached_tokens.{k}": v for k, v in cached.items()})
         finished = last.finish_reason is not None
         core.count_output_tokens(1)
+        tracing.event("token 0 published")
         await core.bus.publish(
             req.stream_subject,
             TokenChunk(

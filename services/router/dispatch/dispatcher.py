@@ -98,6 +98,7 @@ class _Stream:
         self.delivered = 0  # chunks handed to the sink
         self.prefill, self.pending = prefill, pending  # prompt tokens this route still owes
         self.decode_instance = ""  # the decode worker's process (LoadReport.instance)
+        self.span: tracing.Span | None = None  # its `router.stream` span, when traced
 
     def on_chunk(self, chunk: TokenChunk) -> None:
         if self.done.done():
@@ -109,6 +110,8 @@ class _Stream:
                     reason = c.error or f"the worker ended the request ({c.finish_reason})"
                     raise WorkerFailed(reason, c.index > 0 or self.delivered > 0)
                 self.sink(c)
+                if not self.delivered and self.span is not None:  # TTFT, in the trace
+                    self.span.add_event("first chunk written", {"tandem.index": c.index})
                 self.delivered += 1
                 if c.finish_reason is not None:
                     self.done.set_result(None)
@@ -316,6 +319,7 @@ class Dispatcher:
             if self._sweeper is None or self._sweeper.done():
                 self._sweeper = asyncio.create_task(self._sweep(), name="stream-sweeper")
             with tracing.span("router.stream", label or rid) as span:
+                stream.span = span
                 await stream.done
                 if span is not None:
                     span.set_attribute("tandem.chunks", stream.delivered)
