@@ -101,4 +101,6 @@ async def test_a_migrated_request_is_one_trace_with_both_attempts(cluster, recei
     assert attempts[-1].attributes["tandem.continued_after"] >= 8  # what the client had
     survivor = [s for s in trace if s.name == "decode.request" and s.service == "tandem-decode"]
     assert any(s.attributes["tandem.continued_after"] >= 8 for s in survivor)
+    # the survivor computed prompt + the tokens already sent itself
+    assert [s for s in trace if s.name == "decode.prefill"]
     await cluster.whole()

@@ -208,8 +208,8 @@ class DecodeRole:
         async for out in outputs:
             if first:
                 prompt_done()
-                first_at = tracing.now()  # the wait for a batch slot and the first step
-                tracing.record("decode.queue", req.request_id, started, first_at)
+                first_at = tracing.now()
+                _first_spans(req.request_id, started, first_at, out, prefilled_here=not skip_first)
             ids, text, lps = out.token_ids, out.text, logprobs_wire(out.logprobs)
             if first and skip_first:  # token 0 (and its text) came from the prefill worker
                 ids, text, lps = ids[1:], "", lps[1:]
@@ -241,3 +241,19 @@ class DecodeRole:
                 log.info("request finished", reason=out.finish_reason,
                          completion_tokens=out.num_output_tokens)  # fmt: skip
                 return
+
+
+def _first_spans(
+    request_id: str, started: int, now: int, out: RequestOutput, *, prefilled_here: bool
+) -> None:
+    """The trace from a request's start on this worker to its first output: a prompt
+    prefilled here is `decode.queue` (to its first step) then `decode.prefill`; one whose
+    KV came from a prefill worker waits for a batch slot and one step (`decode.queue`)."""
+    if not tracing.enabled():
+        return
+    if prefilled_here and out.queue_time is not None:
+        queued = min(started + int(out.queue_time * 1e9), now)
+        tracing.record("decode.queue", request_id, started, queued)
+        tracing.record("decode.prefill", request_id, queued, now)
+    else:
+        tracing.record("decode.queue", request_id, started, now)
