@@ -8,8 +8,6 @@ import pytest
 
 from bench import engine, engine_spec
 
-pytestmark = pytest.mark.usefixtures("structlog_config_restored")
-
 
 @pytest.mark.slow
 def test_speculation_off_and_on_make_the_same_tokens_and_every_figure_is_reported(capsys):

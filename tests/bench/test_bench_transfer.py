@@ -11,9 +11,6 @@ from bench import transfer
 CASES = {"1 x 4 KiB", "1 x 64 KiB", "1 x 1 MiB", "1 x 16 MiB", "64 x 1 MiB"}
 
 
-pytestmark = pytest.mark.usefixtures("structlog_config_restored")
-
-
 def test_every_case_of_both_transports_is_measured_and_reported(capsys) -> None:
     argv = ["--json", "--seconds", "0.01", "--max-iters", "5", "--no-mooncake", "--no-floors"]
     assert transfer.main(argv) == 0
