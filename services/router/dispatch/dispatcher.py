@@ -270,7 +270,9 @@ class Dispatcher:
         self, rid: str, gen: Generation, route: Route, deadline: float, *, label: str = ""
     ) -> None:
         try:
-            await self.streams.start()
+            if not self.streams.ready:  # the router's first request subscribes: a NATS
+                with tracing.span("router.subscribe", label or rid):  # round trip
+                    await self.streams.start()
         except Exception as e:  # no connection: nothing was sent, another try may work
             raise WorkerFailed(f"cannot subscribe to token streams: {e}", False) from None
         decode = self.workers.get(route.decode)

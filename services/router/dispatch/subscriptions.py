@@ -44,6 +44,11 @@ class StreamTable:
         self._starting: asyncio.Lock = asyncio.Lock()
         self._dupes = itertools.count(1)
 
+    @property
+    def ready(self) -> bool:
+        """Subscribed: `start` returns at once."""
+        return bool(self._subs)
+
     async def start(self) -> None:
         """Subscribe (once; later calls return at once). Flushed: the server has the
         interest before the first GenerateRequest goes out, so no chunk is missed."""
