@@ -58,6 +58,13 @@ async def test_load_adds_a_decode_worker_that_serves_and_idle_removes_it(
                     *(complete(http, url, p, 48, True, timeout=120) for p in prompts)
                 )
         assert p1_served(), "decode-p1 was never started or never got a request"
+        # The decision that added it came from decode-1's own reports: a batch past the 9
+        # sequences the ITL SLO allows one worker.
+        lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+        up = next(e for e in lines if e.get("event") == "planner decision"
+                  and e["changed"] and e["counts"]["decode"] == 2)  # fmt: skip
+        decode = up["loads"]["decode"]
+        assert decode["workers"] == 1 and decode["running"] + decode["waiting"] > 9
 
         async def stopped():  # logged by the planner once the process has exited
             return [e for e in events(log, "decode-p1") if e.get("event") == "worker stopped"]
