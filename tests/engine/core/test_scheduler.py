@@ -313,3 +313,14 @@ def test_queue_time_ends_at_the_first_step_once():
     assert first.scheduled_time == ran  # set once, at its first step
     assert second.scheduled_time is not None and ran is not None
     assert second.scheduled_time >= ran
+
+
+def test_oldest_wait_is_the_longest_wait_among_waiting_sequences_only():
+    """What a worker's load report carries as queue_time_s (the planner's input)."""
+    s = make(seqs=1)
+    assert s.oldest_wait(100.0) == 0.0
+    s.add(Sequence("a", [100, 101], SamplingParams(max_tokens=4), arrival_time=10.0))
+    s.add(Sequence("b", [102, 103], SamplingParams(max_tokens=4), arrival_time=40.0))
+    assert s.oldest_wait(100.0) == 90.0
+    step(s)  # one seat: "a" runs, "b" still waits
+    assert s.num_running == 1 and s.oldest_wait(100.0) == 60.0
