@@ -3,13 +3,15 @@
     python -m bench.aiperf trace --trace T.jsonl --num-prompts 20 --trace-block-len 8 \
         --trace-time-scale 8 --trace-output-scale 0.1 --out aiperf-trace.jsonl
     python -m bench.aiperf compare bench-serve.json aiperf-dir/profile_export_aiperf.json
+    python -m bench.aiperf tokenizer --hf-home /tmp/hf
 
 `trace` writes the slice bench.serve's trace workload replays (the same flags, the same
 scaling: bench/workloads.py, `TraceReplay`) as a Mooncake file for AIPerf's
 `--custom-dataset-type mooncake_trace --isl-block-size <block>`: lengths, outputs and
 timestamps already scaled, the hash ids kept (AIPerf makes each id one block of `block`
 tokens, as bench.serve makes it `block` words: one token each). `compare` prints the
-figures both report, side by side. AIPerf is not a dependency of Tandem: it runs from a
+figures both report, side by side. `tokenizer` puts the model's tokenizer where AIPerf
+reads it offline. AIPerf is not a dependency of Tandem: it runs from a
 virtual environment of its own (the recipe in docs/benchmarks.md).
 """
 
@@ -49,6 +51,24 @@ def write_trace(a: argparse.Namespace) -> int:
                 lines.append(json.dumps(rec))
     a.out.write_text("\n".join(lines) + "\n")
     print(f"{a.out}: {len(lines)} requests")
+    return 0
+
+
+def write_tokenizer(a: argparse.Namespace) -> int:
+    """The default model's tokenizer where AIPerf 0.13.0 finds it offline: the Hugging Face
+    cache under `--hf-home` (it loads no local folder path with HF_HUB_OFFLINE=1)."""
+    from libs.common.engine.load.source import load_tokenizer
+
+    tok, _, max_len = load_tokenizer(a.model)
+    repo = a.hf_home / "hub" / f"models--{a.name.replace('/', '--')}"
+    snapshot = repo / "snapshots" / "local"
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (snapshot / "tokenizer.json").write_text(tok.tokenizer.to_str())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("local")
+    print(f"HF_HOME={a.hf_home} HF_HUB_OFFLINE=1 aiperf profile --tokenizer {a.name} ...")
     return 0
 
 
@@ -95,6 +115,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--trace-output-scale", type=float, default=0.1)
     t.add_argument("--trace-time-scale", type=float, default=0.1)
     t.add_argument("--out", type=Path, required=True)
+    k = sub.add_parser("tokenizer", help="the model's tokenizer into an HF cache, for AIPerf")
+    k.add_argument("--hf-home", type=Path, required=True)
+    k.add_argument("--model", default="default", help="a --model value of the workers")
+    k.add_argument("--name", default="tandem/smollm2-tokenizer", help="its name in the cache")
     c = sub.add_parser("compare", help="bench.serve's --json against AIPerf's JSON export")
     c.add_argument("serve", type=Path)
     c.add_argument("aiperf", type=Path)
@@ -108,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print("bench.aiperf: counts and scales must be positive", file=sys.stderr)
             return 2
         return write_trace(a)
-    return compare(a)
+    return write_tokenizer(a) if a.command == "tokenizer" else compare(a)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,18 @@ def test_compare_puts_aiperf_itl_beside_bench_serves_tpot():
     rows = aiperf.figures(serve, theirs)
     assert rows["TPOT (AIPerf ITL) mean ms"] == (50.0, 1.0)
     assert rows["mean input tokens"] == (250.0, 1.0) and rows["TTFT p90 ms"] == (150.0, 3.0)
+
+
+def test_the_tokenizer_lands_in_the_hf_cache_layout_and_encodes_as_the_router(tmp_path):
+    from tokenizers import Tokenizer
+
+    from libs.common.engine.load.source import load_tokenizer
+
+    assert aiperf.main(["tokenizer", "--hf-home", str(tmp_path)]) == 0
+    repo = tmp_path / "hub" / "models--tandem--smollm2-tokenizer"
+    snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text()
+    text = "Tandem serves the default model."
+    ours = load_tokenizer("default")[0].tokenizer.encode(text, add_special_tokens=False).ids
+    cached = Tokenizer.from_file(str(snapshot / "tokenizer.json"))
+    assert cached.encode(text, add_special_tokens=False).ids == ours
+    assert json.loads((snapshot / "tokenizer_config.json").read_text())["tokenizer_class"]
