@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 TRACE_BLOCK = 512  # tokens of one block of a Mooncake trace
+TOKENIZER = "tandem/smollm2-tokenizer"  # the name `tokenizer` gives it in the cache
 
 
 def scaled(rec: dict[str, Any], block: int, output_scale: float, time_scale: float) -> dict:
@@ -50,8 +51,25 @@ def write_trace(a: argparse.Namespace) -> int:
                              a.trace_time_scale)  # fmt: skip
                 lines.append(json.dumps(rec))
     a.out.write_text("\n".join(lines) + "\n")
-    print(f"{a.out}: {len(lines)} requests")
+    print(f"{a.out}: {len(lines)} requests; the same slice through each tool:\n")
+    print("\n".join(commands(a)))
     return 0
+
+
+def commands(a: argparse.Namespace, url: str = "http://127.0.0.1:8000") -> list[str]:
+    """bench.serve's command on the original trace, AIPerf's on the scaled file."""
+    same = (f"--num-prompts {a.num_prompts} --trace-block-len {a.trace_block_len} "
+            f"--trace-time-scale {a.trace_time_scale} "
+            f"--trace-output-scale {a.trace_output_scale}")  # fmt: skip
+    return [
+        f".venv/bin/python -m bench.serve --base-url {url}/v1 --workload trace "
+        f"--trace {a.trace} {same} --json bs.json",
+        f"HF_HUB_OFFLINE=1 aiperf profile --model default --tokenizer {TOKENIZER} --url {url} "
+        "--endpoint-type chat --streaming --custom-dataset-type mooncake_trace "
+        f"--input-file {a.out} --fixed-schedule --isl-block-size {a.trace_block_len} "
+        "--use-legacy-max-tokens --use-server-token-count --extra-inputs ignore_eos:true "
+        "--extra-inputs temperature:0 --artifact-dir ap --ui-type none --no-gpu-telemetry",
+    ]
 
 
 def write_tokenizer(a: argparse.Namespace) -> int:
@@ -118,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     k = sub.add_parser("tokenizer", help="the model's tokenizer into an HF cache, for AIPerf")
     k.add_argument("--hf-home", type=Path, required=True)
     k.add_argument("--model", default="default", help="a --model value of the workers")
-    k.add_argument("--name", default="tandem/smollm2-tokenizer", help="its name in the cache")
+    k.add_argument("--name", default=TOKENIZER, help="its name in the cache")
     c = sub.add_parser("compare", help="bench.serve's --json against AIPerf's JSON export")
     c.add_argument("serve", type=Path)
     c.add_argument("aiperf", type=Path)

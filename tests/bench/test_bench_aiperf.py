@@ -15,7 +15,7 @@ ROWS = [
 ]
 
 
-def test_the_aiperf_slice_has_bench_serves_lengths_outputs_and_times(tmp_path):
+def test_the_aiperf_slice_has_bench_serves_lengths_outputs_and_times(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "aiperf.jsonl"
@@ -23,6 +23,9 @@ def test_the_aiperf_slice_has_bench_serves_lengths_outputs_and_times(tmp_path):
             "--trace-time-scale", "4", "--trace-output-scale", "0.1",
             "--out", str(out)]  # fmt: skip
     assert aiperf.main(argv) == 0
+    said = capsys.readouterr().out  # both tools' commands on this slice
+    assert f"--custom-dataset-type mooncake_trace --input-file {out} --fixed-schedule" in said
+    assert "--isl-block-size 8" in said and "--workload trace --trace" in said
     ours = TraceReplay(trace, block_len=8, output_scale=0.1, time_scale=4.0)
     theirs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["hash_ids"] for r in theirs] == [r["hash_ids"] for r in ROWS]
