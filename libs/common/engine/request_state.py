@@ -6,6 +6,7 @@ step (`row`).
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Collection
 from collections.abc import Sequence as SequenceT
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import structlog
 
 from libs.common.engine.core.outputs import TokenLogprobs
+from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.core.sequence import Sequence
 from libs.common.engine.core.stop import StopChecker
 from libs.common.engine.model.sampler import SamplingRow
@@ -30,6 +32,15 @@ class RequestState:
     grammar_done: bool = False  # the matcher is complete (or refused a token): stop
     # prompt logprobs computed so far, by token index, until the first output carries them
     scores: dict[int, TokenLogprobs] | None = None
+
+    @classmethod
+    def start(cls, seq: Sequence, tokenizer: Any, matcher: Any) -> RequestState:
+        """A new request's state: its seed (drawn when the request names none), its stop
+        checker, whether penalties need its tokens."""
+        p = seq.sampling_params
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        penalized = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) != (1, 0, 0)
+        return cls(seq, seed, StopChecker(p, tokenizer), penalized, matcher)
 
     def row(self, eos_token_ids: Collection[int]) -> SamplingRow:
         """This step's sampling row. Below min_tokens the tokens that would end the
@@ -86,3 +97,14 @@ class RequestState:
             raise RuntimeError(f"{seq.request_id}: prompt tokens {missing[:4]} were not scored")
         self.scores, seq.logits_from = None, None
         return [scores[i] for i in range(first, seq.num_prompt_tokens)]
+
+
+def check_token_ids(token_ids: list[int], params: SamplingParams, vocab: int) -> None:
+    """A request's prompt and the ids its parameters name are the model's: ValueError."""
+    if not token_ids:
+        raise ValueError("token_ids must not be empty")
+    if any(not 0 <= t < vocab for t in token_ids):
+        raise ValueError(f"token_ids must be in [0, {vocab})")
+    for name, ids in params.token_ids_by_field().items():
+        if any(t >= vocab for t in ids):
+            raise ValueError(f"'{name}': token ids must be in [0, {vocab})")

@@ -8,7 +8,6 @@ Not thread-safe: one caller at a time (the async Engine serializes calls).
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,6 @@ from libs.common.engine.core.radix_cache import CacheEvent, RadixCache
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.core.scheduler import Scheduler
 from libs.common.engine.core.sequence import FinishReason, Sequence, SequenceStatus
-from libs.common.engine.core.stop import StopChecker
 from libs.common.engine.load.source import load_model
 from libs.common.engine.load.tokenizer import TextTokenizer
 from libs.common.engine.model.attention import backend_class
@@ -35,7 +33,7 @@ from libs.common.engine.model.kv_cache import KVCache
 from libs.common.engine.model.model import LlamaModel
 from libs.common.engine.model.runner import ModelRunner
 from libs.common.engine.model.sampler import SamplingRow
-from libs.common.engine.request_state import RequestState
+from libs.common.engine.request_state import RequestState, check_token_ids
 from libs.common.engine.spec.speculator import Speculator, make_speculator
 from libs.common.engine.spec.verify import accepted_run, split_runs
 from libs.common.grammar.compiler import GrammarCompiler
@@ -324,22 +322,10 @@ class EngineCore:
     # -- internals ----------------------------------------------------------------------
 
     def _check_ids(self, token_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size
-        if not token_ids:
-            raise ValueError("token_ids must not be empty")
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"token_ids must be in [0, {vocab})")
-        for name, ids in params.token_ids_by_field().items():
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"'{name}': token ids must be in [0, {vocab})")
+        check_token_ids(token_ids, params, self.model.config.vocab_size)
 
     def _track(self, seq: Sequence, matcher: Any) -> None:
-        p = seq.sampling_params
-        seed = p.seed if p.seed is not None else secrets.randbits(63)
-        penalized = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) != (1, 0, 0)
-        self._requests[seq.request_id] = RequestState(
-            seq, seed, StopChecker(p, self.tokenizer), penalized, matcher
-        )
+        self._requests[seq.request_id] = RequestState.start(seq, self.tokenizer, matcher)
 
     def _matcher_for(self, params: SamplingParams) -> Any:
         return self.grammars.matcher(params.grammar) if params.grammar else None
