@@ -33,9 +33,14 @@ class ObservedWorker(Protocol):
 class RouterMetrics:
     """Counters, histograms and gauges of one router; `render()` is the /metrics body."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, service_id: str = "", instance: str = ""):
         self.registry = r = CollectorRegistry()
         self.model = model_name
+        # Which router this is, among several (docs/operations.md, "Several routers"): the
+        # same series from two routers differ by these labels besides the scrape's own.
+        self.info = Gauge("tandem:router_info", "1, labelled with this router's ids",
+                          ("service_id", "instance"), registry=r)  # fmt: skip
+        self.info.labels(service_id, instance).set(1)
         m = ("model_name",)
         self.ttft = Histogram(
             "tandem:time_to_first_token_seconds", "Time to first token", m, buckets=_LATENCY,

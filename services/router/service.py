@@ -95,7 +95,7 @@ class RouterService(BaseService):
         self._clock = LoopClock(_PRUNE_S)  # the router's stalls are not its workers' silence
         workers = WorkerTable(cfg.worker_timeout, self._clock, cfg.worker_forget_timeout)
         index = KvIndex(cfg.kv_index_max_keys)
-        metrics = RouterMetrics(cfg.model_name)
+        metrics = RouterMetrics(cfg.model_name, cfg.service_id, self.instance)
         policy = PolicyConfig(
             prefill_page_weight=cfg.prefill_page_weight,
             pool_page_weight=cfg.pool_page_weight,

@@ -21,7 +21,7 @@ from scripts.nats_server import NatsServer
 from tests.chaos.client import Outcome, Stream, complete
 from tests.chaos.reports import connect, info
 from tests.router.conftest import router_env, router_port
-from tests.router.e2e_cluster import WORKER_ARGS, openai_client, wait_healthy
+from tests.router.e2e_cluster import WORKER_ARGS, metric, openai_client, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +88,17 @@ async def test_a_prefix_sent_through_one_router_is_a_cache_hit_through_the_other
     assert second.ok, second.error
     assert second.text == first.text
     assert second.usage["prompt_tokens_details"]["cached_tokens"] >= 48, second.usage
+
+
+async def test_each_router_names_itself_in_its_metrics(two):
+    instances = set()
+    for sid in ROUTERS:
+        assert await metric(two.urls[sid], "tandem:router_info", service_id=sid) == 1
+        async with aiohttp.ClientSession() as s, s.get(f"{two.urls[sid]}/metrics") as r:
+            text = await r.text()
+        line = next(x for x in text.splitlines() if x.startswith("tandem:router_info{"))
+        instances.add(line.split('instance="')[1].split('"')[0])
+    assert len(instances) == 2 and "" not in instances
 
 
 async def test_a_stored_response_made_through_one_router_continues_through_the_other(two):
