@@ -1,8 +1,9 @@
 """`make run` (scripts/cluster.py) serves with one NATS identity per process.
 
-The real launcher as a subprocess, in its own run folder and ports: every service gets a
-credentials file bound to its service id, nats-server loads their permissions, and a chat
-completion goes through router and decode, a long one through prefill too; their pages
+The real launcher as a subprocess, in its own run folder and ports, with `--routers 2`:
+every service gets a credentials file bound to its service id, nats-server loads their
+permissions, and a chat completion goes through router and decode (and through router-2,
+the same answer), a long one through prefill too; their pages
 then reach the pool (the master's stats, asked as the operator's read-only identity,
 count them); no service hears a permissions violation. No process is started with a
 password on its command line, nats-server's monitoring is off, a master killed with
@@ -14,6 +15,7 @@ Tens of seconds on a busy 2-core host (two model loads).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -36,6 +38,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _free_ports(n: int) -> int:
+    """The first of `n` consecutive ports free now (the launcher's routers take them)."""
+    for _ in range(50):
+        first = _free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for k in range(n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", first + k))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -86,8 +103,8 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
     env.pop("NATS_MONITOR_PORT", None)
     nats_port = _free_port()
     cmd = [sys.executable, "-m", "scripts.cluster", "--run-dir", str(tmp_path / "run"),
-           "--nats-port", str(nats_port), "--router-port", str(_free_port()),
-           "--ready-timeout", "300"]  # fmt: skip
+           "--nats-port", str(nats_port), "--router-port", str(_free_ports(2)),
+           "--routers", "2", "--ready-timeout", "300"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     lines: list[str] = []
@@ -102,7 +119,7 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
         base = next(m.group(1) for line in lines if (m := UP.search(line)))
         secrets = tmp_path / "run" / "secrets"
         passwords = [f.read_text().split(":", 1)[1].strip() for f in secrets.glob("*.credentials")]
-        assert len(passwords) == 8  # seven processes (two masters) and the operator
+        assert len(passwords) == 9  # eight processes (two masters, two routers), the operator
         for cmdline in _children(proc.pid).values():
             assert not any(p in cmdline for p in passwords), cmdline
         assert "monitoring" not in next(line for line in lines if UP.search(line))
@@ -111,6 +128,10 @@ def test_make_run_serves_a_chat_completion_with_an_identity_per_service(tmp_path
         answer = _post(f"{base}/v1/chat/completions", body, timeout=120)
         assert answer["choices"][0]["message"]["content"]
         assert answer["usage"]["completion_tokens"] > 0
+        # router-2 on the next port, with its own identity: the same answer (greedy).
+        host, port = base.rsplit(":", 1)
+        second = _post(f"{host}:{int(port) + 1}/v1/chat/completions", body, timeout=120)
+        assert second["choices"][0]["message"] == answer["choices"][0]["message"]
         # kill -9 of a master: the launcher starts it again (scripts/supervisor.py) and the
         # stack keeps serving, the pool included (a standby leads, or master-1 again).
         (old,) = [pid for pid, cmd in _children(proc.pid).items() if "master-1" in cmd]
