@@ -6,17 +6,20 @@ conversation trace (/work/shared/traces, Mooncake FAST'25; prompt and output len
 time scaled by flags) and a bursty synthetic one (Poisson arrivals, quiet and burst
 phases). Policies, each bounded by the same --min/--max per role:
 
-- static: fixed splits, the planner's mean count per role rounded down (`static_below`:
-  no more worker-seconds than the planner) and up (`static_above`: at least as many), or
-  --static P,D;
+- static: the best fixed split at no more worker-seconds than the planner's, chosen with
+  hindsight: every split P+D = the planner's mean total count rounded down (each within
+  --min/--max) is replayed, the one with the most requests within SLO is `static`
+  (`searched` lists them all); or --static P,D alone;
 - reactive: Dynamo-like, on observed TTFT and ITL only: the p90 of the requests finished
   in the last interval above the SLO adds a worker to that role, under half of it removes
   one (same hysteresis as the planner);
 - planner: services/planner/policy.py's `Planner`, the service's own decision function,
   fed the `LoadReport`s the workers would publish (queue time included).
 
-Prints one JSON object: per trace and policy the requests within both SLOs, TTFT/ITL
-p90 and worker-seconds.
+Every policy starts at its own counts, ready at time 0. The first --warmup seconds are
+not scored (their requests, and worker-seconds before it), so a policy's cold start at
+--min workers does not count against it. Prints one JSON object: per trace and policy the
+requests within both SLOs, TTFT/ITL p90 and worker-seconds.
 """
 
 from __future__ import annotations
@@ -51,11 +54,12 @@ def conversation(args: argparse.Namespace) -> list[Req]:
 
 
 def bursty(args: argparse.Namespace) -> list[Req]:
-    """Quiet phases at --bursty-rate requests/s, every third phase at 5x (60 s phases)."""
+    """Quiet phases at --bursty-rate requests/s, every third phase at 5x (phases of
+    --bursty-phase seconds)."""
     rng = random.Random(args.seed)
     out, now = [], 0.0
     while now < args.duration:
-        rate = args.bursty_rate * (5.0 if int(now // 60) % 3 == 1 else 1.0)
+        rate = args.bursty_rate * (5.0 if int(now // args.bursty_phase) % 3 == 1 else 1.0)
         now += rng.expovariate(rate)
         prompt = max(16, int(rng.lognormvariate(math.log(args.bursty_prompt), 0.6)))
         out.append(Req(now, prompt, max(2, int(rng.lognormvariate(math.log(32), 0.5)))))
@@ -91,7 +95,8 @@ def planner(cap: Capacity, targets: Targets, after_s: float):
     return lambda reports, _finished, current, now: plan.decide(reports, current, now).counts
 
 
-def score(trace: list[Req], result: dict, targets: Targets) -> dict:
+def score(trace: list[Req], result: dict, targets: Targets, warmup_s: float = 0.0) -> dict:
+    trace = [r for r in trace if r.arrival >= warmup_s]
     ok = [
         r
         for r in trace
@@ -125,28 +130,51 @@ def compare(make_trace, args: argparse.Namespace, cap: Capacity, targets: Target
     }
     out = {name: _one(make_trace(args), args, cap, targets, decide)
            for name, decide in policies.items()}  # fmt: skip
-    span = out["planner"]["end_s"]
-    means = {r: ws / span for r, ws in out["planner"]["worker_seconds_by_role"].items()}
-    floor = {r: max(targets.min_workers[r], math.floor(m)) for r, m in means.items()}
-    splits = {"static_below": floor, "static_above": {r: math.ceil(m) for r, m in means.items()}}
     if args.static:
-        splits = {
-            "static": dict(
-                zip(("prefill", "decode"), map(int, args.static.split(",")), strict=True)
-            )
-        }
-    for name, split in splits.items():
-        out[name] = _one(make_trace(args), args, cap, targets, lambda *_, s=split: s, start=split)
-        out[name]["split"] = split
+        split = dict(zip(("prefill", "decode"), map(int, args.static.split(",")), strict=True))
+        out["static"] = {**_static(make_trace, args, cap, targets, split), "split": split}
+        return out
+    out["static"] = best_static(make_trace, args, cap, targets, out["planner"])
     return out
+
+
+def _static(make_trace, args, cap: Capacity, targets: Targets, split: dict[str, int]) -> dict:
+    return _one(make_trace(args), args, cap, targets, lambda *_: split, start=split)
+
+
+def splits_within(total: int, targets: Targets) -> list[dict[str, int]]:
+    """Every split of `total` workers with each role's count within its bounds."""
+    low, high = targets.min_workers, targets.max_workers
+    return [{"prefill": p, "decode": total - p} for p in range(low["prefill"], high["prefill"] + 1)
+            if low["decode"] <= total - p <= high["decode"]]  # fmt: skip
+
+
+def best_static(make_trace, args, cap: Capacity, targets: Targets, planner_run: dict) -> dict:
+    """The split with the most requests within SLO among those of the planner's mean total
+    count (rounded down; one fewer while none costs no more worker-seconds than it)."""
+    budget = planner_run["worker_seconds"]
+    total = math.floor(budget / max(1e-9, planner_run["end_s"] - args.warmup))
+    while total >= 2:
+        runs = [{**_static(make_trace, args, cap, targets, s), "split": s}
+                for s in splits_within(total, targets)]  # fmt: skip
+        fits = [r for r in runs if r["worker_seconds"] <= budget]
+        if fits:
+            best = max(fits, key=lambda r: (r["within_slo"], -r["worker_seconds"]))
+            searched = [
+                [r["split"]["prefill"], r["split"]["decode"], r["within_slo"]] for r in runs
+            ]
+            return {**best, "searched": searched}
+        total -= 1
+    return {"skipped": "no split of 2 or more workers within the planner's worker-seconds"}
 
 
 def _one(trace: list[Req], args: argparse.Namespace, cap: Capacity, targets: Targets,
          decide, start: dict[str, int] | None = None) -> dict:  # fmt: skip
     cluster = Cluster(cap, args.startup)
     cluster.scale(dict(start or targets.min_workers), 0.0, ready=0.0)
-    result = simulate(trace, cluster, decide, Run(dt=args.dt, interval=args.interval))
-    return {**score(trace, result, targets), "end_s": round(result["end_s"], 1)}
+    run = Run(dt=args.dt, interval=args.interval, warmup_s=args.warmup)
+    result = simulate(trace, cluster, decide, run)
+    return {**score(trace, result, targets, args.warmup), "end_s": round(result["end_s"], 1)}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -170,6 +198,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--bursty-rate", type=float, default=1.0, help="quiet-phase requests/s")
     ap.add_argument("--bursty-prompt", type=float, default=256.0, help="median prompt tokens")
+    ap.add_argument("--bursty-phase", type=float, default=60.0, help="seconds of each bursty phase")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-s", type=float, default=2.0, help="TTFT SLO, seconds")
     ap.add_argument("--itl-s", type=float, default=0.1, help="ITL SLO (a request's mean), seconds")
@@ -178,9 +207,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--static",
         default="",
-        help="a static split PREFILL,DECODE (default: the planner's mean count per "
-        "role rounded down and up, two runs)",
+        help="a static split PREFILL,DECODE (default: the best split at no more "
+        "worker-seconds than the planner, searched)",
     )
+    ap.add_argument("--warmup", type=float, default=60.0, help="seconds at the start not scored")
     ap.add_argument("--startup", type=float, default=10.0, help="seconds until a new worker serves")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between decisions")
     ap.add_argument(

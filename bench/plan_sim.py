@@ -161,10 +161,12 @@ class Cluster:
             w.tokens_in = 0
         return out
 
-    def worker_seconds(self, end: float) -> dict[str, float]:
+    def worker_seconds(self, end: float, start: float = 0.0) -> dict[str, float]:
+        """Each worker's time from asked for to gone, the part between `start` and `end`."""
         out = {"prefill": 0.0, "decode": 0.0}
         for w in self.workers:
-            out[w.role] += (w.gone_at if w.gone_at is not None else end) - w.asked_at
+            gone = min(end, w.gone_at if w.gone_at is not None else end)
+            out[w.role] += max(0.0, gone - max(start, w.asked_at))
         return out
 
 
@@ -173,6 +175,7 @@ class Run:
     dt: float = 0.05
     interval: float = 2.0
     max_s: float = 7200.0  # a bound on simulated time past the last arrival
+    warmup_s: float = 0.0  # worker-seconds counted from here
 
 
 def simulate(trace: list[Req], cluster: Cluster, decide: Observer, run: Run) -> dict:
@@ -193,4 +196,8 @@ def simulate(trace: list[Req], cluster: Cluster, decide: Observer, run: Run) -> 
             seen = len(cluster.finished)
             cluster.scale(want, now)
             events += int(want != before)
-    return {"end_s": now, "scale_changes": events, "worker_seconds": cluster.worker_seconds(now)}
+    return {
+        "end_s": now,
+        "scale_changes": events,
+        "worker_seconds": cluster.worker_seconds(now, run.warmup_s),
+    }

@@ -17,8 +17,11 @@ queue. Three counts, the planner takes the largest:
 
 Decode: its step time grows with the batch (`step = base + per_seq * batch`), and ITL is
 the step time. The planner picks the fewest `d` whose per-worker batch (running plus
-waiting, spread over `d`) keeps the step within the ITL SLO with `itl_headroom`, and within
-each worker's seats and KV pages.
+waiting, plus the prompts prefill workers are computing now, spread over `d`) keeps the
+step within the ITL SLO with `itl_headroom`, and within each worker's seats and KV pages.
+Prompts still queued on prefill workers are not counted: they reach decode one prompt time
+apart per prefill worker, while the sequences in decode finish, so they are never all in
+one batch; they count once they run.
 
 Scaling up happens at once; scaling down waits until the smaller count has been enough for
 `scale_down_after_s` without a break, and goes one worker at a time (`Hysteresis`).
@@ -135,8 +138,8 @@ def prefill_needed(load: RoleLoad, cap: Capacity, t: Targets) -> int:
 
 def decode_needed(load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0) -> int:
     """The fewest decode workers whose batch keeps the step within the ITL SLO, with seats
-    and pages for every running and waiting sequence, and the `incoming` ones (prompts on
-    prefill workers now: they reach decode within a TTFT, sooner than a new worker starts)."""
+    and pages for every running and waiting sequence, and the `incoming` ones (prompts
+    prefill workers compute now: they reach decode sooner than a new worker starts)."""
     sequences = load.running + load.waiting + incoming
     per_worker = cap.batch_within(t.itl_s * t.itl_headroom)
     by_itl = math.ceil(sequences / per_worker)
@@ -153,7 +156,7 @@ def needed(loads: dict[str, RoleLoad], cap: Capacity, t: Targets) -> dict[str, i
     prefill = loads["prefill"]
     return {
         "prefill": prefill_needed(prefill, cap, t),
-        "decode": decode_needed(loads["decode"], cap, t, prefill.running + prefill.waiting),
+        "decode": decode_needed(loads["decode"], cap, t, prefill.running),
     }
 
 

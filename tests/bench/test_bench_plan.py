@@ -9,7 +9,7 @@ import pytest
 from bench import plan
 from bench.plan_model import fit_line
 from bench.plan_sim import Cluster, Req, Run, simulate
-from services.planner.policy import Capacity
+from services.planner.policy import Capacity, Targets
 
 CAPACITY = {"prefill_tokens_per_s": 500.0, "decode_step_base_s": 0.014,
             "decode_step_per_seq_s": 0.004, "decode_seats": 64}  # fmt: skip
@@ -40,17 +40,33 @@ def test_a_removed_worker_leaves_once_empty_and_stops_costing():
     cluster.scale({"prefill": 1, "decode": 1}, 1.0)
     cluster.tick(1.0, 0.05)
     assert cluster.worker_seconds(100.0)["prefill"] == pytest.approx(100.0 + 1.0)
+    # From a warm-up at 50 s: the one left counts its last 50 s, the one gone at 1 s nothing.
+    assert cluster.worker_seconds(100.0, start=50.0)["prefill"] == pytest.approx(50.0)
+
+
+def test_static_splits_searched_are_every_split_of_the_total_within_the_bounds():
+    targets = Targets(2.0, 0.1, min_workers={"prefill": 1, "decode": 2},
+                           max_workers={"prefill": 4, "decode": 8})  # fmt: skip
+    got = [(s["prefill"], s["decode"]) for s in plan.splits_within(6, targets)]
+    assert got == [(1, 5), (2, 4), (3, 3), (4, 2)]
 
 
 def test_bench_plan_prints_each_policy_per_trace(tmp_path, capsys):
     cache = tmp_path / "capacity.json"
     cache.write_text(json.dumps(CAPACITY))
-    assert plan.main(["--capacity", str(cache), "--duration", "120", "--max", "4"]) == 0
+    args = ["--capacity", str(cache), "--duration", "180", "--max", "4", "--warmup", "30"]
+    assert plan.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     for trace in ("conversation", "bursty"):
         got = report[trace]
-        assert set(got) == {"planner", "reactive", "static_below", "static_above"}
+        assert set(got) == {"planner", "reactive", "static"}
         for result in got.values():
             assert result["finished"] == result["requests"] > 0
             assert 0 <= result["within_slo"] <= result["requests"]
-        assert got["static_below"]["worker_seconds"] <= got["planner"]["worker_seconds"]
+        # The best of the splits searched, at no more worker-seconds than the planner.
+        static = got["static"]
+        assert static["worker_seconds"] <= got["planner"]["worker_seconds"]
+        assert static["within_slo"] == max(within for _, _, within in static["searched"])
+        assert [static["split"]["prefill"], static["split"]["decode"]] in [
+            s[:2] for s in static["searched"]
+        ]

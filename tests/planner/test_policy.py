@@ -65,6 +65,20 @@ def test_decode_batch_is_bounded_by_the_itl_slo():
     assert decode_needed(load, CAP, TARGETS, incoming=30) == 4
 
 
+def test_decode_counts_the_prompts_prefill_computes_now_not_those_still_queued():
+    # 20 sequences a worker (above). 19 in decode + 2 prompts computing: 2 workers. The 40
+    # queued behind them reach decode one prompt time apart, while these finish.
+    plan = Planner(CAP, TARGETS, Hysteresis(30.0))
+    reports = [
+        report("prefill", "p1", running=1, waiting=20),
+        report("prefill", "p2", running=1, waiting=20),
+        report("decode", "d1", running=19),
+    ]
+    out = plan.decide(reports, {"prefill": 2, "decode": 1}, 0.0)
+    assert out.needed["decode"] == 2
+    assert out.loads["prefill"].waiting == 40
+
+
 def test_decode_needs_pages_for_what_it_holds():
     load = RoleLoad(workers=2, running=4, used_pages=190, total_pages=200)
     assert decode_needed(load, CAP, TARGETS) == 3  # 190 / (100 x 0.9)
