@@ -29,7 +29,9 @@ from tests.router.e2e_cluster import WORKER_ARGS, wait_healthy
 pytestmark = pytest.mark.slow
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1219, 28, 1953, 260, 1345]
-TOKENS = 256  # a generation that outlasts the stall's first seconds on this host
+# A generation that outlasts the stall's first 3 s on any host: 1 thread, speculation off
+# (a short greedy prompt's output repeats itself, and drafts made 256 tokens take 1.5 s).
+TOKENS = 768
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def cluster(module_nats, tmp_path_factory):
     routers = Routers(module_nats.url, logs)
     try:
         workers.start_one("decode", "--service-id", "b1", "--role", "both", *WORKER_ARGS,
-                          label="b1")  # fmt: skip
+                          "--speculation", "off", label="b1")  # fmt: skip
         url = routers.start("r-stall")
         procs = {**workers.procs, **routers.clusters[0].procs}
         asyncio.run(wait_healthy(url, {"both": 1}, 240, procs))
