@@ -6,9 +6,14 @@ capacity of one worker as measured on the engine (`Capacity`, from `python -m be
 
 Prefill: predicted TTFT = queue time + prefill time. A prompt's own prefill takes
 `mean_prompt_tokens / rate`, which leaves `wait` of the SLO (times `ttft_headroom`) for its
-queue. Three counts, the planner takes the largest:
+queue. Four counts, the planner takes the largest:
 
 - keep up: prompt tokens arriving per second / (rate * `utilization`);
+- queueing: the fewest workers at which the share of prompts that wait longer than `wait`
+  is at most `late_share`, as an M/M/c queue predicts (Erlang C, `late_share_of`; offered
+  load = arriving prompt tokens / rate). A prompt waits whenever every worker is busy, and
+  one long prompt keeps a worker busy for seconds: at low load a fixed utilization
+  leaves too few workers for that, at high load it is the larger count;
 - drain: the backlog a worker asked for now would still find when it serves, after
   `startup_s` (prompts stay queued where they were sent): backlog / (rate * (startup + wait));
 - behind: the queue time the workers measure (the oldest waiting request's, not inferred
@@ -116,6 +121,7 @@ class Targets:
     itl_headroom: float = 0.5
     utilization: float = 0.6  # plan each worker busy at most this fraction of the time
     mean_prompt_tokens: float = 512.0  # a prompt's own compute in the prediction
+    late_share: float = 0.05  # of prompts planned to wait past the budget: half a p90's 10%
     max_page_use: float = 0.9
     startup_s: float = 10.0  # from asking for a worker to its first request served
 
@@ -123,17 +129,42 @@ class Targets:
         return max(self.min_workers[role], min(self.max_workers[role], n))
 
 
+def late_share_of(workers: int, offered: float, wait_in_services: float) -> float:
+    """M/M/c (Erlang C): the share of arrivals that wait longer than `wait_in_services`
+    mean service times at `workers` servers; `offered` = arrival rate x mean service time."""
+    if offered <= 0:
+        return 0.0
+    if workers <= offered:
+        return 1.0
+    blocked = 1.0  # Erlang B, by its recurrence over the number of servers
+    for k in range(1, workers + 1):
+        blocked = offered * blocked / (k + offered * blocked)
+    waits = workers * blocked / (workers - offered * (1 - blocked))
+    return waits * math.exp(-(workers - offered) * wait_in_services)
+
+
+def fewest_workers(offered: float, wait_in_services: float, share: float, most: int) -> int:
+    """The fewest workers (up to `most`) at which at most `share` wait past the budget."""
+    n = max(1, math.floor(offered))
+    while n < most and late_share_of(n, offered, wait_in_services) > share:
+        n += 1
+    return n
+
+
 def prefill_needed(load: RoleLoad, cap: Capacity, t: Targets) -> int:
     """The fewest prefill workers whose predicted TTFT fits the SLO (see the module doc)."""
     rate = cap.prefill_tokens_per_s
     keep_up = math.ceil(load.prompt_tokens_per_s / (rate * t.utilization))
     wait = max(1e-3, t.ttft_s * t.ttft_headroom - t.mean_prompt_tokens / rate)
+    offered, service_s = load.prompt_tokens_per_s / rate, t.mean_prompt_tokens / rate
+    most = t.max_workers["prefill"]
+    queueing = fewest_workers(offered, wait / service_s, t.late_share, most)
     # A worker asked for now serves after `startup_s`: only the backlog left by then is
     # its work (queued prompts stay on the worker they were sent to).
     drain = math.ceil(load.waiting_prefill_tokens / (rate * (t.startup_s + wait)))
     # Waited past the budget already: the backlog figure is behind, one more than now.
     behind = load.workers + 1 if load.queue_time_s > wait else 0
-    return t.clamp("prefill", max(keep_up, drain, behind))
+    return t.clamp("prefill", max(keep_up, queueing, drain, behind))
 
 
 def decode_needed(load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0) -> int:

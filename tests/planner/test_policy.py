@@ -12,6 +12,7 @@ from services.planner.policy import (
     RoleLoad,
     Targets,
     decode_needed,
+    late_share_of,
     loads_by_role,
     prefill_needed,
 )
@@ -39,6 +40,24 @@ def test_prefill_keeps_up_with_arriving_prompt_tokens():
     # 2,400 tokens/s at 1,000 tokens/s a worker and 60% utilization: 4 workers.
     load = RoleLoad(workers=1, prompt_tokens_per_s=2400.0)
     assert prefill_needed(load, CAP, TARGETS) == 4
+
+
+def test_late_share_is_erlang_c():
+    # Two servers at offered load 1: a third of arrivals wait (Erlang C); none past a wait
+    # that never ends; every one when the load is the servers' whole capacity.
+    assert late_share_of(2, 1.0, 0.0) == pytest.approx(1 / 3)
+    assert late_share_of(2, 1.0, 1.0) == pytest.approx(1 / 3 * 2.718281828**-1)
+    assert late_share_of(2, 2.0, 0.0) == 1.0 and late_share_of(3, 0.0, 0.0) == 0.0
+
+
+def test_at_low_load_prefill_runs_enough_workers_that_few_prompts_wait():
+    # 1,000-token prompts: 1 s each, 0.4 s of the SLO left for waiting. 500 tokens/s is half
+    # a worker (60% utilization: 1 worker), but a prompt then waits whenever another runs:
+    # 41% wait past 0.4 s at one worker, 5.5% at two, 0.6% at three.
+    t = Targets(ttft_s=2.0, itl_s=0.1, mean_prompt_tokens=1000.0,
+                max_workers={"prefill": 8, "decode": 8})  # fmt: skip
+    assert prefill_needed(RoleLoad(workers=1, prompt_tokens_per_s=500.0), CAP, t) == 3
+    assert prefill_needed(RoleLoad(workers=1), CAP, t) == 1
 
 
 def test_a_measured_queue_time_past_the_budget_adds_a_worker_before_any_ttft_is_seen():
