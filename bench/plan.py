@@ -8,8 +8,11 @@ phases). Policies, each bounded by the same --min/--max per role:
 
 - static: the best fixed split at no more worker-seconds than the planner's, chosen with
   hindsight: every split P+D = the planner's mean total count rounded down (each within
-  --min/--max) is replayed, the one with the most requests within SLO is `static`
-  (`searched` lists them all); or --static P,D alone;
+  --min/--max) is replayed; of the one with the most requests within SLO, a worker fewer
+  of a role while that keeps as many, repeated, is `static` (`searched` lists every
+  split replayed); `static_above`, the best split of one worker more (it
+  costs more than the planner: integer splits can not match its worker-seconds); or
+  --static P,D alone;
 - reactive: Dynamo-like, on observed TTFT and ITL only: the p90 of the requests finished
   in the last interval above the SLO adds a worker to that role, under half of it removes
   one (same hysteresis as the planner);
@@ -119,11 +122,15 @@ def score(trace: list[Req], result: dict, targets: Targets, warmup_s: float = 0.
 
 
 def compare(make_trace, args: argparse.Namespace, cap: Capacity, targets: Targets) -> dict:
-    """The planner, the reactive policy, then the static splits around the planner's mean.
-    The planner's --mean-prompt-tokens is the trace's mean (what an operator would set)."""
+    """The planner, the reactive policy, then the static splits at the planner's mean.
+    The planner's --mean-prompt-tokens and --mean-output-tokens are the trace's means (what
+    an operator would set)."""
     sample = make_trace(args)
     mean_prompt = sum(r.prompt for r in sample) / max(1, len(sample))
-    targets = dataclasses.replace(targets, mean_prompt_tokens=mean_prompt)
+    mean_output = sum(r.output for r in sample) / max(1, len(sample))
+    targets = dataclasses.replace(
+        targets, mean_prompt_tokens=mean_prompt, mean_output_tokens=mean_output
+    )
     policies = {
         "planner": planner(cap, targets, args.scale_down_after),
         "reactive": reactive(targets, args.scale_down_after),
@@ -135,6 +142,11 @@ def compare(make_trace, args: argparse.Namespace, cap: Capacity, targets: Target
         out["static"] = {**_static(make_trace, args, cap, targets, split), "split": split}
         return out
     out["static"] = best_static(make_trace, args, cap, targets, out["planner"])
+    if "split" in out["static"]:  # the next total up: what a split costing more keeps
+        total = mean_total(out["planner"], args) + 1
+        out["static_above"] = _best_of(make_trace, args, cap, targets, total, math.inf) or {
+            "skipped": f"no split of {total} workers within --min/--max"
+        }
     return out
 
 
@@ -149,23 +161,50 @@ def splits_within(total: int, targets: Targets) -> list[dict[str, int]]:
             if low["decode"] <= total - p <= high["decode"]]  # fmt: skip
 
 
+def mean_total(planner_run: dict, args: argparse.Namespace) -> int:
+    """The planner's mean count of workers over the scored time, rounded down."""
+    return math.floor(planner_run["worker_seconds"] / max(1e-9, planner_run["end_s"] - args.warmup))
+
+
 def best_static(make_trace, args, cap: Capacity, targets: Targets, planner_run: dict) -> dict:
-    """The split with the most requests within SLO among those of the planner's mean total
-    count (rounded down; one fewer while none costs no more worker-seconds than it)."""
-    budget = planner_run["worker_seconds"]
-    total = math.floor(budget / max(1e-9, planner_run["end_s"] - args.warmup))
+    """The most requests within SLO of any split costing no more than the planner, and the
+    cheapest split found that keeps as many (see `_cheapest`)."""
+    budget, total = planner_run["worker_seconds"], mean_total(planner_run, args)
     while total >= 2:
-        runs = [{**_static(make_trace, args, cap, targets, s), "split": s}
-                for s in splits_within(total, targets)]  # fmt: skip
-        fits = [r for r in runs if r["worker_seconds"] <= budget]
-        if fits:
-            best = max(fits, key=lambda r: (r["within_slo"], -r["worker_seconds"]))
-            searched = [
-                [r["split"]["prefill"], r["split"]["decode"], r["within_slo"]] for r in runs
-            ]
-            return {**best, "searched": searched}
+        best = _best_of(make_trace, args, cap, targets, total, budget)
+        if best:
+            return _cheapest(make_trace, args, cap, targets, best)
         total -= 1
     return {"skipped": "no split of 2 or more workers within the planner's worker-seconds"}
+
+
+def _best_of(make_trace, args, cap, targets, total: int, budget: float) -> dict | None:
+    """The best split of `total` workers costing at most `budget` worker-seconds (a worker
+    more never keeps fewer within SLO, so these hold the best of all cheaper splits)."""
+    runs = [{**_static(make_trace, args, cap, targets, s), "split": s}
+            for s in splits_within(total, targets)]  # fmt: skip
+    fits = [r for r in runs if r["worker_seconds"] <= budget]
+    if not fits:
+        return None
+    best = max(fits, key=lambda r: (r["within_slo"], -r["worker_seconds"]))
+    searched = [[r["split"]["prefill"], r["split"]["decode"], r["within_slo"]] for r in runs]
+    return {**best, "searched": searched}
+
+
+def _cheapest(make_trace, args, cap, targets, best: dict) -> dict:
+    """`best` with one worker fewer of a role while that keeps as many within SLO."""
+    searched = best["searched"]
+    while True:
+        fewer = []
+        for role in ("prefill", "decode"):
+            split = {**best["split"], role: best["split"][role] - 1}
+            if split[role] >= max(1, targets.min_workers[role]):
+                run = {**_static(make_trace, args, cap, targets, split), "split": split}
+                searched.append([split["prefill"], split["decode"], run["within_slo"]])
+                fewer += [run] if run["within_slo"] >= best["within_slo"] else []
+        if not fewer:
+            return {**best, "searched": searched}
+        best = min(fewer, key=lambda r: r["worker_seconds"])
 
 
 def _one(trace: list[Req], args: argparse.Namespace, cap: Capacity, targets: Targets,

@@ -54,6 +54,11 @@ class PlannerConfig(CommonConfig):
     mean_prompt_tokens: float = field(
         default=512.0, metadata={"help": "a typical prompt's tokens (its own prefill time)"}
     )
+    mean_output_tokens: float = field(
+        default=128.0,
+        metadata={"help": "a typical request's output tokens (how long the requests prefill "
+                  "hands over stay in decode)"},
+    )  # fmt: skip
     actuator: str = field(
         default="dry-run",
         metadata={"help": "dry-run (log decisions), local (start and stop worker processes "
@@ -82,7 +87,7 @@ class PlannerConfig(CommonConfig):
         super().validate()
         for name in ("ttft_p90_ms", "itl_p90_ms", "interval", "worker_timeout", "startup",
                      "prefill_tokens_per_s", "decode_step_ms", "decode_seats",
-                     "mean_prompt_tokens"):  # fmt: skip
+                     "mean_prompt_tokens", "mean_output_tokens"):  # fmt: skip
             require_positive(self, name)
         require_range(self, "utilization", 0.05, 1.0)
         require_range(self, "scale_down_after", 0.0, 86400.0)
@@ -102,6 +107,7 @@ class PlannerConfig(CommonConfig):
             max_workers={"prefill": self.max_prefill, "decode": self.max_decode},
             utilization=self.utilization,
             mean_prompt_tokens=self.mean_prompt_tokens,
+            mean_output_tokens=self.mean_output_tokens,
             startup_s=self.startup,
         )
 

@@ -21,12 +21,19 @@ queue. Four counts, the planner takes the largest:
   worker than now, every decision until it is back under.
 
 Decode: its step time grows with the batch (`step = base + per_seq * batch`), and ITL is
-the step time. The planner picks the fewest `d` whose per-worker batch (running plus
-waiting, plus the prompts prefill workers are computing now, spread over `d`) keeps the
-step within the ITL SLO with `itl_headroom`, and within each worker's seats and KV pages.
-Prompts still queued on prefill workers are not counted: they reach decode one prompt time
-apart per prefill worker, while the sequences in decode finish, so they are never all in
-one batch; they count once they run.
+the step time. Two counts and the pages, the planner takes the largest:
+
+- now: the fewest `d` whose per-worker batch (running plus waiting, plus the prompts
+  prefill workers are computing now, spread over `d`) keeps the step within the ITL SLO
+  (times `itl_headroom`), and within each worker's seats. Prompts still queued on prefill
+  workers are not counted: they reach decode one prompt time apart per prefill worker,
+  while the sequences in decode finish, so they are never all in one batch;
+- flow: what the prefill workers can hand over. A burst reaches decode sooner than a new
+  worker starts, but no faster than the prefill workers compute prompts: `f` = prefill
+  workers * rate / `mean_prompt_tokens` requests a second, each `mean_output_tokens`
+  steps long. A worker given `f / d` of them a second holds a batch `b` with
+  `b = (f / d) * out * (base + per_seq * b)` (Little's law), its step within the SLO
+  while `d >= f * out * per_seq / (1 - base / itl)`.
 
 Scaling up happens at once; scaling down waits until the smaller count has been enough for
 `scale_down_after_s` without a break, and goes one worker at a time (`Hysteresis`).
@@ -115,12 +122,12 @@ class Targets:
     itl_s: float
     min_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     max_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 4, "decode": 4})
-    # Plan for this fraction of each SLO. ITL's is lower: a new decode worker starts after
-    # the burst of prompts the prefill workers finish has reached the running ones.
+    # Plan for this fraction of each SLO (decode's bursts are the flow count's).
     ttft_headroom: float = 0.7
-    itl_headroom: float = 0.5
+    itl_headroom: float = 1.0
     utilization: float = 0.6  # plan each worker busy at most this fraction of the time
     mean_prompt_tokens: float = 512.0  # a prompt's own compute in the prediction
+    mean_output_tokens: float = 128.0  # a request's decode steps (the flow count)
     late_share: float = 0.05  # of prompts planned to wait past the budget: half a p90's 10%
     max_page_use: float = 0.9
     startup_s: float = 10.0  # from asking for a worker to its first request served
@@ -145,6 +152,8 @@ def late_share_of(workers: int, offered: float, wait_in_services: float) -> floa
 
 def fewest_workers(offered: float, wait_in_services: float, share: float, most: int) -> int:
     """The fewest workers (up to `most`) at which at most `share` wait past the budget."""
+    if offered <= 0:
+        return 0
     n = max(1, math.floor(offered))
     while n < most and late_share_of(n, offered, wait_in_services) > share:
         n += 1
@@ -167,13 +176,26 @@ def prefill_needed(load: RoleLoad, cap: Capacity, t: Targets) -> int:
     return t.clamp("prefill", max(keep_up, queueing, drain, behind))
 
 
-def decode_needed(load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0) -> int:
+def decode_flow_needed(prefill_workers: int, cap: Capacity, t: Targets) -> int:
+    """The fewest decode workers that keep the ITL SLO under all the requests a second
+    `prefill_workers` computing at full speed hand over (see the module doc)."""
+    flow = prefill_workers * cap.prefill_tokens_per_s / t.mean_prompt_tokens
+    room = 1 - cap.decode_step_base_s / t.itl_s
+    if room <= 0:
+        return t.max_workers["decode"]
+    return math.ceil(flow * t.mean_output_tokens * cap.decode_step_per_seq_s / room)
+
+
+def decode_needed(
+    load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0, prefill_workers: int = 0
+) -> int:
     """The fewest decode workers whose batch keeps the step within the ITL SLO, with seats
     and pages for every running and waiting sequence, and the `incoming` ones (prompts
-    prefill workers compute now: they reach decode sooner than a new worker starts)."""
+    prefill workers compute now: they reach decode sooner than a new worker starts), and
+    for what `prefill_workers` can hand over."""
     sequences = load.running + load.waiting + incoming
     per_worker = cap.batch_within(t.itl_s * t.itl_headroom)
-    by_itl = math.ceil(sequences / per_worker)
+    by_itl = max(math.ceil(sequences / per_worker), decode_flow_needed(prefill_workers, cap, t))
     by_pages = 0
     if load.total_pages and load.workers:
         pages_per_worker = load.total_pages / load.workers
@@ -185,10 +207,9 @@ def decode_needed(load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0) 
 def needed(loads: dict[str, RoleLoad], cap: Capacity, t: Targets) -> dict[str, int]:
     """The worker count each role needs for these loads (before hysteresis)."""
     prefill = loads["prefill"]
-    return {
-        "prefill": prefill_needed(prefill, cap, t),
-        "decode": decode_needed(loads["decode"], cap, t, prefill.running),
-    }
+    n = prefill_needed(prefill, cap, t)
+    return {"prefill": n, "decode": decode_needed(loads["decode"], cap, t, prefill.running,
+                                                  max(n, prefill.workers))}  # fmt: skip
 
 
 @dataclass

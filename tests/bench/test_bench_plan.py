@@ -59,13 +59,15 @@ def test_bench_plan_prints_each_policy_per_trace(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     for trace in ("conversation", "bursty"):
         got = report[trace]
-        assert set(got) == {"planner", "reactive", "static"}
+        assert set(got) == {"planner", "reactive", "static", "static_above"}
         for result in got.values():
             assert result["finished"] == result["requests"] > 0
             assert 0 <= result["within_slo"] <= result["requests"]
         # The best of the splits searched, at no more worker-seconds than the planner.
         static = got["static"]
         assert static["worker_seconds"] <= got["planner"]["worker_seconds"]
+        above = got["static_above"]
+        assert sum(above["split"].values()) == sum(static["split"].values()) + 1
         assert static["within_slo"] == max(within for _, _, within in static["searched"])
         assert [static["split"]["prefill"], static["split"]["decode"]] in [
             s[:2] for s in static["searched"]

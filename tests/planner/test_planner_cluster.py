@@ -21,10 +21,12 @@ pytestmark = pytest.mark.slow
 
 ENV = {"TANDEM_DECODE_NO_POOL": "true", "TANDEM_DECODE_NUM_THREADS": "1",
        "TANDEM_DECODE_KV_CACHE_MB": "64", "TANDEM_DECODE_TRANSPORT": "tcp"}  # fmt: skip
-# A 100 ms ITL planned at half, 14 ms + 4 ms a sequence: 9 sequences a decode worker.
+# A 50 ms ITL, 14 ms + 4 ms a sequence: 9 sequences a decode worker (no prefill worker: no
+# flow to plan for).
 PLANNER = ("--actuator", "local", "--min-prefill", "0", "--max-prefill", "1",
            "--max-decode", "2", "--interval", "0.5", "--scale-down-after", "3",
-           "--decode-step-ms", "14", "--decode-step-per-seq-ms", "4")  # fmt: skip
+           "--itl-p90-ms", "50", "--decode-step-ms", "14",
+           "--decode-step-per-seq-ms", "4")  # fmt: skip
 
 
 def events(path, worker: str) -> list[dict]:

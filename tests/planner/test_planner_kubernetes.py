@@ -71,7 +71,7 @@ async def test_decode_queue_patches_the_decode_deployment_replicas(planner_clust
     try:
         await start("planner-k", "--actuator", "kubernetes", "--k8s-api", api.url,
                     "--k8s-namespace", "serving", "--max-decode", "3")  # fmt: skip
-        # 60 sequences at 14 + 4 ms each: a 100 ms ITL (planned at half) fits 9 a worker.
+        # 60 sequences at 14 + 4 ms each: a 100 ms ITL fits 21 a worker, so 3.
         feeder.reports = [report("prefill", "prefill-1"),
                           report("decode", "decode-1", running=60, max_running=64)]  # fmt: skip
         feeder.start()

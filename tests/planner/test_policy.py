@@ -11,6 +11,7 @@ from services.planner.policy import (
     Planner,
     RoleLoad,
     Targets,
+    decode_flow_needed,
     decode_needed,
     late_share_of,
     loads_by_role,
@@ -21,7 +22,7 @@ CAP = Capacity(prefill_tokens_per_s=1000.0, decode_step_base_s=0.01,
                decode_step_per_seq_s=0.002, decode_seats=64)  # fmt: skip
 TARGETS = Targets(ttft_s=2.0, itl_s=0.1, min_workers={"prefill": 1, "decode": 1},
                   max_workers={"prefill": 8, "decode": 8}, mean_prompt_tokens=200.0,
-                  startup_s=10.0)  # fmt: skip
+                  mean_output_tokens=10.0, startup_s=10.0)  # fmt: skip
 
 
 def report(role: str, worker: str, **fields) -> LoadReport:
@@ -58,6 +59,9 @@ def test_at_low_load_prefill_runs_enough_workers_that_few_prompts_wait():
                 max_workers={"prefill": 8, "decode": 8})  # fmt: skip
     assert prefill_needed(RoleLoad(workers=1, prompt_tokens_per_s=500.0), CAP, t) == 3
     assert prefill_needed(RoleLoad(workers=1), CAP, t) == 1
+    # Nothing arriving asks for no worker at all where the minimum is 0.
+    idle = Targets(ttft_s=2.0, itl_s=0.1, min_workers={"prefill": 0, "decode": 1})
+    assert prefill_needed(RoleLoad(), CAP, idle) == 0
 
 
 def test_a_measured_queue_time_past_the_budget_adds_a_worker_before_any_ttft_is_seen():
@@ -76,25 +80,38 @@ def test_a_backlog_longer_than_a_worker_start_sizes_prefill():
 
 
 def test_decode_batch_is_bounded_by_the_itl_slo():
-    # ITL budget 0.1 x 0.5 = 50 ms: (0.05 - 0.01) / 0.002 = 20 sequences a worker.
-    assert CAP.batch_within(0.05) == 20
+    # ITL 100 ms: (0.1 - 0.01) / 0.002 = 45 sequences a worker.
+    assert CAP.batch_within(0.1) == 45 and CAP.batch_within(0.05) == 20
     load = RoleLoad(workers=1, running=50, waiting=0, total_pages=100)
-    assert decode_needed(load, CAP, TARGETS) == 3
+    assert decode_needed(load, CAP, TARGETS) == 2
     # Prompts now on prefill workers count: they reach decode before a new worker starts.
-    assert decode_needed(load, CAP, TARGETS, incoming=30) == 4
+    assert decode_needed(load, CAP, TARGETS, incoming=41) == 3
+
+
+def test_decode_is_ready_for_what_the_prefill_workers_can_hand_over():
+    # 200-token prompts at 1,000 tokens/s: 5 requests/s a prefill worker, 100 steps each.
+    # d workers hold the ITL while 5 x P x 100 x 0.002 / (1 - 0.01 / 0.1) <= d.
+    t = Targets(ttft_s=2.0, itl_s=0.1, mean_prompt_tokens=200.0, mean_output_tokens=100.0,
+                max_workers={"prefill": 8, "decode": 8})  # fmt: skip
+    assert decode_flow_needed(1, CAP, t) == 2  # 1.11
+    assert decode_flow_needed(4, CAP, t) == 5  # 4.44
+    # Nothing in decode yet, 4 prefill workers: a burst would reach decode within seconds.
+    assert decode_needed(RoleLoad(workers=1), CAP, t, prefill_workers=4) == 5
+    slow = Capacity(1000.0, decode_step_base_s=0.2, decode_step_per_seq_s=0.0, decode_seats=8)
+    assert decode_flow_needed(1, slow, t) == 8  # a step alone passes the SLO: the most
 
 
 def test_decode_counts_the_prompts_prefill_computes_now_not_those_still_queued():
-    # 20 sequences a worker (above). 19 in decode + 2 prompts computing: 2 workers. The 40
+    # 45 sequences a worker (above). 43 in decode + 2 prompts computing: 1 worker. The 40
     # queued behind them reach decode one prompt time apart, while these finish.
     plan = Planner(CAP, TARGETS, Hysteresis(30.0))
     reports = [
         report("prefill", "p1", running=1, waiting=20),
         report("prefill", "p2", running=1, waiting=20),
-        report("decode", "d1", running=19),
+        report("decode", "d1", running=43),
     ]
     out = plan.decide(reports, {"prefill": 2, "decode": 1}, 0.0)
-    assert out.needed["decode"] == 2
+    assert out.needed["decode"] == 1
     assert out.loads["prefill"].waiting == 40
 
 
