@@ -8,11 +8,11 @@ phases). Policies, each bounded by the same --min/--max per role:
 
 - static: the best fixed split at no more worker-seconds than the planner's, chosen with
   hindsight: every split P+D = the planner's mean total count rounded down (each within
-  --min/--max) is replayed; of the one with the most requests within SLO, a worker fewer
-  of a role while that keeps as many, repeated, is `static` (`searched` lists every
-  split replayed); `static_above`, the best split of one worker more (it
-  costs more than the planner: integer splits can not match its worker-seconds); or
-  --static P,D alone;
+  --min/--max; and of one fewer where some cost more than the planner) is replayed; from
+  the one with the most requests within SLO, a worker fewer of a role while that keeps as
+  many, repeated, is `static` (`searched`: every split replayed); `static_above`: the best
+  split of one worker more (it costs more than the planner: an integer split can not match
+  its worker-seconds). Or --static P,D alone;
 - reactive: Dynamo-like, on observed TTFT and ITL only: the p90 of the requests finished
   in the last interval above the SLO adds a worker to that role, under half of it removes
   one (same hysteresis as the planner);
@@ -144,7 +144,7 @@ def compare(make_trace, args: argparse.Namespace, cap: Capacity, targets: Target
     out["static"] = best_static(make_trace, args, cap, targets, out["planner"])
     if "split" in out["static"]:  # the next total up: what a split costing more keeps
         total = mean_total(out["planner"], args) + 1
-        out["static_above"] = _best_of(make_trace, args, cap, targets, total, math.inf) or {
+        out["static_above"] = _best_of(make_trace, args, cap, targets, total) or {
             "skipped": f"no split of {total} workers within --min/--max"
         }
     return out
@@ -168,27 +168,37 @@ def mean_total(planner_run: dict, args: argparse.Namespace) -> int:
 
 def best_static(make_trace, args, cap: Capacity, targets: Targets, planner_run: dict) -> dict:
     """The most requests within SLO of any split costing no more than the planner, and the
-    cheapest split found that keeps as many (see `_cheapest`)."""
+    cheapest split found that keeps as many (see `_cheapest`). A worker more never keeps
+    fewer within SLO, so the splits of the planner's mean total, and of one fewer where
+    some of those cost more than it (a static run may end later), hold the best."""
     budget, total = planner_run["worker_seconds"], mean_total(planner_run, args)
+    runs: list[dict] = []
     while total >= 2:
-        best = _best_of(make_trace, args, cap, targets, total, budget)
-        if best:
-            return _cheapest(make_trace, args, cap, targets, best)
+        tried = [{**_static(make_trace, args, cap, targets, s), "split": s}
+                 for s in splits_within(total, targets)]  # fmt: skip
+        runs += tried
+        if tried and all(r["worker_seconds"] <= budget for r in tried):
+            break
         total -= 1
-    return {"skipped": "no split of 2 or more workers within the planner's worker-seconds"}
-
-
-def _best_of(make_trace, args, cap, targets, total: int, budget: float) -> dict | None:
-    """The best split of `total` workers costing at most `budget` worker-seconds (a worker
-    more never keeps fewer within SLO, so these hold the best of all cheaper splits)."""
-    runs = [{**_static(make_trace, args, cap, targets, s), "split": s}
-            for s in splits_within(total, targets)]  # fmt: skip
     fits = [r for r in runs if r["worker_seconds"] <= budget]
     if not fits:
-        return None
+        return {"skipped": "no split of 2 or more workers within the planner's worker-seconds"}
     best = max(fits, key=lambda r: (r["within_slo"], -r["worker_seconds"]))
-    searched = [[r["split"]["prefill"], r["split"]["decode"], r["within_slo"]] for r in runs]
-    return {**best, "searched": searched}
+    searched = [_entry(r) for r in runs]
+    return _cheapest(make_trace, args, cap, targets, {**best, "searched": searched})
+
+
+def _best_of(make_trace, args, cap, targets, total: int) -> dict | None:
+    """The best split of `total` workers (within --min/--max), whatever it costs."""
+    runs = [{**_static(make_trace, args, cap, targets, s), "split": s}
+            for s in splits_within(total, targets)]  # fmt: skip
+    return max(runs, key=lambda r: (r["within_slo"], -r["worker_seconds"])) if runs else None
+
+
+def _entry(run: dict) -> list:
+    """[prefill, decode, within SLO, worker-seconds] of a static run (`searched`)."""
+    return [run["split"]["prefill"], run["split"]["decode"], run["within_slo"],
+            run["worker_seconds"]]  # fmt: skip
 
 
 def _cheapest(make_trace, args, cap, targets, best: dict) -> dict:
@@ -200,7 +210,7 @@ def _cheapest(make_trace, args, cap, targets, best: dict) -> dict:
             split = {**best["split"], role: best["split"][role] - 1}
             if split[role] >= max(1, targets.min_workers[role]):
                 run = {**_static(make_trace, args, cap, targets, split), "split": split}
-                searched.append([split["prefill"], split["decode"], run["within_slo"]])
+                searched.append(_entry(run))
                 fewer += [run] if run["within_slo"] >= best["within_slo"] else []
         if not fewer:
             return {**best, "searched": searched}
