@@ -29,8 +29,9 @@ the step time. Two counts and the pages, the planner takes the largest:
   workers are not counted: they reach decode one prompt time apart per prefill worker,
   while the sequences in decode finish, so they are never all in one batch;
 - flow: what the prefill workers can hand over. A burst reaches decode sooner than a new
-  worker starts, but no faster than the prefill workers compute prompts: `f` = prefill
-  workers * rate / `mean_prompt_tokens` requests a second, each `mean_output_tokens`
+  worker starts, but no faster than the prefill workers (those reporting, or the count
+  asked for if more) compute prompts: `f` = prefill workers * rate / `mean_prompt_tokens`
+  requests a second, each `mean_output_tokens`
   steps long. A worker given `f / d` of them a second holds a batch `b` with
   `b = (f / d) * out * (base + per_seq * b)` (Little's law), its step within the SLO
   while `d >= f * out * per_seq / (1 - base / itl)`.
