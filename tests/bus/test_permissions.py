@@ -115,6 +115,20 @@ async def _received(nc: Client, subject: str) -> list:
     return got
 
 
+async def _publish_until_received(nc: Client, subject: str, got: list) -> int:
+    """Publish `{}` on `subject` until `got` holds a message, at most 20 times in 10 s; how
+    many were sent. Rarely, nats-server 2.15.1 has held a message's payload (its MSG line
+    already sent) until the next message to the same client: a repeat delivers both."""
+    for sent in range(1, 21):
+        await nc.publish(subject, b"{}")
+        await nc.flush()
+        for _ in range(10):
+            if got:
+                return sent
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"nothing published on {subject} arrived in 10 s")
+
+
 async def test_a_router_identity_cannot_mount_or_remove(secured, master):
     router = await secured.connect("router")
     for call in ("mount", "remove", "heartbeat", "put_start"):
@@ -197,12 +211,7 @@ async def test_the_cli_reads_events_and_service_info_and_nothing_else(secured, m
 
     cli, decode = await secured.connect("cli"), await secured.connect("decode")
     events = await _received(cli, "tandem.kv.events.>")
-    await decode.publish("tandem.kv.events.decode-1", b"{}")
-    await decode.flush()
-    for _ in range(100):  # the allowed event: up to 5 s on a loaded host (QUIET was short)
-        if events:
-            break
-        await asyncio.sleep(0.05)
+    sent = await _publish_until_received(decode, "tandem.kv.events.decode-1", events)
     info = await cli.request("tandem.cache_master.master-1.info", b"{}", timeout=5)
     assert b'"service_id":"master-1"' in info.data
     assert "tandem-cache_master" in {r["name"] for r in await discover(cli, timeout=0.3)}
@@ -212,7 +221,7 @@ async def test_the_cli_reads_events_and_service_info_and_nothing_else(secured, m
         await _received(cli, subject)
     await cli.flush()
     await asyncio.sleep(QUIET)
-    assert len(events) == 1
+    assert 1 <= len(events) <= sent  # the refused publishes and subscriptions added none
     assert await secured.wait_refused("cli", "publish", "tandem.decode.decode-1.generate")
     assert await secured.wait_refused("cli", "publish", "tandem.pool.master.remove")
     for subject in ("tandem.stream.>", "tandem.pool.store.*.update", "_INBOX.>"):
