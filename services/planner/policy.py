@@ -18,7 +18,11 @@ queue. Four counts, the planner takes the largest:
   `startup_s` (prompts stay queued where they were sent): backlog / (rate * (startup + wait));
 - behind: the queue time the workers measure (the oldest waiting request's, not inferred
   from finished requests: a queue shows here before any TTFT does) past `wait`: one more
-  worker than now, every decision until it is back under.
+  worker than now, every decision until it is back under;
+- late: the TTFT the workers observed (p90 over their last seconds, arrival on the worker
+  to first token) past the SLO: one more worker than those reporting. The counts above
+  rest on the measured `Capacity`; this one does not, so a capacity figure that is wrong
+  for this host (other hardware, longer prompts than planned) still gets workers added.
 
 Decode: its step time grows with the batch (`step = base + per_seq * batch`), and ITL is
 the step time. Two counts and the pages, the planner takes the largest:
@@ -28,13 +32,17 @@ the step time. Two counts and the pages, the planner takes the largest:
   (times `itl_headroom`), and within each worker's seats. Prompts still queued on prefill
   workers are not counted: they reach decode one prompt time apart per prefill worker,
   while the sequences in decode finish, so they are never all in one batch;
-- flow: what the prefill workers can hand over. A burst reaches decode sooner than a new
+- flow: what the prefill workers hand over. A burst reaches decode sooner than a new
   worker starts, but no faster than the prefill workers (those reporting, or the count
-  asked for if more) compute prompts: `f` = prefill workers * rate / `mean_prompt_tokens`
-  requests a second, each `mean_output_tokens`
+  asked for if more) compute prompts: with a prompt waiting on them they run flat out,
+  prefill workers * rate prompt tokens a second; with none, they hand over what arrives
+  (the prompt tokens a second they accept, at most that). `f` = those tokens /
+  `mean_prompt_tokens` requests a second, each `mean_output_tokens`
   steps long. A worker given `f / d` of them a second holds a batch `b` with
   `b = (f / d) * out * (base + per_seq * b)` (Little's law), its step within the SLO
-  while `d >= f * out * per_seq / (1 - base / itl)`.
+  while `d >= f * out * per_seq / (1 - base / itl)`;
+- slow: the time between tokens the workers observed (p90) past the ITL SLO: one more
+  worker than those reporting (as `late` for prefill).
 
 Scaling up happens at once; scaling down waits until the smaller count has been enough for
 `scale_down_after_s` without a break, and goes one worker at a time (`Hysteresis`).
@@ -64,6 +72,8 @@ class RoleLoad:
     used_pages: int = 0
     total_pages: int = 0
     max_running: int = 0
+    ttft_p90_s: float = 0.0  # the worst worker's observed p90s (0: none observed)
+    itl_p90_s: float = 0.0
 
     @classmethod
     def of(cls, reports: Iterable[LoadReport]) -> RoleLoad:
@@ -78,6 +88,8 @@ class RoleLoad:
             used_pages=sum(r.total_pages - r.free_pages for r in reports),
             total_pages=sum(r.total_pages for r in reports),
             max_running=sum(r.max_running for r in reports),
+            ttft_p90_s=max((r.ttft_p90_s for r in reports), default=0.0),
+            itl_p90_s=max((r.itl_p90_s for r in reports), default=0.0),
         )
 
 
@@ -174,13 +186,21 @@ def prefill_needed(load: RoleLoad, cap: Capacity, t: Targets) -> int:
     drain = math.ceil(load.waiting_prefill_tokens / (rate * (t.startup_s + wait)))
     # Waited past the budget already: the backlog figure is behind, one more than now.
     behind = load.workers + 1 if load.queue_time_s > wait else 0
-    return t.clamp("prefill", max(keep_up, queueing, drain, behind))
+    late = load.workers + 1 if load.ttft_p90_s > t.ttft_s else 0
+    return t.clamp("prefill", max(keep_up, queueing, drain, behind, late))
 
 
-def decode_flow_needed(prefill_workers: int, cap: Capacity, t: Targets) -> int:
-    """The fewest decode workers that keep the ITL SLO under all the requests a second
-    `prefill_workers` computing at full speed hand over (see the module doc)."""
-    flow = prefill_workers * cap.prefill_tokens_per_s / t.mean_prompt_tokens
+def handed_over(prefill: RoleLoad, prefill_workers: int, cap: Capacity) -> float:
+    """Prompt tokens a second `prefill_workers` hand to decode: flat out while a prompt
+    waits on them, else what they accept (see the module doc)."""
+    most = prefill_workers * cap.prefill_tokens_per_s
+    return most if prefill.waiting else min(most, prefill.prompt_tokens_per_s)
+
+
+def decode_flow_needed(tokens_per_s: float, cap: Capacity, t: Targets) -> int:
+    """The fewest decode workers that keep the ITL SLO under the requests that
+    `tokens_per_s` prompt tokens a second from prefill make (see the module doc)."""
+    flow = tokens_per_s / t.mean_prompt_tokens
     room = 1 - cap.decode_step_base_s / t.itl_s
     if room <= 0:
         return t.max_workers["decode"]
@@ -188,29 +208,30 @@ def decode_flow_needed(prefill_workers: int, cap: Capacity, t: Targets) -> int:
 
 
 def decode_needed(
-    load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0, prefill_workers: int = 0
+    load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0, handed_over_s: float = 0.0
 ) -> int:
     """The fewest decode workers whose batch keeps the step within the ITL SLO, with seats
     and pages for every running and waiting sequence, and the `incoming` ones (prompts
     prefill workers compute now: they reach decode sooner than a new worker starts), and
-    for what `prefill_workers` can hand over."""
+    for the `handed_over_s` prompt tokens a second prefill hands over."""
     sequences = load.running + load.waiting + incoming
     per_worker = cap.batch_within(t.itl_s * t.itl_headroom)
-    by_itl = max(math.ceil(sequences / per_worker), decode_flow_needed(prefill_workers, cap, t))
+    by_itl = max(math.ceil(sequences / per_worker), decode_flow_needed(handed_over_s, cap, t))
     by_pages = 0
     if load.total_pages and load.workers:
         pages_per_worker = load.total_pages / load.workers
         by_pages = math.ceil(load.used_pages / (pages_per_worker * t.max_page_use))
     queued = load.workers + 1 if load.waiting and load.queue_time_s > t.itl_s else 0
-    return t.clamp("decode", max(by_itl, by_pages, queued))
+    slow = load.workers + 1 if load.itl_p90_s > t.itl_s else 0
+    return t.clamp("decode", max(by_itl, by_pages, queued, slow))
 
 
 def needed(loads: dict[str, RoleLoad], cap: Capacity, t: Targets) -> dict[str, int]:
     """The worker count each role needs for these loads (before hysteresis)."""
     prefill = loads["prefill"]
     n = prefill_needed(prefill, cap, t)
-    return {"prefill": n, "decode": decode_needed(loads["decode"], cap, t, prefill.running,
-                                                  max(n, prefill.workers))}  # fmt: skip
+    flow = handed_over(prefill, max(n, prefill.workers), cap)
+    return {"prefill": n, "decode": decode_needed(loads["decode"], cap, t, prefill.running, flow)}
 
 
 @dataclass

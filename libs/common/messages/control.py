@@ -347,6 +347,12 @@ class LoadReport(Message, tag="load"):
     # accepted per second since the last report (the arrivals its queue drains).
     queue_time_s: float = 0.0
     prompt_tokens_per_s: float = 0.0
+    # Observed over the last few seconds (libs/common/worker/latency.py), 0 with no sample
+    # there (or from an older worker): p90 of the time from a request's arrival on this
+    # worker to its first token (on a prefill worker, the prompt's share of TTFT), and p90
+    # of the time between a stream's tokens (decode).
+    ttft_p90_s: float = 0.0
+    itl_p90_s: float = 0.0
 
 
 class KvEvent(Message, tag="kv_event"):

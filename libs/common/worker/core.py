@@ -46,6 +46,7 @@ from libs.common.pool.tier import PoolTier
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
 from libs.common.worker.engine_setup import engine_config, speculation_stats
+from libs.common.worker.latency import LatencyWindow
 from libs.common.worker.router_watch import RouterWatch, request_key
 
 log = get_logger(__name__)
@@ -93,6 +94,7 @@ class WorkerCore:
         self.instance = secrets.token_hex(8)  # this process, in its load reports
         self.queued_prompt_tokens = 0  # accepted, not yet prefilled (for routing)
         self.prompt_tokens_in = 0  # prompt tokens accepted since the last load report
+        self.ttft, self.itl = LatencyWindow(), LatencyWindow()  # in the load reports
 
     def subject(self, *parts: str) -> str:
         """A subject under the configured prefix (as BaseService.subject)."""
@@ -365,6 +367,8 @@ class WorkerCore:
             max_running=self.config.max_num_seqs,
             queue_time_s=scheduler.oldest_wait(time.monotonic()),
             prompt_tokens_per_s=self.prompt_tokens_in / interval,
+            ttft_p90_s=self.ttft.quantile(0.9),
+            itl_p90_s=self.itl.quantile(0.9),
         )
         self._tokens_out = self.prompt_tokens_in = 0
         return report

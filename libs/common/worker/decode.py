@@ -19,6 +19,7 @@ token_publisher.py (one batch per engine step and router).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from libs.common import tracing
@@ -205,6 +206,7 @@ class DecodeRole:
         `pool_tokens` of its cached tokens read from the pool."""
         first, generated = True, list(req.generated)
         started = first_at = tracing.now()
+        last = arrived = time.monotonic()
         async for out in outputs:
             if first:
                 prompt_done()
@@ -213,6 +215,8 @@ class DecodeRole:
             ids, text, lps = out.token_ids, out.text, logprobs_wire(out.logprobs)
             if first and skip_first:  # token 0 (and its text) came from the prefill worker
                 ids, text, lps = ids[1:], "", lps[1:]
+            _observe_latency(self.core, first and not skip_first, len(ids), arrived, last)
+            last = time.monotonic() if ids else last
             first = False
             generated += out.token_ids
             self.core.count_output_tokens(len(ids))
@@ -241,6 +245,19 @@ class DecodeRole:
                 log.info("request finished", reason=out.finish_reason,
                          completion_tokens=out.num_output_tokens)  # fmt: skip
                 return
+
+
+def _observe_latency(
+    core: WorkerCore, first: bool, tokens: int, arrived: float, last: float
+) -> None:
+    """A chunk of `tokens` out: its TTFT if it is a prompt's first prefilled here, else
+    its tokens' spacing since the chunk before (a handed-over stream's first chunk follows
+    token 0 from the prefill worker: no interval of this worker's)."""
+    now = time.monotonic()
+    if first:
+        core.ttft.add(now - arrived)
+    elif tokens and last > arrived:
+        core.itl.add((now - last) / tokens, weight=tokens)
 
 
 def _first_spans(

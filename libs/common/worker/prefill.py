@@ -23,6 +23,7 @@ status (tandem.prefill.<id>.status): whether a request is in flight here (a deco
 from __future__ import annotations
 
 import asyncio
+import time
 
 from libs.common import tracing
 from libs.common.bus.connection import Endpoint, HandlerError
@@ -131,6 +132,7 @@ class PrefillRole:
         self, req: PrefillRequest, params: SamplingParams, sender: KvSender
     ) -> PrefillResult:
         core, rid = self.core, req.request_id
+        arrived = time.monotonic()
         pool_tokens = 0
         if core.pool is not None:  # L1 first, then the pool; at least 1 token is computed
             reusable = core.reusable(req.token_ids, params)
@@ -178,6 +180,7 @@ class PrefillRole:
                 else None,
             ),
         )
+        core.ttft.add(time.monotonic() - arrived)  # its first token is out
         kv_mac = ""
         if not finished:
             page_table = last.page_table or []
