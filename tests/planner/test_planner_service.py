@@ -65,3 +65,31 @@ def test_bad_flags_are_refused_naming_the_flag(service_env):
         proc = subprocess.run(cmd, cwd=REPO, env=service_env, capture_output=True, text=True,
                               timeout=60)  # fmt: skip
         assert proc.returncode == 2 and named in proc.stderr
+
+
+async def test_observed_itl_past_the_slo_scales_decode_up_though_nothing_is_queued(
+    planner_cluster,
+):
+    _cluster, nc, start = planner_cluster
+    await start("planner-s", "--max-decode", "3", "--itl-p90-ms", "100")
+    feeder = Feeder(nc)
+    # Two sequences and no queue: the capacity model says one decode worker is plenty, but
+    # the worker measured 250 ms between tokens (a slower host than the capacity flags).
+    feeder.reports = [report("prefill", "prefill-1"),
+                      report("decode", "decode-1", running=2, itl_p90_s=0.25)]  # fmt: skip
+    feeder.start()
+    try:
+
+        async def decode_count(at_least: int = 0, at_most: int = 99):
+            n = (await planner_details(nc, "planner-s"))["decode_workers"]
+            return n if at_least <= n <= at_most else 0
+
+        assert await wait_for(lambda: decode_count(at_least=2), 30, "decode scaled up") == 2
+        # the window shows ITL back under the SLO: the arm lets go, and the count comes
+        # back down (--scale-down-after 1)
+        feeder.reports = [report("prefill", "prefill-1"),
+                          report("decode", "decode-1", running=2, itl_p90_s=0.03),
+                          report("decode", "decode-2", running=0, itl_p90_s=0.0)]  # fmt: skip
+        assert await wait_for(lambda: decode_count(at_most=1), 30, "back to 1") == 1
+    finally:
+        await feeder.stop()
