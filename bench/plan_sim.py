@@ -6,9 +6,10 @@ decode worker with the fewest sequences: it runs when a seat is free, else waits
 wait counts into its ITL). A decode worker with `b` running sequences steps every
 `Capacity.step_s(b)` seconds, one token each. A policy sees a `LoadReport` per ready
 worker every `interval` (the messages the service reads) and the TTFT/ITL of requests
-finished since its last look, and answers the count per role; new workers are ready
-after `startup_s` and cost worker-seconds from the moment they are asked for; a removed
-worker takes no new work and leaves when empty.
+finished since its last look, and answers the count per role (a report carries the TTFT
+and token spacing p90 its worker saw over the last 10 s, as a real worker's does); new
+workers are ready after `startup_s` and cost worker-seconds from the moment they are
+asked for; a removed worker takes no new work and leaves when empty.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libs.common.messages.control import LoadReport
+from libs.common.worker.latency import LatencyWindow
 from services.planner.policy import Capacity
 
 
@@ -52,6 +54,8 @@ class Worker:
     queue: collections.deque = field(default_factory=collections.deque)  # (enqueued, Req)
     running: list = field(default_factory=list)
     tokens_in: int = 0
+    ttft: LatencyWindow = field(default_factory=LatencyWindow)
+    itl: LatencyWindow = field(default_factory=LatencyWindow)
 
     def empty(self) -> bool:
         return not self.queue and not self.running
@@ -115,6 +119,7 @@ class Cluster:
             if req.prefill_left <= 1e-9:
                 w.queue.popleft()
                 req.first_token = now + dt - budget / self.cap.prefill_tokens_per_s
+                w.ttft.add(req.first_token - req.arrival, now=now)
                 if req.output <= 1:
                     req.done = req.first_token
                     self.finished.append(req)
@@ -131,6 +136,7 @@ class Cluster:
         if not w.running:
             return
         tokens = dt / self.cap.step_s(len(w.running))
+        w.itl.add(self.cap.step_s(len(w.running)), weight=len(w.running), now=now)
         still = []
         for req in w.running:
             req.decode_s += dt
@@ -157,6 +163,7 @@ class Cluster:
                 timestamp=now, max_running=self.cap.decode_seats,
                 queue_time_s=max((now - t for t, _ in waiting), default=0.0),
                 prompt_tokens_per_s=w.tokens_in / interval,
+                ttft_p90_s=w.ttft.quantile(0.9, now=now), itl_p90_s=w.itl.quantile(0.9, now=now),
             ))  # fmt: skip
             w.tokens_in = 0
         return out

@@ -32,12 +32,10 @@ the step time. Two counts and the pages, the planner takes the largest:
   (times `itl_headroom`), and within each worker's seats. Prompts still queued on prefill
   workers are not counted: they reach decode one prompt time apart per prefill worker,
   while the sequences in decode finish, so they are never all in one batch;
-- flow: what the prefill workers hand over. A burst reaches decode sooner than a new
+- flow: what the prefill workers can hand over. A burst reaches decode sooner than a new
   worker starts, but no faster than the prefill workers (those reporting, or the count
-  asked for if more) compute prompts: with a prompt waiting on them they run flat out,
-  prefill workers * rate prompt tokens a second; with none, they hand over what arrives
-  (the prompt tokens a second they accept, at most that). `f` = those tokens /
-  `mean_prompt_tokens` requests a second, each `mean_output_tokens`
+  asked for if more) compute prompts: `f` = prefill workers * rate / `mean_prompt_tokens`
+  requests a second, each `mean_output_tokens`
   steps long. A worker given `f / d` of them a second holds a batch `b` with
   `b = (f / d) * out * (base + per_seq * b)` (Little's law), its step within the SLO
   while `d >= f * out * per_seq / (1 - base / itl)`;
@@ -190,17 +188,10 @@ def prefill_needed(load: RoleLoad, cap: Capacity, t: Targets) -> int:
     return t.clamp("prefill", max(keep_up, queueing, drain, behind, late))
 
 
-def handed_over(prefill: RoleLoad, prefill_workers: int, cap: Capacity) -> float:
-    """Prompt tokens a second `prefill_workers` hand to decode: flat out while a prompt
-    waits on them, else what they accept (see the module doc)."""
-    most = prefill_workers * cap.prefill_tokens_per_s
-    return most if prefill.waiting else min(most, prefill.prompt_tokens_per_s)
-
-
-def decode_flow_needed(tokens_per_s: float, cap: Capacity, t: Targets) -> int:
-    """The fewest decode workers that keep the ITL SLO under the requests that
-    `tokens_per_s` prompt tokens a second from prefill make (see the module doc)."""
-    flow = tokens_per_s / t.mean_prompt_tokens
+def decode_flow_needed(prefill_workers: int, cap: Capacity, t: Targets) -> int:
+    """The fewest decode workers that keep the ITL SLO under all the requests a second
+    `prefill_workers` computing at full speed hand over (see the module doc)."""
+    flow = prefill_workers * cap.prefill_tokens_per_s / t.mean_prompt_tokens
     room = 1 - cap.decode_step_base_s / t.itl_s
     if room <= 0:
         return t.max_workers["decode"]
@@ -208,15 +199,15 @@ def decode_flow_needed(tokens_per_s: float, cap: Capacity, t: Targets) -> int:
 
 
 def decode_needed(
-    load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0, handed_over_s: float = 0.0
+    load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0, prefill_workers: int = 0
 ) -> int:
     """The fewest decode workers whose batch keeps the step within the ITL SLO, with seats
     and pages for every running and waiting sequence, and the `incoming` ones (prompts
     prefill workers compute now: they reach decode sooner than a new worker starts), and
-    for the `handed_over_s` prompt tokens a second prefill hands over."""
+    for what `prefill_workers` can hand over."""
     sequences = load.running + load.waiting + incoming
     per_worker = cap.batch_within(t.itl_s * t.itl_headroom)
-    by_itl = max(math.ceil(sequences / per_worker), decode_flow_needed(handed_over_s, cap, t))
+    by_itl = max(math.ceil(sequences / per_worker), decode_flow_needed(prefill_workers, cap, t))
     by_pages = 0
     if load.total_pages and load.workers:
         pages_per_worker = load.total_pages / load.workers
@@ -230,8 +221,8 @@ def needed(loads: dict[str, RoleLoad], cap: Capacity, t: Targets) -> dict[str, i
     """The worker count each role needs for these loads (before hysteresis)."""
     prefill = loads["prefill"]
     n = prefill_needed(prefill, cap, t)
-    flow = handed_over(prefill, max(n, prefill.workers), cap)
-    return {"prefill": n, "decode": decode_needed(loads["decode"], cap, t, prefill.running, flow)}
+    return {"prefill": n, "decode": decode_needed(loads["decode"], cap, t, prefill.running,
+                                                  max(n, prefill.workers))}  # fmt: skip
 
 
 @dataclass

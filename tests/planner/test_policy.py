@@ -13,7 +13,6 @@ from services.planner.policy import (
     Targets,
     decode_flow_needed,
     decode_needed,
-    handed_over,
     late_share_of,
     loads_by_role,
     prefill_needed,
@@ -94,31 +93,12 @@ def test_decode_is_ready_for_what_the_prefill_workers_can_hand_over():
     # d workers hold the ITL while 5 x P x 100 x 0.002 / (1 - 0.01 / 0.1) <= d.
     t = Targets(ttft_s=2.0, itl_s=0.1, mean_prompt_tokens=200.0, mean_output_tokens=100.0,
                 max_workers={"prefill": 8, "decode": 8})  # fmt: skip
-    assert decode_flow_needed(1000.0, CAP, t) == 2  # 1.11
-    assert decode_flow_needed(4000.0, CAP, t) == 5  # 4.44
-    # Nothing in decode yet, 4 prefill workers with prompts waiting: they run flat out, and
-    # a burst would reach decode within seconds.
-    busy = RoleLoad(workers=4, running=4, waiting=6, prompt_tokens_per_s=300.0)
-    assert handed_over(busy, 4, CAP) == 4000.0
-    assert decode_needed(RoleLoad(workers=1), CAP, t, handed_over_s=4000.0) == 5
+    assert decode_flow_needed(1, CAP, t) == 2  # 1.11
+    assert decode_flow_needed(4, CAP, t) == 5  # 4.44
+    # Nothing in decode yet, 4 prefill workers: a burst would reach decode within seconds.
+    assert decode_needed(RoleLoad(workers=1), CAP, t, prefill_workers=4) == 5
     slow = Capacity(1000.0, decode_step_base_s=0.2, decode_step_per_seq_s=0.0, decode_seats=8)
-    assert decode_flow_needed(1000.0, slow, t) == 8  # a step alone passes the SLO: the most
-
-
-def test_prefill_with_nothing_waiting_hands_over_what_arrives():
-    t = Targets(ttft_s=2.0, itl_s=0.1, mean_prompt_tokens=200.0, mean_output_tokens=100.0,
-                max_workers={"prefill": 8, "decode": 8})  # fmt: skip
-    # 8 prefill workers keeping up with 1,000 prompt tokens a second hand over that much,
-    # not the 8,000 they could: 2 decode workers, not 8.
-    keeping_up = RoleLoad(workers=8, running=1, prompt_tokens_per_s=1000.0)
-    assert handed_over(keeping_up, 8, CAP) == 1000.0
-    plan = Planner(CAP, t, Hysteresis(30.0))
-    reports = [report("prefill", f"p{i}", prompt_tokens_per_s=125.0) for i in range(8)]
-    out = plan.decide([*reports, report("decode", "d1")], {"prefill": 8, "decode": 1}, 0.0)
-    assert out.needed["decode"] == 2
-    # what arrives counts only up to what the workers can compute
-    flood = RoleLoad(workers=2, running=2, prompt_tokens_per_s=50_000.0)
-    assert handed_over(flood, 2, CAP) == 2000.0
+    assert decode_flow_needed(1, slow, t) == 8  # a step alone passes the SLO: the most
 
 
 def test_observed_latency_past_the_slo_adds_a_worker_to_those_reporting():
