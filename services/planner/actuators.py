@@ -1,5 +1,5 @@
 """What carries out a decision: log it, start and stop local worker processes, or scale
-the Kubernetes Deployments.
+the Kubernetes Deployments or the roles of a RoleBasedGroup.
 
 Each actuator has `apply(counts, live)`: `counts` is what each role should run, `live`
 the ids of the workers of each role whose load reports arrive now; and `stop()`, safe
@@ -109,11 +109,30 @@ class LocalProcesses:
         await asyncio.gather(*list(self.leaving.values()), return_exceptions=True)
 
 
-class KubernetesDeployments:
+class ApiServerActuator:
+    """What the actuators that scale through the Kubernetes API server share: `replicas()`
+    reads what runs now (the planner starts from it, not from the workers it hears), and
+    the official client is synchronous, so each call runs in a thread, off the event loop."""
+
+    name: str
+    api: Any
+
+    async def apply(self, counts: dict[str, int], live: dict[str, set[str]]) -> None:
+        raise NotImplementedError
+
+    async def replicas(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        close = getattr(self.api.api_client, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
+
+class KubernetesDeployments(ApiServerActuator):
     """Patches `spec.replicas` of the prefill and decode Deployments through the official
-    client's scale subresource (AppsV1Api.patch_namespaced_deployment_scale). The client
-    is synchronous: each call runs in a thread, off the event loop. Its ServiceAccount
-    needs get/patch on deployments/scale (deploy/k8s/base/planner.yaml)."""
+    client's scale subresource (AppsV1Api.patch_namespaced_deployment_scale). Its
+    ServiceAccount needs get/patch on deployments/scale (deploy/k8s/base/planner.yaml)."""
 
     name = "kubernetes"
 
@@ -121,7 +140,7 @@ class KubernetesDeployments:
         self.config = config
         self.deployments = {"prefill": config.k8s_prefill_deployment,
                             "decode": config.k8s_decode_deployment}  # fmt: skip
-        self.api = api if api is not None else apps_api(config.k8s_api)
+        self.api = api if api is not None else kubernetes_api("AppsV1Api", config.k8s_api)
         self.applied: dict[str, int] = {}  # replicas last read or patched, per role
 
     async def apply(self, counts: dict[str, int], live: dict[str, set[str]]) -> None:
@@ -144,31 +163,97 @@ class KubernetesDeployments:
         self.applied.update(out)
         return out
 
-    async def stop(self) -> None:
-        close = getattr(self.api.api_client, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
+
+RBG = ("workloads.x-k8s.io", "v1alpha2", "rolebasedgroups")  # group, version, plural
 
 
-def apps_api(host: str) -> Any:
-    """An AppsV1Api: at `host` (plain, as a test's loopback server), else the in-cluster
-    service account, else ~/.kube/config."""
-    from kubernetes import client, config  # only the kubernetes actuator needs it
+class RoleBasedGroupRoles(ApiServerActuator):
+    """Sets `replicas` of the prefill and decode roles of one RoleBasedGroup (sgl-project
+    rbg, deploy/rbg/group) through CustomObjectsApi. Roles are a list, so it reads the
+    group and sends a JSON patch that replaces `/spec/roles/<i>/replicas` of the two roles
+    only, each after a `test` of `/spec/roles/<i>/name`: if the roles were reordered in
+    between, the API server refuses the whole patch instead of scaling another role (a
+    merge patch would replace the whole list). Its ServiceAccount needs get/patch on
+    rolebasedgroups (deploy/rbg/kustomization.yaml)."""
+
+    name = "rbg"
+
+    def __init__(self, config: PlannerConfig, api: Any = None):
+        self.config = config
+        self.roles = {"prefill": config.rbg_prefill_role, "decode": config.rbg_decode_role}
+        self.api = api if api is not None else kubernetes_api("CustomObjectsApi", config.k8s_api)
+
+    async def apply(self, counts: dict[str, int], live: dict[str, set[str]]) -> None:
+        found = await self._roles()
+        patch = []
+        for role, n in counts.items():
+            i, current = found[role]
+            if current != n:
+                at = f"/spec/roles/{i}"
+                patch += [{"op": "test", "path": f"{at}/name", "value": self.roles[role]},
+                          {"op": "replace", "path": f"{at}/replicas", "value": n}]  # fmt: skip
+        if not patch:
+            return
+        await self._call(self.api.patch_namespaced_custom_object, patch,
+                         _content_type="application/json-patch+json")  # fmt: skip
+        log.info("rolebasedgroup scaled", group=self.config.rbg_name,
+                 replicas={self.roles[role]: n for role, n in counts.items()})  # fmt: skip
+
+    async def replicas(self) -> dict[str, int]:
+        return {role: n for role, (_i, n) in (await self._roles()).items()}
+
+    async def _roles(self) -> dict[str, tuple[int, int]]:
+        """Each of our roles' index in the group's list and its replicas now."""
+        group = await self._call(self.api.get_namespaced_custom_object)
+        listed = {r.get("name"): (i, int(r.get("replicas", 0)))
+                  for i, r in enumerate(group.get("spec", {}).get("roles", []))}  # fmt: skip
+        missing = {role: name for role, name in self.roles.items() if name not in listed}
+        if missing:
+            flags = ", ".join(f"--rbg-{role}-role {name}" for role, name in missing.items())
+            raise LookupError(f"RoleBasedGroup {self._where}: no role named as in {flags} "
+                              f"(its roles: {', '.join(map(str, listed))})")  # fmt: skip
+        return {role: listed[name] for role, name in self.roles.items()}
+
+    async def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        group, version, plural = RBG
+        namespace, name = self.config.k8s_namespace, self.config.rbg_name
+        try:
+            return await asyncio.to_thread(method, group, version, namespace, plural, name,
+                                           *args, **kwargs)  # fmt: skip
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            raise LookupError(f"RoleBasedGroup {self._where} not found (--rbg-name, "
+                              "--k8s-namespace)") from None  # fmt: skip
+
+    @property
+    def _where(self) -> str:
+        return f"{self.config.k8s_namespace}/{self.config.rbg_name}"
+
+
+def kubernetes_api(kind: str, host: str) -> Any:
+    """The official client's `kind` (AppsV1Api, CustomObjectsApi): at `host` (plain, as a
+    test's loopback server), else the in-cluster service account, else ~/.kube/config."""
+    from kubernetes import client, config  # only the kubernetes and rbg actuators need it
 
     if host:
         configuration = client.Configuration()
         configuration.host = host
-        return client.AppsV1Api(client.ApiClient(configuration))
+        return getattr(client, kind)(client.ApiClient(configuration))
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.AppsV1Api()
+    return getattr(client, kind)()
 
 
-def make(config: PlannerConfig) -> DryRun | LocalProcesses | KubernetesDeployments:
+def make(config: PlannerConfig) -> DryRun | LocalProcesses | ApiServerActuator:
     if config.actuator == "local":
         return LocalProcesses(config, config.targets.max_workers)
     if config.actuator == "kubernetes":
         return KubernetesDeployments(config)
+    if config.actuator == "rbg":
+        return RoleBasedGroupRoles(config)
     return DryRun()

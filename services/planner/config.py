@@ -8,7 +8,7 @@ from libs.common.config import CommonConfig
 from libs.common.flags import require_positive, require_range
 from services.planner.policy import Capacity, Targets
 
-ACTUATORS = ("dry-run", "local", "kubernetes")
+ACTUATORS = ("dry-run", "local", "kubernetes", "rbg")
 
 
 @dataclass
@@ -62,7 +62,8 @@ class PlannerConfig(CommonConfig):
     actuator: str = field(
         default="dry-run",
         metadata={"help": "dry-run (log decisions), local (start and stop worker processes "
-                  "on this host), kubernetes (scale the prefill and decode Deployments)",
+                  "on this host), kubernetes (scale the prefill and decode Deployments), rbg "
+                  "(scale the prefill and decode roles of a RoleBasedGroup)",
                   "choices": ACTUATORS},
     )  # fmt: skip
     local_credentials_dir: str = field(
@@ -70,7 +71,7 @@ class PlannerConfig(CommonConfig):
         metadata={"help": "local: where <service-id>.creds files of the workers it starts "
                   "are (make run's run/secrets); empty: the workers get none"},
     )  # fmt: skip
-    k8s_namespace: str = field(default="tandem", metadata={"help": "kubernetes: namespace"})
+    k8s_namespace: str = field(default="tandem", metadata={"help": "kubernetes, rbg: namespace"})
     k8s_prefill_deployment: str = field(
         default="prefill", metadata={"help": "kubernetes: the prefill Deployment"}
     )
@@ -79,9 +80,17 @@ class PlannerConfig(CommonConfig):
     )
     k8s_api: str = field(
         default="",
-        metadata={"help": "kubernetes: API server URL (empty: in-cluster service account, "
-                  "else ~/.kube/config)"},
+        metadata={"help": "kubernetes, rbg: API server URL (empty: in-cluster service "
+                  "account, else ~/.kube/config)"},
     )  # fmt: skip
+    # The defaults are deploy/rbg/group/rolebasedgroup.yaml's (tests/deploy/test_rbg.py).
+    rbg_name: str = field(default="tandem", metadata={"help": "rbg: the RoleBasedGroup"})
+    rbg_prefill_role: str = field(
+        default="prefill", metadata={"help": "rbg: the group's role of the prefill workers"}
+    )
+    rbg_decode_role: str = field(
+        default="decode", metadata={"help": "rbg: the group's role of the decode workers"}
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -97,6 +106,9 @@ class PlannerConfig(CommonConfig):
             if not 0 <= low <= high or high < 1:
                 raise ValueError(f"--min-{role}/--max-{role}: need 0 <= min <= max, max >= 1, "
                                  f"got {low}, {high}")  # fmt: skip
+        if self.actuator == "rbg" and self.rbg_prefill_role == self.rbg_decode_role:
+            raise ValueError(f"--rbg-prefill-role/--rbg-decode-role: need two roles, got "
+                             f"{self.rbg_prefill_role!r} for both")  # fmt: skip
 
     @property
     def targets(self) -> Targets:

@@ -106,9 +106,9 @@ class PlannerService(BaseService):
         return decision.counts
 
     async def _running_now(self, live: dict[str, set[str]]) -> dict[str, int]:
-        """The Deployments' replicas (kubernetes), else the workers heard, within bounds."""
+        """The API server's replicas (kubernetes, rbg), else the workers heard, in bounds."""
         counts = {role: len(ids) for role, ids in live.items()}
-        if isinstance(self.actuator, actuators.KubernetesDeployments):
+        if isinstance(self.actuator, actuators.ApiServerActuator):
             counts = await self.actuator.replicas()
         return {role: self.config.targets.clamp(role, n) for role, n in counts.items()}
 

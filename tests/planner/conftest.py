@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import nats
 import pytest
+from aiohttp import web
 
 from libs.common.messages.control import InfoRequest, LoadReport, ServiceInfo
 from scripts.cluster import LocalCluster
@@ -46,6 +48,45 @@ class Feeder:
 async def planner_details(nc: nats.NATS, sid: str) -> dict:
     msg = await nc.request(f"tandem.planner.{sid}.info", InfoRequest().encode(), timeout=5)
     return ServiceInfo.decode(msg.data).details
+
+
+class LoopbackApiServer:
+    """A fake Kubernetes API server on a free loopback port (no cluster runs here): a
+    subclass answers GET and PATCH of its `route` (aiohttp's form) the way the API server
+    does, and appends each patch received to `patches` (path, content type, body)."""
+
+    route = ""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, str, Any]] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def get(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    async def patch(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    @staticmethod
+    def status(code: int, message: str) -> web.Response:
+        """A failure as the API server answers it: a Status object."""
+        body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                "message": message}  # fmt: skip
+        return web.json_response(body, status=code)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get(self.route, self.get)
+        app.router.add_patch(self.route, self.patch)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
 
 
 async def wait_for(check, timeout: float, what: str):

@@ -2,7 +2,8 @@
 
 No Kubernetes cluster runs here: a small aiohttp server on loopback answers the two
 endpoints the actuator uses (GET and PATCH of a Deployment's scale subresource) the way
-the API server does, and records each patch. The planner is a real process.
+the API server does, and records each patch (conftest.py's LoopbackApiServer). The
+planner is a real process.
 """
 
 from __future__ import annotations
@@ -10,19 +11,19 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from tests.planner.conftest import Feeder, report, wait_for
+from tests.planner.conftest import Feeder, LoopbackApiServer, report, wait_for
 
 SCALE = "/apis/apps/v1/namespaces/{namespace}/deployments/{name}/scale"
 
 
-class FakeApiServer:
-    """Deployments' replica counts, and every patch received (path, content type, body)."""
+class FakeApiServer(LoopbackApiServer):
+    """Deployments' replica counts, by name, behind their scale subresource."""
+
+    route = SCALE
 
     def __init__(self, replicas: dict[str, int]):
+        super().__init__()
         self.replicas = dict(replicas)
-        self.patches: list[tuple[str, str, dict]] = []
-        self.runner: web.AppRunner | None = None
-        self.url = ""
 
     def _scale(self, namespace: str, name: str) -> web.Response:
         n = self.replicas[name]
@@ -35,32 +36,17 @@ class FakeApiServer:
     async def get(self, request: web.Request) -> web.Response:
         info = request.match_info
         if info["name"] not in self.replicas:
-            return web.json_response({"kind": "Status", "code": 404}, status=404)
+            return self.status(404, f'deployments.apps "{info["name"]}" not found')
         return self._scale(info["namespace"], info["name"])
 
     async def patch(self, request: web.Request) -> web.Response:
         info = request.match_info
         if info["name"] not in self.replicas:
-            return web.json_response({"kind": "Status", "code": 404}, status=404)
+            return self.status(404, f'deployments.apps "{info["name"]}" not found')
         body = orjson.loads(await request.read())
         self.patches.append((request.path, request.content_type, body))
         self.replicas[info["name"]] = int(body["spec"]["replicas"])
         return self._scale(info["namespace"], info["name"])
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get(SCALE, self.get)
-        app.router.add_patch(SCALE, self.patch)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = self.runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
 
 async def test_decode_queue_patches_the_decode_deployment_replicas(planner_cluster):
