@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from services.cache_store.config import parse_size
+from services.planner.actuators import RBG
+from services.planner.config import PlannerConfig
 from tests.deploy.manifests import rendered
 from tests.deploy.test_k8s_store import _bytes
 
@@ -40,12 +42,43 @@ def _env(container: dict) -> dict[str, str | None]:
 def test_the_group_runs_the_five_roles_in_place_of_the_base_workloads(out, roles):
     assert set(roles) == ROLES
     workloads = {d["metadata"]["name"] for d in out if d["kind"] in WORKLOAD_KINDS}
-    assert workloads == {"nats"}  # NATS stays as in deploy/k8s; no role runs twice
+    # NATS and the planner stay as in deploy/k8s (the planner scales the group); no role
+    # runs twice.
+    assert workloads == {"nats", "planner"}
     base = {d["metadata"]["name"] for d in rendered()["deploy/k8s/base"]
             if d["kind"] in WORKLOAD_KINDS}  # fmt: skip
-    assert base - {"nats", "planner"} == ROLES  # the planner scales Deployments: not here
-    kinds = ("Deployment", "ServiceAccount", "Role", "RoleBinding")
-    assert not [d for d in out if d["kind"] in kinds and "planner" in d["metadata"]["name"]]
+    assert base - {"nats", "planner"} == ROLES
+
+
+def test_the_planner_scales_the_groups_roles_and_may_get_and_patch_only_the_group(out):
+    (group,) = [d for d in out if d["kind"] == "RoleBasedGroup"]
+    (planner,) = [
+        d for d in out if d["kind"] == "Deployment" and d["metadata"]["name"] == "planner"
+    ]
+    pod = planner["spec"]["template"]["spec"]
+    env = _env(pod["containers"][0])
+    assert env["TANDEM_PLANNER_ACTUATOR"] == "rbg"
+    # What it names (its variables, else the flags' defaults): this group, and the roles
+    # that run the prefill and decode pods; the actuator's group/version is the group's.
+    config = PlannerConfig()
+
+    def flag(field: str) -> str:
+        return env.get(f"TANDEM_PLANNER_{field.upper()}") or getattr(config, field)
+
+    name = flag("rbg_name")
+    assert name == group["metadata"]["name"]
+    assert (flag("rbg_prefill_role"), flag("rbg_decode_role")) == ("prefill", "decode")
+    rbg_group, version, plural = RBG
+    assert group["apiVersion"] == f"{rbg_group}/{version}"
+    # Its ServiceAccount's only rights: get and patch this one RoleBasedGroup.
+    bindings = [d for d in out if d["kind"] == "RoleBinding"
+                and {"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                     "namespace": planner["metadata"]["namespace"]} in d["subjects"]]  # fmt: skip
+    rules = [rule for b in bindings for d in out
+             if d["kind"] == "Role" and d["metadata"]["name"] == b["roleRef"]["name"]
+             for rule in d["rules"]]  # fmt: skip
+    assert rules == [{"apiGroups": [rbg_group], "resources": [plural], "resourceNames": [name],
+                      "verbs": ["get", "patch"]}]  # fmt: skip
 
 
 def test_each_role_runs_the_pod_of_its_base_workload(roles):
