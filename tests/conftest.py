@@ -1,4 +1,5 @@
-"""Shared fixtures: a real nats-server per test, and visible skips for GPU/RDMA tests."""
+"""Shared fixtures: a real nats-server per test, visible skips for GPU/RDMA tests, and this
+process's spans (tracing on, exported in memory)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from libs.common import tracing
 from scripts.nats_server import NatsServer
 
 
@@ -61,3 +63,16 @@ def service_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["TANDEM_LOG_FORMAT"] = "json"
     return env
+
+
+@pytest.fixture
+def exported():
+    """Tracing on in this process for one test; its finished spans, kept in memory."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing.setup("test", "t1", "", exporter=exporter)
+    try:
+        yield exporter
+    finally:
+        tracing.shutdown()

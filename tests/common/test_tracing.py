@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from libs.common import tracing
 from libs.common.bus.connection import Bus, Endpoint
@@ -17,16 +16,6 @@ class Ask(Message, tag="test_trace_ask"):
 
 class Told(Message, tag="test_trace_told"):
     trace_id: str
-
-
-@pytest.fixture
-def exported():
-    exporter = InMemorySpanExporter()
-    tracing.setup("test", "t1", "", exporter=exporter)
-    try:
-        yield exporter
-    finally:
-        tracing.shutdown()
 
 
 def test_off_by_default_no_span_no_header_no_context():

@@ -7,6 +7,8 @@
     decode.py           the decode role: admission, local or handed-over prefill, generation
     backlog.py          the decode role's admission by expected prefill wait
     token_publisher.py  a request's tokens to its router (TokenChunk, or one batch per step)
+    phases.py           a request's engine phases as spans of its trace (queue, prefill
+                        chunks, decode), for both roles
     prefill.py          the prefill role: compute a prompt, hand its KV to a decode worker
     handoff/            both halves of the KV handoff (sender.py, receiver.py) and what they
                         share (protocol.py)

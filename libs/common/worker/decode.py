@@ -31,6 +31,7 @@ from libs.common.messages.control import GenerateAccepted, GenerateRequest, Usag
 from libs.common.worker.backlog import PromptBacklog
 from libs.common.worker.core import WorkerCore
 from libs.common.worker.handoff.receiver import HandoffReceiver
+from libs.common.worker.phases import DecodeSpans
 from libs.common.worker.router_watch import request_key
 from libs.common.worker.token_publisher import ChunkBatcher, TokenStream
 from libs.common.worker.wire import logprobs_wire, sampling_params
@@ -205,13 +206,12 @@ class DecodeRole:
         prefill worker's cached-token count by tier; without one the prompt ran here, with
         `pool_tokens` of its cached tokens read from the pool."""
         first, generated = True, list(req.generated)
-        started = first_at = tracing.now()
+        spans = DecodeSpans(req.request_id, prefilled_here=not skip_first)
         last = arrived = time.monotonic()
         async for out in outputs:
+            spans.output(out)
             if first:
                 prompt_done()
-                first_at = tracing.now()
-                _first_spans(req.request_id, started, first_at, out, prefilled_here=not skip_first)
             ids, text, lps = out.token_ids, out.text, logprobs_wire(out.logprobs)
             if first and skip_first:  # token 0 (and its text) came from the prefill worker
                 ids, text, lps = ids[1:], "", lps[1:]
@@ -235,8 +235,7 @@ class DecodeRole:
                 )
                 await stream.finish(out.finish_reason or "stop", usage,
                                     stop_reason=out.stop_reason)  # fmt: skip
-                tracing.record("decode.tokens", req.request_id, first_at, tracing.now(),
-                               completion_tokens=out.num_output_tokens)  # fmt: skip
+                spans.finished(out.num_output_tokens)
                 # the next turn of this conversation starts with these pages: pool them
                 # (the last token was sampled, never computed, so it has no KV yet)
                 tokens = req.token_ids + generated
@@ -258,19 +257,3 @@ def _observe_latency(
         core.ttft.add(now - arrived)
     elif tokens and last > arrived:
         core.itl.add((now - last) / tokens, weight=tokens)
-
-
-def _first_spans(
-    request_id: str, started: int, now: int, out: RequestOutput, *, prefilled_here: bool
-) -> None:
-    """The trace from a request's start on this worker to its first output: a prompt
-    prefilled here is `decode.queue` (to its first step) then `decode.prefill`; one whose
-    KV came from a prefill worker waits for a batch slot and one step (`decode.queue`)."""
-    if not tracing.enabled():
-        return
-    if prefilled_here and out.queue_time is not None:
-        queued = min(started + int(out.queue_time * 1e9), now)
-        tracing.record("decode.queue", request_id, started, queued)
-        tracing.record("decode.prefill", request_id, queued, now)
-    else:
-        tracing.record("decode.queue", request_id, started, now)

@@ -27,7 +27,6 @@ import time
 
 from libs.common import tracing
 from libs.common.bus.connection import Endpoint, HandlerError
-from libs.common.engine.core.outputs import RequestOutput
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.log import get_logger, request_context
 from libs.common.messages.control import (
@@ -42,6 +41,7 @@ from libs.common.transfer import RegionDescriptor, TransferError
 from libs.common.worker.core import WorkerCore
 from libs.common.worker.handoff.protocol import handoff_check
 from libs.common.worker.handoff.sender import KvSender, check_pairing, vouch
+from libs.common.worker.phases import ChunkSpans
 from libs.common.worker.router_watch import request_key
 from libs.common.worker.wire import logprobs_wire, sampling_params
 
@@ -199,22 +199,3 @@ class PrefillRole:
             finish_reason=last.finish_reason,
             kv_mac=kv_mac,
         )
-
-
-class ChunkSpans:
-    """A prompt's steps in its trace: `prefill.queue` (from add_request to its first
-    step), then one `prefill.chunk` per output, each from the previous one's end."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id, self.index, self.since = request_id, 0, tracing.now()
-
-    def done(self, out: RequestOutput) -> None:
-        if not tracing.enabled():
-            return
-        now = tracing.now()
-        if self.index == 0 and out.queue_time is not None:
-            queued = min(self.since + int(out.queue_time * 1e9), now)
-            tracing.record("prefill.queue", self.request_id, self.since, queued)
-            self.since = queued
-        tracing.record("prefill.chunk", self.request_id, self.since, now, chunk=self.index)
-        self.index, self.since = self.index + 1, now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -313,6 +314,19 @@ def test_queue_time_ends_at_the_first_step_once():
     assert first.scheduled_time == ran  # set once, at its first step
     assert second.scheduled_time is not None and ran is not None
     assert second.scheduled_time >= ran
+
+
+def test_a_handed_over_sequence_queues_from_its_import_not_its_reservation():
+    """The handoff (reserved, the prefill worker writing its KV) is no queueing: a decode
+    worker's `decode.queue` span and its load report's oldest wait start at the import."""
+    s = make()
+    q = Sequence("d", list(range(100, 110)), SamplingParams(max_tokens=3), arrival_time=0.0)
+    s.reserve(q)
+    s.add_imported("d", 42)
+    imported = time.monotonic()
+    assert q.queued_time > q.arrival_time and s.oldest_wait(imported) < 1.0
+    step(s)
+    assert q.queue_time is not None and 0.0 <= q.queue_time < 1.0
 
 
 def test_oldest_wait_is_the_longest_wait_among_waiting_sequences_only():

@@ -50,6 +50,7 @@ class RequestOutput:
     # finish_reason "stop": the stop string or stop token id that ended it, None for EOS
     # or a complete grammar (vLLM's stop_reason)
     stop_reason: str | int | None = None
-    # seconds from add_request to the request's first step (Sequence.queue_time), on
-    # every output once it ran; a phase of its trace
+    # seconds from joining the queue (add_request; a handed-over prompt: add_imported) to
+    # the request's first step (Sequence.queue_time), on every output once it ran; a phase
+    # of its trace
     queue_time: float | None = None

@@ -95,8 +95,9 @@ class Scheduler:
         return len(self.running)
 
     def oldest_wait(self, now: float) -> float:
-        """Seconds the longest-waiting sequence has waited (`now`: time.monotonic())."""
-        return max((now - s.arrival_time for s in self.waiting), default=0.0)
+        """Seconds the longest-waiting sequence has waited (`now`: time.monotonic()), each
+        since it joined the queue (Sequence.queued_time)."""
+        return max((now - s.queued_time for s in self.waiting), default=0.0)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -150,6 +151,7 @@ class Scheduler:
             self._finish(seq, reason)
             return seq
         seq.status = SequenceStatus.WAITING
+        seq.queued_time = time.monotonic()  # its queue time starts now, not at its reservation
         at = next((i for i, s in enumerate(self.waiting) if not s.page_table), len(self.waiting))
         self.waiting.insert(at, seq)
         return seq

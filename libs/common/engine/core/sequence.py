@@ -89,6 +89,9 @@ class Sequence:
         self.prefill_only = prefill_only
         self.keep_pages = keep_pages or prefill_only
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # time.monotonic() it joined the waiting queue: its arrival, or (a prompt whose KV
+        # came from a prefill worker) the moment that KV was in place (Scheduler.add_imported)
+        self.queued_time = self.arrival_time
         self.scheduled_time: float | None = None  # time.monotonic() of its first step
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -109,10 +112,10 @@ class Sequence:
 
     @property
     def queue_time(self) -> float | None:
-        """Seconds from its arrival to its first step (None before that step)."""
+        """Seconds from joining the queue to its first step (None before that step)."""
         if self.scheduled_time is None:
             return None
-        return self.scheduled_time - self.arrival_time
+        return self.scheduled_time - self.queued_time
 
     @property
     def num_tokens(self) -> int:
