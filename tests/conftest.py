@@ -1,5 +1,5 @@
-"""Shared fixtures: a real nats-server per test, visible skips for GPU/RDMA tests, and this
-process's spans (tracing on, exported in memory)."""
+"""Shared fixtures: a real nats-server per test, visible skips for GPU/RDMA tests, this
+process's spans (tracing on, exported in memory) and an OTLP receiver for services' spans."""
 
 from __future__ import annotations
 
@@ -76,3 +76,16 @@ def exported():
         yield exporter
     finally:
         tracing.shutdown()
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    """An OTLP/HTTP receiver (tests/router/otlp_receiver.py) for a module's services: give
+    them `receiver.url` as TANDEM_OTLP_ENDPOINT."""
+    from tests.router.otlp_receiver import OtlpReceiver
+
+    r = OtlpReceiver().start()
+    try:
+        yield r
+    finally:
+        r.stop()

@@ -100,16 +100,19 @@ def span(
     *,
     context: Context | None = None,
     kind: SpanKind = SpanKind.INTERNAL,
+    start_ns: int | None = None,
     **attributes: Any,
 ) -> contextlib.AbstractContextManager[Span | None]:
     """A span around the block, the current one inside it; None when tracing is off or
     when there is no trace to join: only a `context` (a request's root, or a remote
     parent) starts one, so a worker traces only the requests that came with a trace.
+    `start_ns` (a `now()` timestamp): it began earlier than the block (work queued then).
     An exception leaving the block is recorded on it and sets its status to error."""
     tracer = _State.tracer
     if tracer is None or (context is None and not _in_trace()):
         return _NO_SPAN
-    return tracer.start_as_current_span(name, context, kind, _named(request_id, attributes))
+    return tracer.start_as_current_span(name, context, kind, _named(request_id, attributes),
+                                        start_time=start_ns or None)  # fmt: skip
 
 
 def record(name: str, request_id: str, start_ns: int, end_ns: int, **attributes: Any) -> None:

@@ -18,20 +18,10 @@ import pytest
 from libs.common.messages.control import TokenChunkBatch
 from tests.chaos.pd_cluster import PdCluster
 from tests.chaos.reports import connect
-from tests.router.otlp_receiver import OtlpReceiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROUTER = "router-trace-mig"
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    r = OtlpReceiver().start()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,14 @@ nothing, even through workers whose tracing is on.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
-import aiohttp
 import pytest
 
 from tests.router.conftest import Routers
 from tests.router.e2e_cluster import E2ECluster, wait_healthy
-from tests.router.otlp_receiver import OtlpReceiver, ReceivedSpan, gaps
+from tests.router.otlp_receiver import gaps
+from tests.router.trace_requests import chat_stream, root_span
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,15 +26,6 @@ ROUTER_PHASES = {"router.parse", "router.admit", "router.prompts", "router.route
 WORKER_PHASES = {"generate", "decode.request", "kv.handoff", "decode.queue", "decode.tokens",
                  "prefill", "prefill.queue", "prefill.chunk", "kv.transfer",
                  "kv.finish"}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    r = OtlpReceiver().start()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 @pytest.fixture(scope="module")
@@ -51,37 +41,12 @@ def cluster(module_nats, tmp_path_factory, receiver):
         c.stop()
 
 
-def _prompt() -> str:
-    words = uuid.uuid4().hex  # a prompt no cache holds: the prefill worker computes it
-    return " ".join(f"{words[i % 32]}{i}" for i in range(120))
-
-
-async def _stream(url: str, label: str) -> tuple[int, int, bytes]:
-    """A streamed chat request: (send ns, last byte ns, body)."""
-    body = {"model": "default", "stream": True, "max_tokens": 16, "temperature": 0,
-            "messages": [{"role": "user", "content": _prompt()}]}  # fmt: skip
-    async with aiohttp.ClientSession() as http:
-        sent = time.time_ns()
-        async with http.post(f"{url}/v1/chat/completions", json=body,
-                             headers={"x-request-id": label}) as r:  # fmt: skip
-            assert r.status == 200, await r.text()
-            data = await r.read()
-        return sent, time.time_ns(), data
-
-
-def _root(receiver: OtlpReceiver, label: str) -> ReceivedSpan | None:
-    roots = [s for s in list(receiver.spans)
-             if s.name == "POST /v1/chat/completions"
-             and s.attributes.get("tandem.request_id") == label]  # fmt: skip
-    return roots[0] if roots else None
-
-
 async def test_one_request_is_one_trace_over_router_prefill_and_decode(cluster, receiver):
     label = f"trace-{uuid.uuid4().hex[:12]}"
-    sent, last_byte, data = await _stream(cluster.url, label)
+    sent, last_byte, data = await chat_stream(cluster.url, label)
     assert data.rstrip().endswith(b"data: [DONE]")
-    assert await receiver.wait_for(lambda: _root(receiver, label) is not None)
-    root = _root(receiver, label)
+    assert await receiver.wait_for(lambda: root_span(receiver, label) is not None)
+    root = root_span(receiver, label)
     assert root is not None and root.parent_id == ""  # the client sent no traceparent
     wire = next(s for s in receiver.trace(root.trace_id) if s.name == "router.respond")
     wire_id = wire.attributes["tandem.wire_id"]  # the id the workers know the request by
@@ -152,14 +117,14 @@ async def test_a_router_with_tracing_off_exports_nothing_and_serves(
         await wait_healthy(url, {"prefill": 2, "decode": 1}, 120)
         before = len(receiver.spans)
         label = f"untraced-{uuid.uuid4().hex[:12]}"
-        _, _, data = await _stream(url, label)
+        _, _, data = await chat_stream(url, label)
         assert data.rstrip().endswith(b"data: [DONE]")
         # a traced request after it: once its spans are in, the untraced one's would be too
         traced = f"after-{uuid.uuid4().hex[:12]}"
-        await _stream(cluster.url, traced)
-        assert await receiver.wait_for(lambda: _root(receiver, traced) is not None)
+        await chat_stream(cluster.url, traced)
+        assert await receiver.wait_for(lambda: root_span(receiver, traced) is not None)
         await asyncio.sleep(1.0)  # the workers' batches of the same moment
         new = receiver.spans[before:]
-        assert [s for s in new if s.trace_id != _root(receiver, traced).trace_id] == []
+        assert [s for s in new if s.trace_id != root_span(receiver, traced).trace_id] == []
     finally:
         routers.stop()

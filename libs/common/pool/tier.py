@@ -64,6 +64,11 @@ class PoolTier:
         self._down_until = 0.0  # after a failed call, skip the pool for a while
 
     @property
+    def page_nbytes(self) -> int:
+        """The bytes of one page object."""
+        return self._read.page_nbytes
+
+    @property
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 

@@ -278,7 +278,7 @@ class WorkerCore:
         if self.pool is not None:
             keys = self.page_keys(token_ids, num_tokens, cache_salt)
             if keys:
-                put = _pool_put(self.pool, keys, request_id)
+                put = _pool_put(self.pool, keys, request_id, tracing.now())
                 self.bus.spawn(put, name="pool-write-back")
 
     # --- cancels ---------------------------------------------------------------------------
@@ -399,6 +399,9 @@ class WorkerCore:
         await self.events.publish(events)
 
 
-async def _pool_put(pool: PoolTier, keys: list[str], request_id: str) -> None:
-    with tracing.span("pool.put", request_id, pages=len(keys)):
-        await pool.write_back(keys)
+async def _pool_put(pool: PoolTier, keys: list[str], request_id: str, queued: int) -> None:
+    """The write-through as a span of the request's trace: from `queued`, inside the
+    phase that computed the pages, to its end, after that phase (off its critical path)."""
+    with tracing.span("pool.put", request_id, start_ns=queued, pages=len(keys)):
+        stored = await pool.write_back(keys)
+        tracing.annotate(pages_written=stored, bytes=stored * pool.page_nbytes)

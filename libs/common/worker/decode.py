@@ -162,7 +162,7 @@ class DecodeRole:
                 keys = core.page_keys(tokens, reusable, params.cache_salt)
                 with tracing.span("pool.get", req.request_id, pages=len(keys)):
                     _, from_pool = await core.pool.fetch_prefix(keys)
-                    tracing.annotate(pages_read=from_pool)
+                    tracing.annotate(pages_read=from_pool, bytes=from_pool * core.pool.page_nbytes)
                 pool_tokens = from_pool * core.config.page_size
             key = request_key(req.router, req.request_id)
             outputs = core.engine.add_request(req.token_ids, params, request_id=key,

@@ -139,7 +139,7 @@ class PrefillRole:
             keys = core.page_keys(req.token_ids, reusable, params.cache_salt)
             with tracing.span("pool.get", rid, pages=len(keys)):
                 _, from_pool = await core.pool.fetch_prefix(keys)
-                tracing.annotate(pages_read=from_pool)
+                tracing.annotate(pages_read=from_pool, bytes=from_pool * core.pool.page_nbytes)
             pool_tokens = from_pool * core.config.page_size
         last = None
         key = request_key(req.router, req.request_id)
