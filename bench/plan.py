@@ -35,6 +35,8 @@ import random
 import sys
 from pathlib import Path
 
+import msgspec
+
 from bench.plan_model import DEFAULT_CACHE, capacity_of, load_or_measure
 from bench.plan_sim import Cluster, Req, Run, simulate
 from libs.common.log import setup_logging
@@ -93,9 +95,24 @@ def reactive(targets: Targets, after_s: float):
     return decide
 
 
-def planner(cap: Capacity, targets: Targets, after_s: float):
+def planner(cap: Capacity, targets: Targets, after_s: float, observed: bool = True):
+    """The planner's policy. `observed=False`: it never sees the workers' observed TTFT and
+    ITL (the ablation of its late/slow counts)."""
     plan = Planner(cap, targets, Hysteresis(after_s))
-    return lambda reports, _finished, current, now: plan.decide(reports, current, now).counts
+
+    def decide(reports, _finished, current, now):
+        if not observed:
+            reports = [msgspec.structs.replace(r, ttft_p90_s=0.0, itl_p90_s=0.0) for r in reports]
+        return plan.decide(reports, current, now).counts
+
+    return decide
+
+
+def believed(cap: Capacity, speedup: float) -> Capacity:
+    """What a planner given a capacity `speedup` times too fast believes (its flags or its
+    --measure run were from faster hardware)."""
+    return Capacity(cap.prefill_tokens_per_s * speedup, cap.decode_step_base_s / speedup,
+                    cap.decode_step_per_seq_s / speedup, cap.decode_seats)  # fmt: skip
 
 
 def score(trace: list[Req], result: dict, targets: Targets, warmup_s: float = 0.0) -> dict:
@@ -132,7 +149,12 @@ def compare(make_trace, args: argparse.Namespace, cap: Capacity, targets: Target
         targets, mean_prompt_tokens=mean_prompt, mean_output_tokens=mean_output
     )
     policies = {
-        "planner": planner(cap, targets, args.scale_down_after),
+        "planner": planner(
+            believed(cap, args.believed_speedup),
+            targets,
+            args.scale_down_after,
+            observed=not args.no_observed,
+        ),
         "reactive": reactive(targets, args.scale_down_after),
     }
     out = {name: _one(make_trace(args), args, cap, targets, decide)
@@ -269,6 +291,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds of less before one worker goes",
     )
     ap.add_argument("--dt", type=float, default=0.05, help="simulation tick, seconds")
+    ap.add_argument(
+        "--believed-speedup",
+        type=float,
+        default=1.0,
+        help="the planner's capacity is this many times the simulated workers' (a capacity "
+        "measured on other hardware); observed TTFT/ITL are what it has to correct it",
+    )
+    ap.add_argument(
+        "--no-observed",
+        action="store_true",
+        help="hide the workers' observed TTFT/ITL p90 from the planner (ablation)",
+    )
     return ap.parse_args(argv)
 
 

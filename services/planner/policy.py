@@ -184,7 +184,7 @@ def prefill_needed(load: RoleLoad, cap: Capacity, t: Targets) -> int:
     drain = math.ceil(load.waiting_prefill_tokens / (rate * (t.startup_s + wait)))
     # Waited past the budget already: the backlog figure is behind, one more than now.
     behind = load.workers + 1 if load.queue_time_s > wait else 0
-    late = load.workers + 1 if load.ttft_p90_s > t.ttft_s else 0
+    late = load.workers + 1 if load.ttft_p90_s > t.ttft_s and load.waiting else 0
     return t.clamp("prefill", max(keep_up, queueing, drain, behind, late))
 
 

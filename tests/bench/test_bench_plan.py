@@ -74,3 +74,22 @@ def test_bench_plan_prints_each_policy_per_trace(tmp_path, capsys):
         assert [static["split"]["prefill"], static["split"]["decode"]] in [
             s[:2] for s in static["searched"]
         ]
+
+
+def test_observed_latency_corrects_a_planner_whose_capacity_is_too_fast():
+    # The planner believes workers twice as fast as the simulated ones: its model-based
+    # counts come out too low, and the late/slow counts from the workers' observed TTFT
+    # and ITL are what add workers back (bench.plan --believed-speedup / --no-observed).
+    cap = Capacity(296.0, 0.0213, 0.0051, 64)
+    args = plan.parse(["--duration", "900", "--warmup", "60"])
+    targets = Targets(args.ttft_s, args.itl_s, min_workers={"prefill": 1, "decode": 1},
+                      max_workers={"prefill": 8, "decode": 8}, startup_s=args.startup)  # fmt: skip
+    wrong = plan.believed(cap, 2.0)
+    assert wrong.prefill_tokens_per_s == 592.0 and wrong.decode_step_base_s == 0.0213 / 2
+    runs = {}
+    for observed in (True, False):
+        decide = plan.planner(wrong, targets, args.scale_down_after, observed=observed)
+        runs[observed] = plan._one(plan.bursty(args), args, cap, targets, decide)
+    assert runs[True]["requests"] == runs[False]["requests"]
+    assert runs[True]["within_slo"] > runs[False]["within_slo"]
+    assert runs[True]["worker_seconds"] > runs[False]["worker_seconds"]  # the workers added
