@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from scripts.cluster import LocalCluster
+from scripts.cluster import REPO, LocalCluster
 from scripts.nats_server import NatsServer
 
 
@@ -77,8 +77,11 @@ async def wait_healthy(url: str, workers: dict[str, int], procs: dict, timeout: 
 class Deployment:
     """One Tandem configuration as local processes; `url` is its API root (…/v1)."""
 
-    def __init__(self, topo: Topology, workdir: Path, store_segment: str = "512MiB"):
-        self.topo, self.workdir, self.store_segment = topo, workdir, store_segment
+    def __init__(
+        self, topo: Topology, workdir: Path, store_segment: str = "512MiB", repo: Path = REPO
+    ):
+        """`repo`: the checkout whose services run (LocalCluster's)."""
+        self.topo, self.workdir, self.store_segment, self.repo = topo, workdir, store_segment, repo
         self.nats: NatsServer | None = None
         self.cluster: LocalCluster | None = None
         self.url = ""
@@ -89,7 +92,7 @@ class Deployment:
         self.nats = NatsServer(self.workdir / "nats")
         self.nats.start()
         logs = self.workdir / "logs"
-        self.cluster = LocalCluster(self.nats.url, capture=logs)
+        self.cluster = LocalCluster(self.nats.url, capture=logs, repo=self.repo)
         if t.pool:
             self.cluster.start_one("cache_master")
             store = ["--segment-size", t.store_segment or self.store_segment]

@@ -8,13 +8,16 @@ Each configuration is a fresh cluster of the same build (its own nats-server, 2 
 workers, 1 decode worker, a router; the default model; tcp transport), measured with
 bench.serve's `random` workload, and stopped:
 
-    off   no --otlp-endpoint (the default)
-    on    every service exports to an OTLP/HTTP sink in this process, which counts what
-          it gets and answers as a collector does (it decodes nothing: its cost is not
-          the services')
+    off     no --otlp-endpoint (the default)
+    on      every service exports to an OTLP/HTTP sink in this process, which counts what
+            it gets and answers as a collector does (it decodes nothing: its cost is not
+            the services')
+    before  with --before DIR only: the services of another checkout (the code before
+            tracing, e.g. `git worktree add DIR 724cdb4^`), same interpreter and flags
 
-Rounds alternate (off, on, off, on, ...) so that a drift of the shared host's load lands
-on both; the table gives each configuration's mean over its rounds and on / off.
+Rounds alternate (before, off, on, before, off, on, ...) so that a drift of the shared
+host's load lands on each; the table gives each configuration's mean over its rounds, on /
+off and off / before.
 `--micro` times the helpers themselves in this process instead (libs/common/tracing.py):
 a span off, a span on (into an exporter that drops it) and the traceparent header.
 """
@@ -84,7 +87,8 @@ def topology(name: str, a: argparse.Namespace, sink: Sink) -> Topology:
 async def run_one(name: str, a: argparse.Namespace, sink: Sink, round_: int) -> dict[str, Any]:
     workdir = a.workdir / f"{name}-{round_}"
     shutil.rmtree(workdir, ignore_errors=True)  # no KV events of an earlier run
-    system = Deployment(topology(name, a, sink), workdir)
+    system = Deployment(topology(name, a, sink), workdir,
+                        repo=a.before if name == "before" else REPO)  # fmt: skip
     exported = sink.requests
     try:
         await system.start(a.ready_timeout)
@@ -135,10 +139,14 @@ def table(runs: dict[str, list[dict[str, Any]]]) -> str:
         values = [v["mean"] if isinstance(v, dict) else v for v in values]
         return sum(values) / len(values)
 
-    lines = [f"{'':16}{'off':>12}{'on':>12}{'on / off':>10}"]
+    names = [n for n in ("before", "off", "on") if runs.get(n)]
+    ratios = [("on", "off")] + ([("off", "before")] if "before" in names else [])
+    lines = [f"{'':16}" + "".join(f"{n:>12}" for n in names)
+             + "".join(f"{f'{x} / {y}':>14}" for x, y in ratios)]  # fmt: skip
     for key, label in METRICS:
-        off, on = mean("off", key), mean("on", key)
-        lines.append(f"{label:16}{off:12.1f}{on:12.1f}{on / off:10.3f}")
+        means = {n: mean(n, key) for n in names}
+        lines.append(f"{label:16}" + "".join(f"{means[n]:12.1f}" for n in names)
+                     + "".join(f"{means[x] / means[y]:14.3f}" for x, y in ratios))  # fmt: skip
     done = {n: sum(r["summary"]["completed"] for r in rs) for n, rs in runs.items()}
     lines.append(f"completed: {done}; exports to the sink (on): "
                  f"{sum(r['exports'] for r in runs['on'])}")  # fmt: skip
@@ -158,6 +166,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write every round's results")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--micro", action="store_true", help="only time the helpers, in-process")
+    p.add_argument("--before", type=Path, help="a checkout of older code: also run its services")
     add_workload_args(p)
     p.set_defaults(workload="random", num_prompts=96, input_len=256, output_len=32,
                    max_concurrency=32, duration=900.0)  # fmt: skip
@@ -171,12 +180,15 @@ async def _main(a: argparse.Namespace) -> int:
     if a.rounds < 1 or a.threads < 1:
         raise ValueError("--rounds and --threads must be >= 1")
     make_workload(a), make_arrivals(a)  # flag errors before any start
+    if a.before is not None and not (a.before / "services" / "router").is_dir():
+        raise ValueError(f"--before {a.before}: not a checkout of this repository")
     sink = Sink()
     await sink.start()
-    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    names = ("before", "off", "on") if a.before is not None else ("off", "on")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     try:
         for round_ in range(a.rounds):
-            for name in ("off", "on"):
+            for name in names:
                 print(f"== {name} round {round_} (load {os.getloadavg()[0]:.2f})",
                       file=sys.stderr, flush=True)  # fmt: skip
                 runs[name].append(await run_one(name, a, sink, round_))

@@ -141,12 +141,14 @@ class LocalCluster:
         capture: Path | None = None,
         prefix: LogPrefixer | None = None,
         credentials: Mapping[str, Path] | None = None,
+        repo: Path = REPO,
     ):
         """`capture`: each service's output to <capture>/<label>.log; else `prefix`: to one
         stream, line by line, prefixed by the label; else inherited (the terminal).
         `credentials`: label -> NATS credentials file (scripts/identities.py); the one
-        labelled `cli` is what `wait_ready` connects as."""
-        self.nats_url = nats_url
+        labelled `cli` is what `wait_ready` connects as. `repo`: the checkout whose
+        services run (another one: a benchmark against older code, same interpreter)."""
+        self.nats_url, self.repo = nats_url, repo
         self.credentials = dict(credentials or {})
         self.args = args or {}
         self.env = {**os.environ, **(env or {})}
@@ -177,7 +179,7 @@ class LocalCluster:
             out = subprocess.PIPE
         proc = subprocess.Popen(
             cmd,
-            cwd=REPO,
+            cwd=self.repo,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,

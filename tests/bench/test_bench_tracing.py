@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bench.tracing import Sink, micro, table
+from bench.tracing import Sink, main, micro, table
 from libs.common import tracing
 
 
@@ -39,8 +39,20 @@ def test_the_table_gives_on_over_off_of_each_metric():
         return {"summary": summary, "exports": exports}
 
     text = table({"off": [run(100, 10), run(102, 10)], "on": [run(99, 11, 3), run(97, 11, 2)]})
-    assert "output tok/s           101.0        98.0     0.970" in text
+    tput = next(line for line in text.splitlines() if line.startswith("output tok/s"))
+    assert tput.split()[2:] == ["101.0", "98.0", "0.970"]
     assert "completed: {'off': 8, 'on': 8}; exports to the sink (on): 5" in text
+    # with the older code's rounds: its column first, and off / before last
+    text = table({"before": [run(104, 9)], "off": [run(100, 10)], "on": [run(98, 11, 1)]})
+    assert text.splitlines()[0].split() == ["before", "off", "on", "on", "/", "off", "off",
+                                            "/", "before"]  # fmt: skip
+    tput = next(line for line in text.splitlines() if line.startswith("output tok/s"))
+    assert tput.split()[2:] == ["104.0", "100.0", "98.0", "0.980", "0.962"]
+
+
+def test_before_must_be_a_checkout_of_this_repository(tmp_path, capsys):
+    assert main(["--before", str(tmp_path), "--rounds", "1"]) == 2
+    assert "not a checkout of this repository" in capsys.readouterr().err
 
 
 def test_micro_times_a_span_off_and_on_and_leaves_tracing_off():
