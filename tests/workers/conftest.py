@@ -20,6 +20,7 @@ from libs.common.engine.engine import Engine
 from libs.common.messages.control import (
     GenerateAccepted,
     GenerateRequest,
+    LoadReport,
     SamplingSpec,
     TokenChunk,
     Usage,
@@ -65,21 +66,31 @@ def cluster(tmp_path_factory, worker_env) -> Iterator[tuple[str, LocalCluster]]:
 async def _wait_workers(url: str, ids: set[str], timeout: float = 180.0) -> None:
     bus = Bus(url, "test-wait", 5, 2)
     await bus.connect()
-    seen: set[str] = set()
-    all_seen = asyncio.Event()
+    try:
+        await next_load_reports(bus, ids, timeout)
+    finally:
+        await bus.close()
+
+
+async def next_load_reports(bus: Bus, workers: set[str], timeout: float = 10.0) -> dict:
+    """Each of `workers`' next load report, by worker id."""
+    got: dict[str, LoadReport] = {}
+    all_in = asyncio.Event()
 
     async def on_load(msg) -> None:
-        seen.add(msg.subject.split(".")[3])
-        if ids <= seen:
-            all_seen.set()
+        report = LoadReport.decode(msg.data)
+        if report.worker in workers:
+            got[report.worker] = report
+            if workers <= got.keys():
+                all_in.set()
 
     sub = await bus.subscribe("tandem.workers.*.*.load", on_load)
     try:
         async with asyncio.timeout(timeout):
-            await all_seen.wait()
+            await all_in.wait()
     finally:
         await sub.unsubscribe()
-        await bus.close()
+    return got
 
 
 @pytest.fixture(scope="session")

@@ -2,34 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-from libs.common.bus.connection import Bus
-from libs.common.messages.control import LoadReport
 from libs.common.worker.latency import LatencyWindow
-from tests.workers.conftest import generate, prompt_ids
-
-
-async def _next_reports(bus: Bus, workers: set[str], timeout: float = 10.0) -> dict:
-    """Each of `workers`' next load report."""
-    got: dict[str, LoadReport] = {}
-    all_in = asyncio.Event()
-
-    async def on_load(msg) -> None:
-        report = LoadReport.decode(msg.data)
-        if report.worker in workers:
-            got[report.worker] = report
-            if workers <= got.keys():
-                all_in.set()
-
-    sub = await bus.subscribe("tandem.workers.*.*.load", on_load)
-    try:
-        async with asyncio.timeout(timeout):
-            await all_in.wait()
-    finally:
-        await sub.unsubscribe()
-    return got
+from tests.workers.conftest import generate, next_load_reports, prompt_ids
 
 
 async def test_workers_report_the_ttft_and_token_spacing_they_observed(bus):
@@ -39,7 +15,7 @@ async def test_workers_report_the_ttft_and_token_spacing_they_observed(bus):
     alone = await generate(bus, "lat-both", prompt_ids(40, seed=8), decode="d2", max_tokens=12)
     took = time.monotonic() - started
     assert len(split.token_ids) == len(alone.token_ids) == 12
-    reports = await _next_reports(bus, {"p1", "d1", "d2"})
+    reports = await next_load_reports(bus, {"p1", "d1", "d2"})
     # the prefill worker: a prompt's arrival to its first token; the decode worker that
     # received the KV: the spacing of tokens 1..11; the `both` worker: both
     assert 0 < reports["p1"].ttft_p90_s <= took * 1.05
