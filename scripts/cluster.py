@@ -141,6 +141,7 @@ class LocalCluster:
         capture: Path | None = None,
         prefix: LogPrefixer | None = None,
         credentials: Mapping[str, Path] | None = None,
+        *,
         repo: Path = REPO,
     ):
         """`capture`: each service's output to <capture>/<label>.log; else `prefix`: to one
