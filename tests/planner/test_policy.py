@@ -102,11 +102,14 @@ def test_decode_is_ready_for_what_the_prefill_workers_can_hand_over():
 
 
 def test_observed_latency_past_the_slo_adds_a_worker_to_those_reporting():
-    # Nothing queued and no arrivals: the capacity model alone asks for the minimum, but
-    # the workers saw TTFT p90 2.5 s (SLO 2 s) and ITL p90 150 ms (SLO 100 ms).
-    late = RoleLoad(workers=2, ttft_p90_s=2.5)
+    # No arrivals, one prompt queued briefly: the capacity model alone asks for the minimum,
+    # but the workers saw TTFT p90 2.5 s (SLO 2 s) and ITL p90 150 ms (SLO 100 ms).
+    late = RoleLoad(workers=2, running=2, waiting=1, ttft_p90_s=2.5)
     assert prefill_needed(late, CAP, TARGETS) == 3
-    assert prefill_needed(RoleLoad(workers=2, ttft_p90_s=1.9), CAP, TARGETS) == 1
+    assert prefill_needed(RoleLoad(workers=2, waiting=1, ttft_p90_s=1.9), CAP, TARGETS) == 1
+    # late with nothing waiting: prompts whose own prefill passes the SLO, which no added
+    # worker would help
+    assert prefill_needed(RoleLoad(workers=2, running=2, ttft_p90_s=2.5), CAP, TARGETS) == 1
     slow = RoleLoad(workers=3, total_pages=300, itl_p90_s=0.15)
     assert decode_needed(slow, CAP, TARGETS) == 4
     assert decode_needed(RoleLoad(workers=3, total_pages=300, itl_p90_s=0.09), CAP, TARGETS) == 1
