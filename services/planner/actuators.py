@@ -8,6 +8,7 @@ twice. The decision itself is policy.py's; an actuator only makes it so.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import os
 import signal
@@ -109,7 +110,7 @@ class LocalProcesses:
         await asyncio.gather(*list(self.leaving.values()), return_exceptions=True)
 
 
-class ApiServerActuator:
+class ApiServerActuator(abc.ABC):
     """What the actuators that scale through the Kubernetes API server share: `replicas()`
     reads what runs now (the planner starts from it, not from the workers it hears), and
     the official client is synchronous, so each call runs in a thread, off the event loop."""
@@ -117,11 +118,11 @@ class ApiServerActuator:
     name: str
     api: Any
 
-    async def apply(self, counts: dict[str, int], live: dict[str, set[str]]) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def apply(self, counts: dict[str, int], live: dict[str, set[str]]) -> None: ...
 
-    async def replicas(self) -> dict[str, int]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def replicas(self) -> dict[str, int]: ...
 
     async def stop(self) -> None:
         close = getattr(self.api.api_client, "close", None)
