@@ -227,7 +227,11 @@ class Bus:
     async def subscribe(
         self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = ""
     ) -> Any:
-        return await self.nc.subscribe(subject, queue=queue, cb=handler)
+        """Subscribe; when this returns the server holds the subscription (`settle`), so a
+        message any connection publishes from then on reaches `handler`."""
+        sub = await self.nc.subscribe(subject, queue=queue, cb=handler)
+        await settle(self.nc)
+        return sub
 
     async def add_service(
         self,
@@ -251,7 +255,7 @@ class Bus:
                     metadata={"request": ep.request_type.TYPE},
                 )
             )
-        await self.nc.flush()  # the endpoints are subscribed on the server when this returns
+        await settle(self.nc)  # the endpoints are subscribed on the server when this returns
         self._services.append(service)
         return service
 
@@ -335,6 +339,22 @@ class Bus:
                 await asyncio.wait_for(nc.close(), timeout=5)
             except Exception as e:
                 log.warning("nats close failed", error=str(e) or type(e).__name__)
+
+
+async def settle(nc: Client) -> None:
+    """Return once the server has read every command this connection sent before the call
+    (a SUB just made above all).
+
+    One `flush()` does not promise that with nats-py (2.6-2.16): its PING is written to the
+    socket at once, while a SUB waits in the client's queue for its flusher task. The
+    server can read the PING first and answer it before it has the SUB; a message another
+    connection publishes in between is not delivered to the new subscription (seen about
+    once in 20 fresh subscriptions on a loaded host, and every time when the SUB is
+    delayed on its way; tests/bus/test_settle.py). The first flush's wait lets the flusher
+    write the queued commands; the second PING goes out behind them, so its PONG comes
+    after the server has read them."""
+    await nc.flush()
+    await nc.flush()
 
 
 async def _handle(ep: Endpoint, message: Message, context: Any) -> Message:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
-from libs.common.bus.connection import Bus
+from libs.common.bus.connection import Bus, settle
 from libs.common.log import get_logger
 from libs.common.messages.control import MessageError, TokenChunk, TokenChunkBatch
 
@@ -50,8 +50,9 @@ class StreamTable:
         return bool(self._subs)
 
     async def start(self) -> None:
-        """Subscribe (once; later calls return at once). Flushed: the server has the
-        interest before the first GenerateRequest goes out, so no chunk is missed."""
+        """Subscribe (once; later calls return at once). Settled (libs/common/bus): the
+        server has the interest before the first GenerateRequest goes out, so no chunk is
+        missed."""
         if self._subs:
             return
         async with self._starting:
@@ -62,7 +63,7 @@ class StreamTable:
                 await nc.subscribe(self.stream_prefix + "*", cb=self._on_chunk),
                 await nc.subscribe(self.batch_subject, cb=self._on_batch),
             ]
-            await nc.flush()
+            await settle(nc)
             self._subs = subs
 
     def open(self, rid: str, sink: Sink) -> tuple[str, str]:
