@@ -2,8 +2,12 @@
 
     service.py          WorkerService: the core and its roles, by role name ("prefill",
                         "decode", or "both": the two roles on one core)
-    core.py             WorkerCore: engine, transfer engine, KV pool tier, load reports, KV
-                        events, cancels, routers' liveness
+    core.py             WorkerCore: engine, transfer engine, KV pool tier, KV events; it
+                        publishes the load reports and subscribes to cancels and routers'
+                        heartbeats
+    held.py             the requests the worker holds: cancels, early ones remembered,
+                        and cancel on their router's silence
+    load.py             the counts and latency windows (latency.py) a load report says
     decode.py           the decode role: admission, local or handed-over prefill, generation
     backlog.py          the decode role's admission by expected prefill wait
     token_publisher.py  a request's tokens to its router (TokenChunk, or one batch per step)

@@ -9,18 +9,16 @@
                 and what a peer checks before pairing; speculation's draft totals
       stop:     stop the loops, the engine and the transfer engine (idempotent)
 
-The roles (decode.py, prefill.py) call into it: they `hold` the requests they serve (so a
-cancel, or a router gone silent, reaches them), count their output tokens and prompt
-backlog, and read and write the pool through it. It calls no role.
+The roles (decode.py, prefill.py) call into it: they hold the requests they serve in
+`held` (held.py: so a cancel, or a router gone silent, reaches them), count their prompt
+backlog, output tokens and latencies in `load` (load.py: the load reports), and read and
+write the pool through it. It calls no role.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import secrets
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -33,10 +31,8 @@ from libs.common.engine.core.radix_cache import CacheEvent
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.engine import Engine
 from libs.common.engine.step_loop import EngineCore
-from libs.common.log import get_logger, request_context
+from libs.common.log import get_logger
 from libs.common.messages.control import (
-    CancelRequest,
-    LoadReport,
     MessageError,
     RouterHeartbeat,
 )
@@ -46,22 +42,11 @@ from libs.common.pool.tier import PoolTier
 from libs.common.transfer import RegionDescriptor, TransferEngine, create_engine, default_transport
 from libs.common.transfer.rdma.exchange import engine_options, serve_connect
 from libs.common.worker.engine_setup import engine_config, speculation_stats
-from libs.common.worker.latency import LatencyWindow
-from libs.common.worker.router_watch import RouterWatch, request_key
+from libs.common.worker.held import HeldRequests
+from libs.common.worker.load import WorkerLoad
+from libs.common.worker.router_watch import RouterWatch
 
 log = get_logger(__name__)
-
-_CANCELLED_KEPT = 4096  # early cancels remembered (request ids)
-_ROUTER_SWEEP_S = 0.25  # how often held requests are checked against their router's silence
-
-
-@dataclass
-class Held:
-    """A request this worker serves: the task serving it, the router it came from."""
-
-    task: asyncio.Task
-    router: str
-    since: float = field(default_factory=time.monotonic)
 
 
 class WorkerCore:
@@ -83,18 +68,9 @@ class WorkerCore:
         self._events_wake = asyncio.Event()
         self._loops: list[asyncio.Task] = []
         self._cancel_sub: Any = None
-        # request key (router_watch.request_key: router and request id) -> what serves it
-        self._active: dict[str, Held] = {}
         self.routers = RouterWatch()
-        # Cancels that came before their request was registered (a router that gave up
-        # waiting for the reply): such a request is refused when it registers, instead of
-        # running for nobody. Bounded, oldest dropped first.
-        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._tokens_out = 0  # output tokens since the last load report
-        self.instance = secrets.token_hex(8)  # this process, in its load reports
-        self.queued_prompt_tokens = 0  # accepted, not yet prefilled (for routing)
-        self.prompt_tokens_in = 0  # prompt tokens accepted since the last load report
-        self.ttft, self.itl = LatencyWindow(), LatencyWindow()  # in the load reports
+        self.held = HeldRequests(self.routers)  # what serves each request, and its cancel
+        self.load = WorkerLoad(config, role)  # what the load reports say
 
     def subject(self, *parts: str) -> str:
         """A subject under the configured prefix (as BaseService.subject)."""
@@ -194,7 +170,7 @@ class WorkerCore:
             "transfer": transfer.info() if transfer else {},
             "prefix_cache": not self.config.no_prefix_cache,
             "pool": not self.config.no_pool,
-            "active_requests": len(self._active),
+            "active_requests": len(self.held),
             "speculation": speculation_stats(self.config, core),
         }
 
@@ -225,13 +201,15 @@ class WorkerCore:
                                 mac=self.kv_mac)  # fmt: skip
             self.pool = PoolTier(client, engine, transfer)
         await keep_kv_stream(self.bus, self.config.subject_prefix)
-        self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self._on_cancel_msg)
+        self._cancel_sub = await self.bus.subscribe(self.subject("cancel"), self.held.on_cancel)
         await self.bus.subscribe(self.subject("routers", "*", "heartbeat"), self._on_heartbeat)
         self.bus.on_reconnect(self._on_reconnect)
         self._loops = [
             asyncio.create_task(self._load_loop(), name="load-reports"),
             asyncio.create_task(self._events_loop(), name="kv-events"),
-            asyncio.create_task(self._routers_loop(), name="router-liveness"),
+            asyncio.create_task(
+                self.held.sweep(lambda: self.bus.connected), name="router-liveness"
+            ),
         ]
         log.info("transfer engine ready", transport=self.transport, endpoint=transfer.endpoint)
 
@@ -281,44 +259,6 @@ class WorkerCore:
                 put = _pool_put(self.pool, keys, request_id, tracing.now())
                 self.bus.spawn(put, name="pool-write-back")
 
-    # --- cancels ---------------------------------------------------------------------------
-
-    def hold(self, key: str, router: str, task: asyncio.Task) -> None:
-        """`task` serves request `key` (routers.request_key) for `router`, until `release`."""
-        self._active[key] = Held(task, router)
-
-    def release(self, key: str) -> None:
-        self._active.pop(key, None)
-
-    def serves(self, key: str) -> bool:
-        """Whether request `key` is held here (accepted, not yet ended)."""
-        return key in self._active
-
-    async def _on_cancel_msg(self, msg: Msg) -> None:
-        try:
-            cancel = CancelRequest.decode(msg.data)
-        except MessageError as e:
-            log.warning("bad cancel message", error=str(e))
-            return
-        await self.cancel(request_key(cancel.router, cancel.request_id), cancel.reason)
-
-    async def cancel(self, key: str, reason: str) -> None:
-        """Drop request `key` if this worker serves it: its task is cancelled, and the task's
-        own cleanup aborts it in the engine (freeing its pages) and ends its stream."""
-        held = self._active.get(key)
-        if held is not None:
-            with request_context(key):
-                log.info("request cancelled", reason=reason)
-            held.task.cancel()
-        else:
-            self._cancelled[key] = None
-            while len(self._cancelled) > _CANCELLED_KEPT:
-                self._cancelled.popitem(last=False)
-
-    def was_cancelled(self, key: str) -> bool:
-        """True if a cancel for request `key` came before the request registered here."""
-        return self._cancelled.pop(key, False) is None
-
     # --- routers' liveness (router_watch.py) ----------------------------------------------
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -330,48 +270,7 @@ class WorkerCore:
     async def _on_reconnect(self) -> None:
         self.routers.reconnected_at = time.monotonic()
 
-    async def _routers_loop(self) -> None:
-        """Cancel every request whose router has gone silent past its timeout."""
-        while True:
-            now = await self.routers.pause(_ROUTER_SWEEP_S)  # our own stall blames no one
-            if not self.bus.connected:  # we hear no one now: nobody is to blame
-                continue
-            for key, held in list(self._active.items()):
-                quiet = self.routers.silent(held.router, held.since, now)
-                if quiet is not None and not held.task.done() and not held.task.cancelling():
-                    await self.cancel(key, f"router {held.router} silent for {quiet:.1f}s (gone)")
-
     # --- load reports and KV events --------------------------------------------------------
-
-    def count_output_tokens(self, n: int) -> None:
-        self._tokens_out += n
-
-    def load_report(self, interval: float) -> LoadReport:
-        core = self.engine_core
-        scheduler = core.scheduler
-        report = LoadReport(
-            worker=self.config.service_id,
-            role=self.role,
-            model_id=self.model_id,
-            page_size=self.config.page_size,
-            kv_dtype=self.kv_dtype,
-            waiting=scheduler.num_waiting,
-            running=scheduler.num_running,
-            waiting_prefill_tokens=self.queued_prompt_tokens,
-            free_pages=scheduler.num_free_pages,
-            total_pages=core.kv_cache.num_pages,
-            tokens_per_s=self._tokens_out / interval,
-            max_model_len=self.max_model_len,
-            timestamp=time.time(),
-            instance=self.instance,
-            max_running=self.config.max_num_seqs,
-            queue_time_s=scheduler.oldest_wait(time.monotonic()),
-            prompt_tokens_per_s=self.prompt_tokens_in / interval,
-            ttft_p90_s=self.ttft.quantile(0.9),
-            itl_p90_s=self.itl.quantile(0.9),
-        )
-        self._tokens_out = self.prompt_tokens_in = 0
-        return report
 
     async def _load_loop(self) -> None:
         subject = self.subject("workers", self.role, self.config.service_id, "load")
@@ -379,7 +278,9 @@ class WorkerCore:
         while True:
             started = time.monotonic()
             try:
-                await self.bus.publish(subject, self.load_report(interval))
+                report = self.load.report(self.engine_core, self.model_id, self.kv_dtype,
+                                          self.max_model_len, interval)  # fmt: skip
+                await self.bus.publish(subject, report)
             except Exception as e:  # NATS down: the next report goes when it is back
                 log.debug("load report not sent", error=str(e))
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))

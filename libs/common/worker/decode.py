@@ -74,7 +74,7 @@ class DecodeRole:
                 params = sampling_params(req.sampling)
             except ValueError as e:
                 raise HandlerError(400, f"sampling: {e}") from None
-            if core.serves(key):
+            if core.held.serves(key):
                 raise HandlerError(409, f"request {req.request_id} is already running here")
             limit = self.max_queue_delay
             wait = self.backlog.expected_wait(len(req.token_ids))
@@ -94,16 +94,15 @@ class DecodeRole:
                 run = self._run_disaggregated(req, pages, held)
             else:
                 run = self._run_local(req, params)
-            if core.was_cancelled(key):  # the router gave up while we reserved
+            if core.held.was_cancelled(key):  # the router gave up while we reserved
                 if pages:
                     await core.engine.abort(key)
                 raise HandlerError(499, "request cancelled before it was accepted")
-            core.queued_prompt_tokens += len(req.token_ids)
-            core.prompt_tokens_in += len(req.token_ids)
+            core.load.prompt_accepted(len(req.token_ids))
             self.backlog.add(len(req.token_ids))
             task = core.bus.spawn(self._guard(req, run), name=f"decode-{key}")
-            core.hold(key, req.router, task)
-            task.add_done_callback(lambda _t: core.release(key))
+            core.held.hold(key, req.router, task)
+            task.add_done_callback(lambda _t: core.held.release(key))
             log.info("request accepted", prompt_tokens=len(req.token_ids), pages=len(pages),
                      prefill_worker=req.prefill_worker if pages else "self",
                      continued_after=len(req.generated))  # fmt: skip
@@ -127,7 +126,7 @@ class DecodeRole:
             nonlocal counted
             if not counted:
                 counted = True
-                self.core.queued_prompt_tokens -= len(req.token_ids)
+                self.core.load.prompt_started(len(req.token_ids))
                 self.backlog.done(len(req.token_ids))
 
         with (
@@ -219,7 +218,7 @@ class DecodeRole:
             last = time.monotonic() if ids else last
             first = False
             generated += out.token_ids
-            self.core.count_output_tokens(len(ids))
+            self.core.load.count_output_tokens(len(ids))
             if ids or text:
                 await stream.add(ids, text, lps, logprobs_wire(out.prompt_logprobs))
             if out.finished:
@@ -254,6 +253,6 @@ def _observe_latency(
     token 0 from the prefill worker: no interval of this worker's)."""
     now = time.monotonic()
     if first:
-        core.ttft.add(now - arrived)
+        core.load.ttft.add(now - arrived)
     elif tokens and last > arrived:
-        core.itl.add((now - last) / tokens, weight=tokens)
+        core.load.itl.add((now - last) / tokens, weight=tokens)

@@ -76,7 +76,7 @@ class PrefillRole:
         ]
 
     async def _status(self, req: RequestStatus) -> RequestStatusReply:
-        active = self.core.serves(request_key(req.router, req.request_id))
+        active = self.core.held.serves(request_key(req.router, req.request_id))
         return RequestStatusReply(request_id=req.request_id, active=active)
 
     async def _prefill(self, req: PrefillRequest) -> PrefillResult:
@@ -92,9 +92,8 @@ class PrefillRole:
             task = asyncio.current_task()
             if task is None:  # a handler runs in a task; held, a cancel can reach it
                 raise RuntimeError("prefill handler called outside a task")
-            core.hold(key, req.router, task)
-            core.queued_prompt_tokens += len(req.token_ids)
-            core.prompt_tokens_in += len(req.token_ids)
+            core.held.hold(key, req.router, task)
+            core.load.prompt_accepted(len(req.token_ids))
             try:
                 async with asyncio.timeout(req.timeout):
                     return await self._compute_and_send(req, params, remote)
@@ -105,14 +104,14 @@ class PrefillRole:
             except TransferError as e:
                 raise HandlerError(502, f"KV transfer to {req.decode_worker} failed: {e}") from None
             finally:
-                core.queued_prompt_tokens -= len(req.token_ids)
+                core.load.prompt_started(len(req.token_ids))
                 try:
                     if core.started:  # frees its pages; full ones stay cached
                         await core.engine.abort(key)
                 finally:
                     # Active until the reply goes: the abort waits for the engine's lock (a
                     # step), and a status probe meanwhile must not call the request lost.
-                    core.release(key)
+                    core.held.release(key)
 
     async def _compute_and_send(
         self, req: PrefillRequest, params: SamplingParams, remote: RegionDescriptor
@@ -159,7 +158,7 @@ class PrefillRole:
         cached = {"device": last.num_cached_tokens - pool_tokens, "pool": pool_tokens}
         tracing.annotate(**{f"cached_tokens.{k}": v for k, v in cached.items()})
         finished = last.finish_reason is not None
-        core.count_output_tokens(1)
+        core.load.count_output_tokens(1)
         tracing.event("token 0 published")
         await core.bus.publish(
             req.stream_subject,
@@ -180,7 +179,7 @@ class PrefillRole:
                 else None,
             ),
         )
-        core.ttft.add(time.monotonic() - arrived)  # its first token is out
+        core.load.ttft.add(time.monotonic() - arrived)  # its first token is out
         kv_mac = ""
         if not finished:
             page_table = last.page_table or []
