@@ -20,6 +20,7 @@ import time
 import aiohttp
 import pytest
 
+from libs.common.bus.connection import settle
 from libs.common.messages.control import InfoRequest, RouterHeartbeat, ServiceInfo
 from libs.common.messages.mounts import (
     PoolMount,
@@ -186,6 +187,7 @@ async def test_forged_router_heartbeats_cancel_no_ones_stream(hostile: Hostile, 
     stream = asyncio.create_task(_stream(hostile, 256, started))
     await asyncio.wait_for(started.wait(), 120)  # the workers hold the request
     sub = await nc.subscribe(subject, cb=echo)
+    await settle(nc)  # the router beats on its own connection
     try:
         beat = RouterHeartbeat(router="evil", service_id="evil", interval=0.1, timeout=0.5,
                                timestamp=time.time())  # fmt: skip

@@ -11,6 +11,7 @@ import time
 
 import nats
 
+from libs.common.bus.connection import settle
 from libs.common.messages.control import RouterHeartbeat
 from services.router.dispatch.beat_process import Beater, Settings
 
@@ -35,7 +36,7 @@ async def test_beats_pause_after_max_stall_without_ticks_resume_and_end_with_the
     read_end, write_end = os.pipe()
     try:
         await nc.subscribe(SUBJECT, cb=on_beat)
-        await nc.flush()
+        await settle(nc)  # the beater publishes on its own connection
         task = asyncio.create_task(Beater(settings, read_end).run())
         os.write(write_end, b".")
         await asyncio.wait_for(new_beat.wait(), 30)  # connected and beating

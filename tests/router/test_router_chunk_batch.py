@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from libs.common.bus.connection import Bus
+from libs.common.bus.connection import Bus, settle
 from libs.common.messages.control import (
     MessageError,
     TokenChunk,
@@ -65,7 +65,7 @@ async def test_one_step_of_many_streams_is_one_message_fanned_out_in_order(nats_
             seen.append(msg.data)
 
         await router.nc.subscribe(table.batch_subject, cb=count)
-        await router.nc.flush()
+        await settle(router.nc)  # the worker publishes: one flush is not enough
         batcher = ChunkBatcher(worker, "w")
         streams = [
             TokenStream(

@@ -17,6 +17,7 @@ import nats
 import openai
 import pytest
 
+from libs.common.bus.connection import settle
 from libs.common.engine.load.source import load_tokenizer
 from libs.common.messages.control import CancelRequest, LoadReport
 from services.router.api import openapi
@@ -159,6 +160,7 @@ async def test_client_disconnect_cancels_the_request_on_the_workers(cluster, mod
 
     await nc.subscribe("tandem.cancel", cb=on_cancel)
     await nc.subscribe("tandem.workers.decode.d1.load", cb=on_load)
+    await settle(nc)  # the router and d1 publish on their own connections
     body = {"model": "default", "prompt": "Tell a long story.", "max_tokens": 1000,
             "stream": True, "ignore_eos": True}  # fmt: skip
     try:
