@@ -290,6 +290,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=60.0,
         help="seconds of less before one worker goes",
     )
+    ap.add_argument(
+        "--flow-window",
+        type=float,
+        default=600.0,
+        help="the planner's --flow-window: seconds of arrivals whose peak caps decode's flow "
+        "count (0: decode planned for prefill flat out, the planner before)",
+    )
     ap.add_argument("--dt", type=float, default=0.05, help="simulation tick, seconds")
     ap.add_argument(
         "--believed-speedup",
@@ -313,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     cap = capacity_of(measured)
     bounds = {"min_workers": {"prefill": args.min, "decode": args.min},
               "max_workers": {"prefill": args.max, "decode": args.max}}  # fmt: skip
-    targets = Targets(args.ttft_s, args.itl_s, **bounds, startup_s=args.startup)
+    targets = Targets(args.ttft_s, args.itl_s, **bounds, startup_s=args.startup,
+                      flow_window_s=args.flow_window)  # fmt: skip
     report = {
         "capacity": measured,
         "slo": {"ttft_s": args.ttft_s, "itl_s": args.itl_s},

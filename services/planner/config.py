@@ -36,6 +36,12 @@ class PlannerConfig(CommonConfig):
         default=10.0,
         metadata={"help": "seconds from asking for a worker to its first request served"},
     )
+    flow_window: float = field(
+        default=600.0,
+        metadata={"help": "seconds of arrivals whose peak (averaged over --startup) caps the "
+                  "decode workers kept for what prefill hands over; until the planner has "
+                  "seen this long, and with 0 always, decode is planned for prefill flat out"},
+    )  # fmt: skip
     utilization: float = field(
         default=0.6, metadata={"help": "plan each prefill worker busy this fraction at most"}
     )
@@ -100,6 +106,7 @@ class PlannerConfig(CommonConfig):
             require_positive(self, name)
         require_range(self, "utilization", 0.05, 1.0)
         require_range(self, "scale_down_after", 0.0, 86400.0)
+        require_range(self, "flow_window", 0.0, 86400.0)
         require_range(self, "decode_step_per_seq_ms", 0.0, 10_000.0)
         for role in ("prefill", "decode"):
             low, high = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
@@ -121,6 +128,7 @@ class PlannerConfig(CommonConfig):
             mean_prompt_tokens=self.mean_prompt_tokens,
             mean_output_tokens=self.mean_output_tokens,
             startup_s=self.startup,
+            flow_window_s=self.flow_window,
         )
 
     @property

@@ -38,7 +38,16 @@ the step time. Two counts and the pages, the planner takes the largest:
   requests a second, each `mean_output_tokens`
   steps long. A worker given `f / d` of them a second holds a batch `b` with
   `b = (f / d) * out * (base + per_seq * b)` (Little's law), its step within the SLO
-  while `d >= f * out * per_seq / (1 - base / itl)`;
+  while `d >= f * out * per_seq / (1 - base / itl)`. Prefill sized for queueing (long
+  prompts, the Erlang C count) is seldom flat out, so once the planner has seen
+  `flow_window_s` of arrivals, `f` is at most their peak (`ArrivalPeak`: prompt tokens a
+  second averaged over `startup_s`, the highest of the window): decode is sized for the
+  largest burst of the window, not for a flat-out prefill that never comes. A larger
+  burst than any of the window is met by the counts above as it arrives (prompts being
+  prefilled count in `now`). The cap rests on the capacity model: once a decode worker
+  observes its ITL p90 past the SLO, the model is not trusted with it again (the planner
+  logs it once; re-measure, then restart the planner). `flow_window_s = 0`: always flat
+  out;
 - slow: the time between tokens the workers observed (p90) past the ITL SLO: one more
   worker than those reporting (as `late` for prefill).
 
@@ -49,6 +58,7 @@ Scaling up happens at once; scaling down waits until the smaller count has been 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -142,6 +152,7 @@ class Targets:
     late_share: float = 0.05  # of prompts planned to wait past the budget: half a p90's 10%
     max_page_use: float = 0.9
     startup_s: float = 10.0  # from asking for a worker to its first request served
+    flow_window_s: float = 600.0  # arrivals whose peak caps decode's flow count (0: none)
 
     def clamp(self, role: str, n: int) -> int:
         return max(self.min_workers[role], min(self.max_workers[role], n))
@@ -188,10 +199,16 @@ def prefill_needed(load: RoleLoad, cap: Capacity, t: Targets) -> int:
     return t.clamp("prefill", max(keep_up, queueing, drain, behind, late))
 
 
-def decode_flow_needed(prefill_workers: int, cap: Capacity, t: Targets) -> int:
+def decode_flow_needed(
+    prefill_workers: int, cap: Capacity, t: Targets, peak_tokens_per_s: float | None = None
+) -> int:
     """The fewest decode workers that keep the ITL SLO under all the requests a second
-    `prefill_workers` computing at full speed hand over (see the module doc)."""
-    flow = prefill_workers * cap.prefill_tokens_per_s / t.mean_prompt_tokens
+    `prefill_workers` computing at full speed hand over, or only those of the arrivals'
+    peak (prompt tokens a second) when it is known and lower (see the module doc)."""
+    tokens_per_s = prefill_workers * cap.prefill_tokens_per_s
+    if peak_tokens_per_s is not None:
+        tokens_per_s = min(tokens_per_s, peak_tokens_per_s)
+    flow = tokens_per_s / t.mean_prompt_tokens
     room = 1 - cap.decode_step_base_s / t.itl_s
     if room <= 0:
         return t.max_workers["decode"]
@@ -199,15 +216,21 @@ def decode_flow_needed(prefill_workers: int, cap: Capacity, t: Targets) -> int:
 
 
 def decode_needed(
-    load: RoleLoad, cap: Capacity, t: Targets, incoming: int = 0, prefill_workers: int = 0
+    load: RoleLoad,
+    cap: Capacity,
+    t: Targets,
+    incoming: int = 0,
+    prefill_workers: int = 0,
+    peak_tokens_per_s: float | None = None,
 ) -> int:
     """The fewest decode workers whose batch keeps the step within the ITL SLO, with seats
     and pages for every running and waiting sequence, and the `incoming` ones (prompts
     prefill workers compute now: they reach decode sooner than a new worker starts), and
-    for what `prefill_workers` can hand over."""
+    for what `prefill_workers` can hand over (at most the arrivals' peak, when known)."""
     sequences = load.running + load.waiting + incoming
     per_worker = cap.batch_within(t.itl_s * t.itl_headroom)
-    by_itl = max(math.ceil(sequences / per_worker), decode_flow_needed(prefill_workers, cap, t))
+    flow = decode_flow_needed(prefill_workers, cap, t, peak_tokens_per_s)
+    by_itl = max(math.ceil(sequences / per_worker), flow)
     by_pages = 0
     if load.total_pages and load.workers:
         pages_per_worker = load.total_pages / load.workers
@@ -217,12 +240,45 @@ def decode_needed(
     return t.clamp("decode", max(by_itl, by_pages, queued, slow))
 
 
-def needed(loads: dict[str, RoleLoad], cap: Capacity, t: Targets) -> dict[str, int]:
+def needed(
+    loads: dict[str, RoleLoad], cap: Capacity, t: Targets, peak_tokens_per_s: float | None = None
+) -> dict[str, int]:
     """The worker count each role needs for these loads (before hysteresis)."""
     prefill = loads["prefill"]
     n = prefill_needed(prefill, cap, t)
-    return {"prefill": n, "decode": decode_needed(loads["decode"], cap, t, prefill.running,
-                                                  max(n, prefill.workers))}  # fmt: skip
+    decode = decode_needed(loads["decode"], cap, t, prefill.running, max(n, prefill.workers),
+                           peak_tokens_per_s)  # fmt: skip
+    return {"prefill": n, "decode": decode}
+
+
+@dataclass
+class ArrivalPeak:
+    """The highest arrival rate of the last `window_s`: prompt tokens a second (the prefill
+    workers' reports summed, one sample a decision), averaged over `over_s`, the highest
+    such mean in the window. `peak` is None until the samples span `window_s`: a planner
+    just started has not seen the traffic's bursts yet, and plans for prefill flat out."""
+
+    window_s: float
+    over_s: float
+    _recent: deque[tuple[float, float]] = field(default_factory=deque)  # (at, rate)
+    _means: deque[tuple[float, float]] = field(default_factory=deque)  # (at, mean)
+    _first: float | None = None
+
+    def add(self, now: float, tokens_per_s: float) -> None:
+        if self._first is None:
+            self._first = now
+        self._recent.append((now, tokens_per_s))
+        while self._recent[0][0] < now - self.over_s:
+            self._recent.popleft()
+        mean = sum(rate for _, rate in self._recent) / len(self._recent)
+        self._means.append((now, mean))
+        while self._means[0][0] < now - self.window_s:
+            self._means.popleft()
+
+    def peak(self, now: float) -> float | None:
+        if self.window_s <= 0 or self._first is None or now - self._first < self.window_s:
+            return None
+        return max(mean for _, mean in self._means)
 
 
 @dataclass
@@ -251,6 +307,7 @@ class Decision:
     counts: dict[str, int]  # what each role should run now (after hysteresis)
     needed: dict[str, int]  # what the loads alone ask for
     loads: dict[str, RoleLoad]
+    peak_tokens_per_s: float | None = None  # the arrivals' peak capping decode's flow count
 
 
 @dataclass
@@ -260,10 +317,21 @@ class Planner:
     capacity: Capacity
     targets: Targets
     hysteresis: Hysteresis
+    arrivals: ArrivalPeak = field(init=False)
+    # When a decode worker first observed its ITL p90 past the SLO: from then on the
+    # arrivals' peak no longer caps decode's flow count (it rests on the capacity model).
+    decode_model_wrong_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.arrivals = ArrivalPeak(self.targets.flow_window_s, self.targets.startup_s)
 
     def decide(
         self, reports: Iterable[LoadReport], current: dict[str, int], now: float
     ) -> Decision:
         loads = loads_by_role(reports)
-        want = needed(loads, self.capacity, self.targets)
-        return Decision(self.hysteresis.decide(current, want, now), want, loads)
+        self.arrivals.add(now, loads["prefill"].prompt_tokens_per_s)
+        if self.decode_model_wrong_at is None and loads["decode"].itl_p90_s > self.targets.itl_s:
+            self.decode_model_wrong_at = now
+        peak = self.arrivals.peak(now) if self.decode_model_wrong_at is None else None
+        want = needed(loads, self.capacity, self.targets, peak)
+        return Decision(self.hysteresis.decide(current, want, now), want, loads, peak)

@@ -48,6 +48,7 @@ class PlannerService(BaseService):
             "prefill_workers": counts.get("prefill", -1),
             "decode_workers": counts.get("decode", -1),
             "decisions": self.decisions,
+            "flow_capped_by_arrivals": self.planner.decode_model_wrong_at is None,
         }
 
     async def on_start(self) -> None:
@@ -98,8 +99,16 @@ class PlannerService(BaseService):
                         "prompt_tokens_per_s": round(load.prompt_tokens_per_s, 1)}
                  for role, load in decision.loads.items()}  # fmt: skip
         changed = decision.counts != self.counts
+        peak = decision.peak_tokens_per_s
+        if self.planner.decode_model_wrong_at == now and self.config.flow_window > 0:
+            itl = decision.loads["decode"].itl_p90_s
+            log.warning("decode ITL past the SLO: decode's flow count no longer trusts the "
+                        "capacity model's arrivals peak (prefill flat out from now on); "
+                        "re-measure the capacity (python -m bench.plan --measure) and "
+                        "restart the planner", itl_p90_s=itl)  # fmt: skip
         log.info("planner decision", counts=decision.counts, needed=decision.needed,
-                 loads=loads, changed=changed)  # fmt: skip
+                 loads=loads, changed=changed,
+                 arrival_peak_tokens_per_s=None if peak is None else round(peak, 1))  # fmt: skip
         if changed or self.actuator.name == "local":  # local: also replaces exited workers
             await self.actuator.apply(decision.counts, live)
         self.counts = decision.counts

@@ -6,6 +6,7 @@ import pytest
 
 from libs.common.messages.control import LoadReport
 from services.planner.policy import (
+    ArrivalPeak,
     Capacity,
     Hysteresis,
     Planner,
@@ -99,6 +100,56 @@ def test_decode_is_ready_for_what_the_prefill_workers_can_hand_over():
     assert decode_needed(RoleLoad(workers=1), CAP, t, prefill_workers=4) == 5
     slow = Capacity(1000.0, decode_step_base_s=0.2, decode_step_per_seq_s=0.0, decode_seats=8)
     assert decode_flow_needed(1, slow, t) == 8  # a step alone passes the SLO: the most
+
+
+def test_the_flow_count_is_capped_by_the_arrivals_peak_once_known():
+    t = Targets(ttft_s=2.0, itl_s=0.1, mean_prompt_tokens=200.0, mean_output_tokens=100.0,
+                max_workers={"prefill": 8, "decode": 8})  # fmt: skip
+    # 4 prefill workers flat out would hand over 20 requests/s (5 decode workers); the
+    # arrivals never passed 1,000 tokens/s (5 requests/s): 2 are enough for those.
+    assert decode_flow_needed(4, CAP, t, peak_tokens_per_s=1000.0) == 2
+    assert decode_needed(RoleLoad(workers=1), CAP, t, prefill_workers=4,
+                         peak_tokens_per_s=1000.0) == 2  # fmt: skip
+    # a peak above what prefill can compute changes nothing: prefill is the bound
+    assert decode_flow_needed(4, CAP, t, peak_tokens_per_s=1e6) == 5
+    assert decode_flow_needed(4, CAP, t, peak_tokens_per_s=None) == 5
+
+
+def test_arrival_peak_is_unknown_until_the_window_is_seen_then_the_highest_mean():
+    arrivals = ArrivalPeak(window_s=60.0, over_s=10.0)
+    for at in range(0, 60, 2):  # 30 s at 100 tokens/s, then 10 s at 1,000, then 100 again
+        arrivals.add(float(at), 1000.0 if 30 <= at < 40 else 100.0)
+        assert arrivals.peak(float(at)) is None  # 0-58 s: not a whole window yet
+    arrivals.add(60.0, 100.0)
+    # the highest mean over 10 s: the samples 30-38 and 40 (2 s apart, 10 s inclusive)
+    assert arrivals.peak(60.0) == pytest.approx((5 * 1000.0 + 100.0) / 6)
+    # the burst leaves the window 60 s after it: the peak falls back to the quiet rate
+    for at in range(62, 112, 2):
+        arrivals.add(float(at), 100.0)
+    assert arrivals.peak(110.0) == pytest.approx(100.0)
+    assert ArrivalPeak(window_s=0.0, over_s=10.0).peak(1e6) is None  # 0: never learned
+
+
+def test_planner_sizes_decode_for_the_bursts_it_has_seen():
+    t = Targets(ttft_s=2.0, itl_s=0.1, mean_prompt_tokens=200.0, mean_output_tokens=100.0,
+                max_workers={"prefill": 8, "decode": 8}, flow_window_s=20.0)  # fmt: skip
+    plan = Planner(CAP, t, Hysteresis(0.0))
+    current = {"prefill": 4, "decode": 5}
+    reports = [report("prefill", f"p{i}", prompt_tokens_per_s=250.0) for i in range(4)]
+    first = plan.decide([*reports, report("decode", "d1")], current, 0.0)
+    assert first.peak_tokens_per_s is None and first.needed["decode"] == 5  # flat out
+    for at in range(2, 22, 2):
+        out = plan.decide([*reports, report("decode", "d1")], current, float(at))
+    assert out.peak_tokens_per_s == pytest.approx(1000.0)
+    assert out.needed["decode"] == 2
+    # A decode worker saw its ITL p90 past the SLO: the capacity model under-sized decode,
+    # and the peak (which rests on it) caps nothing from then on.
+    slow = report("decode", "d1", itl_p90_s=0.15)
+    out = plan.decide([*reports, slow], current, 22.0)
+    assert plan.decode_model_wrong_at == 22.0
+    assert out.peak_tokens_per_s is None and out.needed["decode"] == 5
+    out = plan.decide([*reports, report("decode", "d1")], current, 200.0)
+    assert out.peak_tokens_per_s is None and out.needed["decode"] == 5
 
 
 def test_observed_latency_past_the_slo_adds_a_worker_to_those_reporting():
