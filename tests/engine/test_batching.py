@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from libs.common.engine.core.sampling_params import SamplingParams
-from tests.engine.conftest import run_to_end
+from libs.common.engine.model.quant.native import library
+from tests.engine.conftest import run_to_end, run_with_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -85,3 +86,33 @@ def test_preempted_requests_give_the_same_tokens(make_core, prompts, alone):
     out = run_to_end(core)
     assert sum(s.num_preemptions for s in seqs) > 0, "the pool was meant to force a preemption"
     assert [out[str(i)] for i in picked] == [alone[i] for i in picked]
+
+
+def test_a_stream_scores_the_same_bits_alone_beside_others_and_from_the_cache(make_core, prompts):
+    """Where int16 panels multiply (AVX2, AVX-512 builds) a row's product has the same bits
+    in any batch, 1 row to a prefill of thousands (quant/x16_products.h), so a greedy
+    stream's log-probabilities, not only its tokens, are the same whatever shares its
+    steps, with its prompt computed cold or found in the prefix cache: a near-tie between
+    two tokens resolves alike under any load."""
+    if not library()[0].tq_panel_products():
+        pytest.skip("this build multiplies 1-4 rows and batches by different summations")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+
+    def scores(core, batch: list[list[int]], rid: str) -> list:
+        core.add(rid, batch[0], params)
+        for i, ids in enumerate(batch[1:]):
+            core.add(f"{rid}-other{i}", ids, params)
+        return run_with_logprobs(core)[1][rid]
+
+    target = prompts[9]  # 90 tokens
+    native = {"kernel_choice": "native"}
+    alone = scores(make_core(enable_prefix_cache=False, speculation="off", **native), [target], "a")
+    beside = scores(make_core(enable_prefix_cache=False, **native), [target, *prompts[:6]], "b")
+    assert len(alone) == NEW_TOKENS and beside == alone
+    core = make_core(**native)
+    assert scores(core, [target], "cold") == alone
+    core.add("hit", target, params)
+    seq = core.scheduler.get("hit")
+    cached = run_with_logprobs(core)[1]["hit"]
+    assert seq.num_cached_tokens >= 64, "expected a prefix-cache hit"
+    assert cached == alone

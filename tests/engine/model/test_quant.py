@@ -180,7 +180,8 @@ def test_16_bit_activations_cost_under_1e4_of_the_fp32_product():
 def test_a_row_computes_the_same_bits_alone_or_in_any_batch_of_its_class(kind):
     """Up to GEMV_ROWS rows (a decode step of a few streams) a row's result has the same
     bits alone or beside others, and so has it among 5 or more rows (int16 panels, or fp32
-    tiles on x rounded the same way); the two classes agree to summation order."""
+    tiles on x rounded the same way); the two classes agree to summation order, and to the
+    bit where int16 panels multiply the format (the test below)."""
     w, _ = weight(kind, 70, 512)
     x = torch.randn(40, 512)
     few, many = QuantLinear(w)(x[: QuantLinear.GEMV_ROWS]), QuantLinear(w)(x)
@@ -212,12 +213,15 @@ PANEL_VARIANTS = ("avx512vnni", "avx512", "avx2")  # int16 panels: 512-bit, and 
 
 @pytest.mark.parametrize("variant", PANEL_VARIANTS)
 @pytest.mark.parametrize("kind", PANEL_FORMATS)
-def test_with_int16_panels_a_prefill_row_has_the_bits_of_a_decode_batch_row(
+def test_with_int16_panels_a_row_has_the_same_bits_from_1_row_to_a_2000_row_prefill(
     kind, variant, monkeypatch
 ):
     """The AVX-512 and AVX2 builds multiply any batch of 5+ rows in int16 panels (512- or
-    256-bit): a row of a 2,000-row prefill has the same bits as in a decode batch of 5
-    (chunked = unchunked), and the products are gguf-py's weights times x rounded."""
+    256-bit), and 1-16 rows (tq_gemv: a decode step of a few streams, the fused decode
+    layer) 8 weight rows a pass with the panels' exact block sums and their fp32 steps: a
+    row of a 2,000-row prefill has the same bits as in a decode step of 1, 3 or 16 rows
+    (chunked = unchunked, a stream's tokens independent of the streams beside it), and the
+    products are gguf-py's weights times x rounded."""
     if not VARIANTS[variant][1] <= cpu_flags():
         pytest.skip(f"this CPU cannot run the {variant} build")
     monkeypatch.setenv("TANDEM_KERNELS", variant)  # QuantLinear takes the forced build
@@ -228,8 +232,16 @@ def test_with_int16_panels_a_prefill_row_has_the_bits_of_a_decode_batch_row(
     x = torch.randn(2000, 512)
     x[:, ::61] *= 30
     wide = QuantLinear(w)(x)
-    for start, size in ((0, 5), (7, 9), (1990, 10), (600, 130)):
+    for start, size in ((0, 5), (7, 9), (1990, 10), (600, 130), (0, 1), (1999, 1), (40, 3),
+                        (61, 4)):  # fmt: skip
         assert torch.equal(QuantLinear(w)(x[start : start + size]), wide[start : start + size])
+    lib = library()[0]
+    for start, size in ((100, 7), (1984, 16)):  # tq_gemv past GEMV_ROWS (the decode layer)
+        y = torch.empty(size, 70)
+        part = x[start : start + size].contiguous()
+        rc = lib.tq_gemv(w.type_id, w.data.data_ptr(), w.data.stride(0), 70, 512,
+                         part.data_ptr(), size, y.data_ptr(), 70)  # fmt: skip
+        assert rc == 0 and torch.equal(y, wide[start : start + size]), (start, size)
     assert relative(wide, expected(kind, x, ref)) < 3e-5  # the worst of 140,000 values
 
 

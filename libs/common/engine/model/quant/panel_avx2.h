@@ -17,7 +17,8 @@
  *
  * A row of x takes the same sequence of operations whatever the rows beside it: its
  * result has the same bits in a batch of 5 or of 2,000 (a chunked prefill equals an
- * unchunked one), and differs from tq_gemv's (up to 4 rows) by fp32 summation order. */
+ * unchunked one), and in tq_gemv's 1-16 rows, whose fp32 steps per block are these
+ * (x16_products.h, gemv_cols_qx). */
 #if defined(TQ_QX) && defined(__AVX2__) && !defined(__AVX512BW__)
 #define TQ_PANEL 1
 #define TQ_PANEL_256 1
@@ -25,24 +26,6 @@
 #define PM 3 /* rows of x a tile */
 #endif
 #define PN 16 /* columns a panel and a tile: two vectors of 8 */
-
-/* A block of one weight row -> its 32 weights as int16 in two vectors: pairs 0-7 and
- * pairs 8-15 (lane p of the 8 int32 lanes: weights 2p and 2p + 1). */
-static inline void block_i16_avx2(int type, const uint8_t *blk, __m256i *lo, __m256i *hi) {
-    if (type == TQ_Q8_0) {
-        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
-        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
-        return;
-    }
-    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (type == TQ_Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, mask));
-    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), mask));
-    if (type == TQ_Q4_0) {
-        *lo = _mm256_sub_epi16(*lo, _mm256_set1_epi16(8));
-        *hi = _mm256_sub_epi16(*hi, _mm256_set1_epi16(8));
-    }
-}
 
 /* r[i] lane j -> r[j] lane i, for 8 vectors of 8 int32. */
 static inline void transpose8(__m256i r[8]) {

@@ -15,8 +15,9 @@
  *
  * A row of x takes the same sequence of operations whatever the rows beside it: a row's
  * result has the same bits in a batch of 5 or of 2,000 (a chunked prefill equals an
- * unchunked one). Against tq_gemv's products (up to 4 rows) it differs by fp32 summation
- * order only: both take x rounded to 16 bits a block and exact integer block sums. */
+ * unchunked one), and in tq_gemv's 1-16 rows, which take the same exact integer block
+ * sums through the same fp32 steps (x16_products.h, gemv_cols_qx): a decode stream's
+ * tokens do not depend on the streams beside it. */
 #if defined(TQ_QX) && defined(__AVX512BW__)
 #define TQ_PANEL 1
 #define PN 32 /* columns a panel: two vectors of 16 */

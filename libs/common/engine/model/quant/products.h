@@ -10,7 +10,9 @@ int tq_gemv(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, cons
             int m, float *y, int ldy) {
     const int bs = tq_block_size(type), bb = tq_block_bytes(type), nb = k / bs;
     if (bb == 0 || k % bs != 0 || m < 1 || m > TQ_MAX_ROWS) return -1;
-#ifdef TQ_QX
+#if defined(TQ_QX) && !defined(TQ_NEON)
+    if (small_block(type)) return gemv_cols_qx(type, w, row_bytes, n_out, k, x, m, y, ldy);
+#elif defined(TQ_QX)
     if (small_block(type)) return gemm_qx(type, w, row_bytes, n_out, k, x, m, y, ldy);
 #endif
 #ifdef TQ_KX

@@ -16,7 +16,8 @@
  *
  * Every row of x goes through the same sequence of operations whatever the number of
  * rows beside it (a decode step of 1 stream or of 100): a row's result has the same bits
- * in any batch. */
+ * in any batch. On x86, 1-16 rows (gemv_cols_qx) take a block's exact integer sum
+ * through the int16 panels' fp32 steps (5 rows or more): the same bits in both. */
 /* out = x rounded as quantize_x (below) rounds it, in fp32 (q * d per value): the wide products
  * (a prefill, dequantized weights times x through oneDNN) take this x, so that a row's
  * result differs between the wide and the integer paths by fp32 summation order only,
@@ -163,60 +164,6 @@ static inline __attribute__((always_inline)) void rows_dot_qx(
     }
     for (int t = 0; t < g; t++) out[t] = acc[t] + accm[t];
 }
-#else
-/* out[t] = row . x_t for g <= TQ_GROUP rows of quantized x (rows t0 .. t0 + g - 1): a
- * block at a time, its 32 weights as two 256-bit vectors of 16 int16. The block's two
- * fp16 scales convert in one instruction and multiply x's (d, s) pair in one: lane 0 is
- * the scale of the integer dot, lane 1 the min's term, summed in a vector. (On AVX-512
- * too: a loop taking two blocks per 512-bit register, their scales gathered, ran 30%
- * slower on the AMD EPYC host, whose 512-bit operations take two 256-bit slots.) */
-static inline __attribute__((always_inline)) void rows_dot_qx(
-    int type, const uint8_t *row, int nb, int bb, const tq_xq_t *xq, int t0, int g, float *out) {
-    __m256 acc[TQ_GROUP];
-    __m128 accm[TQ_GROUP];
-    for (int t = 0; t < g; t++) {
-        acc[t] = _mm256_setzero_ps();
-        accm[t] = _mm_setzero_ps();
-    }
-    /* (d, m) from the block's first 4 bytes; Q4_0's "min" is -8 d, Q8_0 has none */
-    const __m128 mul = type == TQ_Q4_0 ? _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f)
-                                       : _mm_setr_ps(1.0f, type == TQ_Q4_1 ? 1.0f : 0.0f, 0.0f, 0.0f);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + (size_t)b * bb;
-        int32_t head;
-        memcpy(&head, blk, 4);
-        __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(head));
-        if (type != TQ_Q4_1) dm = _mm_shuffle_ps(dm, dm, 0); /* (d, d): quants follow d */
-        dm = _mm_mul_ps(dm, mul);
-        __m256i lo, hi;
-        if (type == TQ_Q8_0) {
-            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
-            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
-        } else {
-            const __m256i bytes = _mm256_cvtepu8_epi16(
-                _mm_loadu_si128((const __m128i *)(blk + (type == TQ_Q4_1 ? 4 : 2))));
-            lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
-            hi = _mm256_srli_epi16(bytes, 4);
-        }
-        for (int t = 0; t < g; t++) {
-            const float *ds = xq->ds + ((size_t)(t0 + t) * xq->nbp + b) * 2;
-            const int16_t *xp = xq->q + (size_t)(t0 + t) * xq->kp + (size_t)b * 32;
-            const __m256i p = _mm256_add_epi32(
-                _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
-                _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
-            const __m128 sm = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)ds)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(sm), acc[t]);
-            accm[t] = _mm_add_ps(accm[t], sm);
-        }
-    }
-    for (int t = 0; t < g; t++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        out[t] = _mm_cvtss_f32(h) + _mm_cvtss_f32(_mm_shuffle_ps(accm[t], accm[t], 1));
-    }
-}
-#endif
 
 /* y = x W^T for a Q4_0 / Q4_1 / Q8_0 weight, any m, x quantized as above. */
 static int gemm_qx(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
@@ -242,4 +189,103 @@ static int gemm_qx(int type, const uint8_t *w, size_t row_bytes, int n_out, int 
     free(xq.q);
     return 0;
 }
+#else
+/* A block of one weight row -> its 32 weights as int16 in two vectors: pairs 0-7 and
+ * pairs 8-15 (lane p of the 8 int32 lanes: weights 2p and 2p + 1). */
+static inline void block_i16_avx2(int type, const uint8_t *blk, __m256i *lo, __m256i *hi) {
+    if (type == TQ_Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        return;
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (type == TQ_Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, mask));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), mask));
+    if (type == TQ_Q4_0) {
+        *lo = _mm256_sub_epi16(*lo, _mm256_set1_epi16(8));
+        *hi = _mm256_sub_epi16(*hi, _mm256_set1_epi16(8));
+    }
+}
+
+/* 8 vectors of 8 int32 -> one: lane c holds the sum of p[c]'s lanes (exact). */
+static inline __m256i hsum8x8(const __m256i p[8]) {
+    const __m256i t0 = _mm256_hadd_epi32(p[0], p[1]), t1 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i t2 = _mm256_hadd_epi32(p[4], p[5]), t3 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* out[t][c] = row c . x_t for 8 weight rows (`rows`) and g <= TQ_GROUP rows of quantized x
+ * (t0 .. t0 + g - 1), the 8 weight rows in the 8 lanes. A block's exact integer dot per
+ * lane, then its scales in fp32 exactly as the int16 panels (panel_avx2.h,
+ * panel_products.h) take them, y = fma(sum * dx, dw, y), then Q4_1's min term
+ * y = fma(mw, dx * sum(qx), y), Q4_0's nibbles centred: a row's result has the same bits
+ * here (1-16 rows of x) as in the panels (5 or more), so a decode stream's tokens do not
+ * depend on how many streams share its step, nor a prompt's on the prefix cache's split. */
+static inline __attribute__((always_inline)) void cols_dot_qx(
+    int type, const uint8_t *const rows[8], int nb, int bb, const tq_xq_t *xq, int t0, int g,
+    __m256 *out) {
+    __m256 acc[TQ_GROUP];
+    for (int t = 0; t < g; t++) acc[t] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i lo[8], hi[8];
+        uint16_t hd[8], hm[8];
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *blk = rows[c] + (size_t)b * bb;
+            block_i16_avx2(type, blk, &lo[c], &hi[c]);
+            memcpy(&hd[c], blk, 2);
+            memcpy(&hm[c], blk + 2, 2);
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hm));
+        for (int t = 0; t < g; t++) {
+            const int16_t *xp = xq->q + (size_t)(t0 + t) * xq->kp + (size_t)b * 32;
+            const float *ds = xq->ds + ((size_t)(t0 + t) * xq->nbp + b) * 2;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 16));
+            __m256i p[8];
+            for (int c = 0; c < 8; c++)
+                p[c] = _mm256_add_epi32(_mm256_madd_epi16(lo[c], x0), _mm256_madd_epi16(hi[c], x1));
+            const __m256 sum = _mm256_cvtepi32_ps(hsum8x8(p));
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(sum, _mm256_set1_ps(ds[0])), dw, acc[t]);
+            if (type == TQ_Q4_1) acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ds[1]), acc[t]);
+        }
+    }
+    for (int t = 0; t < g; t++) out[t] = acc[t];
+}
+
+/* y = x W^T for a Q4_0 / Q4_1 / Q8_0 weight, m <= TQ_MAX_ROWS, x quantized as above: 8
+ * output columns at a time (a short last group repeats its last column). */
+static int gemv_cols_qx(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                        const float *x, int m, float *y, int ldy) {
+    tq_xq_t xq;
+    if (quantize_x(x, m, k, &xq) != 0) return -2;
+    const int nb = k / 32, bb = tq_block_bytes(type), groups = (n_out + 7) / 8;
+#pragma omp parallel for schedule(static)
+    for (int gi = 0; gi < groups; gi++) {
+        const int n0 = gi * 8, nc = n_out - n0 < 8 ? n_out - n0 : 8;
+        const uint8_t *rows[8];
+        for (int c = 0; c < 8; c++) rows[c] = w + (size_t)(c < nc ? n0 + c : n_out - 1) * row_bytes;
+        for (int t0 = 0; t0 < m; t0 += TQ_GROUP) {
+            const int g = m - t0 < TQ_GROUP ? m - t0 : TQ_GROUP;
+            __m256 out[TQ_GROUP];
+            switch (g) { /* one copy of the loop per group size, its accumulators in registers */
+            case 1: cols_dot_qx(type, rows, nb, bb, &xq, t0, 1, out); break;
+            case 2: cols_dot_qx(type, rows, nb, bb, &xq, t0, 2, out); break;
+            case 3: cols_dot_qx(type, rows, nb, bb, &xq, t0, 3, out); break;
+            default: cols_dot_qx(type, rows, nb, bb, &xq, t0, 4, out); break;
+            }
+            for (int t = 0; t < g; t++) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, out[t]);
+                memcpy(y + (size_t)(t0 + t) * ldy + n0, lanes, sizeof(float) * nc);
+            }
+        }
+    }
+    free(xq.q);
+    return 0;
+}
+#endif
 #endif
