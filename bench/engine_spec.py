@@ -199,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: {len(batches)} batch(es) x {args.rounds} round(s) ...", file=sys.stderr)
         report[name] = compare(off, on, batches, params, args.rounds)
     report["verdicts"] = verdicts(report, streams)
+    # what a verified draft cost on this host (the policy's StepCosts, relative to a
+    # one-token step, by draft length): the ratios above follow it
+    report["step_costs"] = on.core.speculator.costs.stats() if on.core.speculator else None
     report["machine"].update(kernels_used(args.kernels))
     report["machine"]["loadavg_end"] = os.getloadavg()
     emit(report, args.json)

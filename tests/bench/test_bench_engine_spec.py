@@ -16,7 +16,9 @@ def test_speculation_off_and_on_make_the_same_tokens_and_every_figure_is_reporte
     assert engine.main(argv) == 0
     report = orjson.loads(capsys.readouterr().out)
     cases = ("one_stream", "one_stream_json_schema", "streams_2")
-    assert set(report) == {"machine", "config", *cases, "verdicts"}
+    assert set(report) == {"machine", "config", *cases, "verdicts", "step_costs"}
+    costs = report["step_costs"]  # the policy's measured costs by draft length
+    assert costs["relative"][0] == 1.0 and sum(costs["steps"]) > 0
     for case in cases:
         entry = report[case]
         assert entry["identical"] and entry["mismatches"] == [], case
