@@ -75,13 +75,17 @@ async def test_a_migrated_request_is_one_trace_with_both_attempts(cluster, recei
     def spans(name: str) -> list:
         return [s for s in list(receiver.spans) if s.name == name]
 
-    def done() -> bool:  # the survivor's last span is in
-        return any(s.attributes.get("tandem.continued_after", 0) > 0
-                   for s in spans("decode.request"))  # fmt: skip
+    def roots() -> list:
+        return [s for s in spans("POST /v1/completions")
+                if s.attributes.get("tandem.request_id") == label]  # fmt: skip
+
+    def done() -> bool:  # the survivor's last span and the router's root (which ends last,
+        # after its attempts: each process exports in its own batches) are in
+        return bool(roots()) and any(s.attributes.get("tandem.continued_after", 0) > 0
+                                     for s in spans("decode.request"))  # fmt: skip
 
     assert await receiver.wait_for(done)
-    root = next(s for s in spans("POST /v1/completions")
-                if s.attributes.get("tandem.request_id") == label)  # fmt: skip
+    root = roots()[0]
     trace = receiver.trace(root.trace_id)
     attempts = sorted((s for s in trace if s.name == "router.attempt"), key=lambda s: s.start_ns)
     assert len(attempts) >= 2
