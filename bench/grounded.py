@@ -9,22 +9,29 @@ case, made reproducible. Four kinds of task, each a chat message around one piec
 - `extract`: a paragraph, "copy every sentence that mentions W, word for word";
 - `summary`: a paragraph, "summarize it in two sentences, reusing its wording".
 Paragraphs are unwrapped to one line (the docs wrap at ~90 columns); code keeps its lines.
-`tasks(n, seed)` is deterministic for a given tree (the texts are the files as they are
-now, so a later commit can change the workload; each task names its source).
+The texts come from a snapshot of the tree, bench/grounded_corpus.json (`corpus()`), so
+`tasks(n, seed)` gives the same tasks at every commit: a before/after comparison runs the
+same workload on both sides. `python -m bench.grounded --snapshot` writes it anew from the
+tree as it is (a new workload: say so beside any figure measured on it); `tasks(...,
+root=path)` draws from a tree instead. Each task names its source.
 `as_json` asks for the answer as a JSON object of one string (`schema` is its schema), for
 runs under a grammar.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import json
 import random
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+CORPUS = Path(__file__).with_name("grounded_corpus.json")
 KINDS = ("rewrite", "fix", "extract", "summary")
 
 # One operator flipped per `fix` task: (what the correct code has, what the bug puts there).
@@ -134,17 +141,35 @@ def _summary(rng: random.Random, text: str) -> str:
             f"\n\n{text}")  # fmt: skip
 
 
-def tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, root: Path = REPO) -> list[Task]:
-    """`n` tasks, the kinds in turn, each on a text drawn (seeded) from the repository."""
+Texts = tuple[list[tuple[str, str]], list[tuple[str, str]]]  # paragraphs, functions
+
+
+def corpus(path: Path = CORPUS) -> Texts:
+    """The snapshot's (source, text) paragraphs and (source, code) functions."""
+    data = json.loads(path.read_text())
+    return ([(s, t) for s, t in data["paragraphs"]], [(s, c) for s, c in data["functions"]])
+
+
+def snapshot(root: Path = REPO, path: Path = CORPUS) -> Texts:
+    """Write the paragraphs and functions of the tree at `root` to `path`."""
+    prose, code = paragraphs(root), functions(root)
+    path.write_text(json.dumps({"paragraphs": prose, "functions": code}, indent=0) + "\n")
+    return prose, code
+
+
+def tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, root: Path | None = None
+          ) -> list[Task]:  # fmt: skip
+    """`n` tasks, the kinds in turn, each on a text drawn (seeded) from the snapshot
+    (`corpus()`), or from the tree at `root`."""
     if n < 1:
         raise ValueError("tasks: n must be >= 1")
     unknown = set(kinds) - set(KINDS)
     if not kinds or unknown:
         raise ValueError(f"tasks: kinds must be among {', '.join(KINDS)}, got {kinds!r}")
     rng = random.Random(seed)
-    prose, code = paragraphs(root), functions(root)
+    prose, code = corpus() if root is None else (paragraphs(root), functions(root))
     if not prose or not code:
-        raise ValueError(f"tasks: no paragraphs or functions under {root}")
+        raise ValueError(f"tasks: no paragraphs or functions under {root or CORPUS}")
     out: list[Task] = []
     while len(out) < n:
         kind = kinds[len(out) % len(kinds)]
@@ -154,3 +179,22 @@ def tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, root: Path = RE
         if prompt is not None:
             out.append(Task(kind, source, prompt))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    doc = (__doc__ or "").split("\n")[0]
+    ap = argparse.ArgumentParser(prog="python -m bench.grounded", description=doc)
+    what = f"write {CORPUS.name} anew from this tree (changes the workload)"
+    ap.add_argument("--snapshot", action="store_true", help=what)
+    args = ap.parse_args(argv)
+    if not args.snapshot:
+        prose, code = corpus()
+        print(f"{CORPUS}: {len(prose)} paragraphs, {len(code)} functions")
+        return 0
+    prose, code = snapshot()
+    print(f"wrote {CORPUS}: {len(prose)} paragraphs, {len(code)} functions")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

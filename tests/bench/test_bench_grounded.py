@@ -1,7 +1,10 @@
-"""The input-grounded workload (bench/grounded.py): tasks quote real text of this repository,
-are reproducible, and reach bench.serve's requests with their JSON schema when asked."""
+"""The input-grounded workload (bench/grounded.py): tasks quote real text of this repository
+(a snapshot of it), are reproducible across commits, and reach bench.serve's requests with
+their JSON schema when asked."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +20,33 @@ def test_the_same_seed_gives_the_same_tasks_and_another_seed_other_ones():
     assert [t.kind for t in a] == list(grounded.KINDS) * 3
 
 
+def test_tasks_come_from_the_snapshot_whatever_the_tree_holds(tmp_path: Path, monkeypatch):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "bench").mkdir()
+    prose = "A paragraph long enough to be drawn, about lanterns and harbors. " * 6
+    (tmp_path / "docs" / "only.md").write_text(prose + "\n")
+    (tmp_path / "bench" / "one.py").write_text(
+        "def f(a, b):\n" + "".join(f"    a = a + 1 if a <= {i} else a\n" for i in range(6))
+        + "    return a\n")  # fmt: skip
+    before = grounded.tasks(8, seed=7)
+    mine = grounded.tasks(8, seed=7, root=tmp_path)  # drawn from that tree when asked
+    assert {t.source for t in mine} == {"docs/only.md#0", "bench/one.py:f"}
+    # a snapshot of a tree gives the tasks that tree gives
+    written = tmp_path / "corpus.json"
+    grounded.snapshot(tmp_path, written)
+    assert grounded.corpus(written) == (grounded.paragraphs(tmp_path), grounded.functions(tmp_path))
+    assert grounded.corpus(written) != grounded.corpus()
+
+    def tree_read(*_args):
+        raise AssertionError("the default tasks read the tree")
+
+    monkeypatch.setattr(grounded, "paragraphs", tree_read)
+    monkeypatch.setattr(grounded, "functions", tree_read)
+    assert grounded.tasks(8, seed=7) == before
+
+
 def test_every_prose_task_quotes_a_paragraph_of_the_docs_whole():
-    texts = dict(grounded.paragraphs())
+    texts = dict(grounded.corpus()[0])
     for task in grounded.tasks(16, seed=1):
         if task.kind != "fix":
             assert task.source.startswith("docs/")
@@ -26,7 +54,7 @@ def test_every_prose_task_quotes_a_paragraph_of_the_docs_whole():
 
 
 def test_a_fix_task_is_its_function_with_exactly_one_operator_flipped():
-    code = dict(grounded.functions())
+    code = dict(grounded.corpus()[1])
     fixes = [t for t in grounded.tasks(20, seed=2) if t.kind == "fix"]
     assert fixes
     for task in fixes:
