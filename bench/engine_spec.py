@@ -16,10 +16,11 @@ Each request runs on both engines, the order alternating from one to the next so
 machine's slow moments fall on both; `--rounds` passes. Decode tok/s counts the tokens
 after the first and the steps that make them (one stream: pooled over the tasks; N streams:
 the steps after every stream has its first token). Per case: both sides' figures, `ratio`
-(on / off decode tok/s), `identical` (every request's tokens equal on both) and the
-`acceptance` of the drafts (accepted / proposed: the on engine's speculator totals over
-the case). `verdicts`: issue 40's goals (identical greedy output; one stream >= 1.8x, with
-the JSON schema >= 1.5x, N streams >= 1.0x).
+(on / off decode tok/s; `round_ratios`: each round's, whose spread shows the run's noise),
+`identical` (every request's tokens equal on both) and the `acceptance` of the drafts
+(accepted / proposed: the on engine's speculator totals over the case). `verdicts`: issue
+40's goals (identical greedy output; one stream >= 1.8x, with the JSON schema >= 1.5x, N
+streams >= 1.0x).
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def compare(off: Side, on: Side, batches: list[list[list[int]]], params: Any,
     before = drafts(on.core)
     mismatches: list[dict[str, int]] = []
     turn = 0
+    round_ratios = []
     for r in range(rounds):
+        at = {side.name: (side.decode_tokens, side.decode_s) for side in (off, on)}
         for b, batch in enumerate(batches):
             first, second = (off, on) if turn % 2 == 0 else (on, off)
             turn += 1
@@ -116,10 +119,16 @@ def compare(off: Side, on: Side, batches: list[list[list[int]]], params: Any,
                 if a != z:
                     mismatches.append({"round": r, "batch": b, "request": i,
                                        "first_difference": first_difference(a, z)})  # fmt: skip
+        speed = {}  # this round's decode tok/s of each side
+        for side in (off, on):
+            tokens, took = side.decode_tokens - at[side.name][0], side.decode_s - at[side.name][1]
+            speed[side.name] = tokens / max(took, 1e-9)
+        round_ratios.append(round(speed["on"] / max(speed["off"], 1e-9), 3))
     proposed, accepted = (x - y for x, y in zip(drafts(on.core), before, strict=True))
     entry: dict[str, Any] = {"off": off.figures(), "on": on.figures()}
     speed = (entry["on"]["decode_tok_s"], entry["off"]["decode_tok_s"])
     entry["ratio"] = round(speed[0] / max(speed[1], 1e-9), 3)
+    entry["round_ratios"] = round_ratios  # the spread: what one run's noise is
     entry["identical"] = not mismatches
     entry["mismatches"] = mismatches[:8]
     entry["drafts_proposed"], entry["drafts_accepted"] = proposed, accepted

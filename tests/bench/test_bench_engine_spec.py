@@ -25,6 +25,8 @@ def test_speculation_off_and_on_make_the_same_tokens_and_every_figure_is_reporte
         off, on = entry["off"], entry["on"]
         assert off["output_tokens"] == on["output_tokens"] > 0, case
         assert off["decode_tok_s"] > 0 and on["decode_tok_s"] > 0 and entry["ratio"] > 0
+        rounds = entry["round_ratios"]  # one a round, around the whole run's ratio
+        assert len(rounds) == report["config"]["rounds"] and min(rounds) > 0, case
     one = report["one_stream"]
     assert one["drafts_proposed"] >= one["drafts_accepted"] > 0  # grounded answers quote
     assert 0 < one["acceptance"] <= 1
