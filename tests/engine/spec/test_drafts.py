@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import pytest
 
+from libs.common.engine.config import EngineConfig
 from libs.common.engine.core.sampling_params import SamplingParams
 from libs.common.engine.core.sequence import Sequence, SequenceStatus
+from libs.common.engine.model.linear import QuantLinear
 from libs.common.engine.spec.ngram import NgramProposer
 from libs.common.engine.spec.speculator import (
     COST_SAMPLES,
     FIRST_ACCEPTANCE,
     PROBE_ACCEPTANCE,
     ROW_COST,
+    STEP_ROWS,
     Speculator,
     StepCosts,
     best_draft_length,
+    make_speculator,
 )
 from libs.common.engine.spec.verify import accepted_run
 
@@ -148,13 +152,19 @@ def test_low_acceptance_pauses_drafting_then_probes_one_draft():
     assert pause == 5 and len(seq.draft_ids) == best_draft_length(PROBE_ACCEPTANCE, 3) > 0
 
 
-def test_only_a_lone_running_stream_drafts():
-    spec = Speculator(NgramProposer(), max_draft=3, max_streams=1)
-    seqs = [_running(str(i), REPEATING) for i in range(2)]
-    spec.draft(seqs)
+def test_two_streams_draft_one_token_each_and_three_draft_none():
+    spec = make_speculator(EngineConfig(speculation="ngram"))
+    assert spec is not None and spec.step_rows == STEP_ROWS == QuantLinear.GEMV_ROWS
+    seqs = [_running(str(i), REPEATING) for i in range(3)]
+    spec.draft(seqs[:1])  # alone: as long as the policy likes, up to max_draft
+    assert len(seqs[0].draft_ids) == best_draft_length(FIRST_ACCEPTANCE, 3) > 1
+    spec.draft(seqs[:2])  # two: the step's rows shared, one draft each
+    assert [len(s.draft_ids) for s in seqs[:2]] == [1, 1]
+    spec.draft(seqs)  # three: none (a draft each would pass the fused layer's rows)
     assert all(not s.draft_ids for s in seqs)
-    spec.draft(seqs[:1])
-    assert seqs[0].draft_ids
+    lone = Speculator(NgramProposer(), max_draft=3, max_streams=1)
+    lone.draft(seqs[:2])
+    assert all(not s.draft_ids for s in seqs[:2])
 
 
 def test_a_sequence_with_a_prefill_chunk_left_gets_no_draft():

@@ -110,12 +110,41 @@ def test_prefix_cache_filled_while_speculating_serves_the_right_kv(make_core, to
     assert warm == cold["b"]["tokens"]
 
 
-def test_two_streams_draft_nothing_and_a_lone_stream_still_runs_fused(
+def test_two_streams_draft_together_with_the_outputs_of_plain_decoding(make_core, tokenizer):
+    """Two running sequences draft one token each in the same step (the fused layer's
+    rows shared); their outputs equal decoding without speculation."""
+    other = f"Repeat this sentence exactly.\n\n{PERSON_JSON} is a JSON object.\n\nRepeated:\n"
+    requests = {
+        "a": (tokenizer.encode(REPEAT), SamplingParams(max_tokens=40, temperature=0.0, logprobs=2)),
+        "b": (tokenizer.encode(other), SamplingParams(max_tokens=40, temperature=0.0)),
+    }
+    plain, _ = generate(make_core, requests, speculation="off", batch=True)
+    core = make_core()
+    together: list[list[int]] = []  # each step's draft lengths while two sequences run
+    real = core.speculator.draft
+
+    def draft(running):
+        real(running)
+        if len(running) == 2:
+            together.append([len(s.draft_ids) for s in running])
+
+    core.speculator.draft = draft
+    got: dict[str, dict] = {r: {"tokens": [], "text": "", "lps": []} for r in requests}
+    for rid, (ids, params) in requests.items():
+        core.add(rid, ids, params)
+    _drain(core, got)
+    assert_same(plain, got)
+    assert any(sum(lengths) == 2 for lengths in together), "both drafted in one step"
+    assert all(max(lengths) <= 1 for lengths in together), together
+    assert core.speculator.num_accepted > 0
+
+
+def test_three_streams_draft_nothing_and_a_lone_stream_still_runs_fused(
     make_core, tokenizer, monkeypatch
 ):
     repeat = tokenizer.encode(REPEAT)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    _, core = generate(make_core, {str(i): (repeat, params) for i in range(2)}, batch=True)
+    _, core = generate(make_core, {str(i): (repeat, params) for i in range(3)}, batch=True)
     assert core.speculator.num_proposed == 0
     calls: list[bool] = []
     real_run = FusedDecode.run

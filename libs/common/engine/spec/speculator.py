@@ -10,9 +10,11 @@ probability a. c is measured as the engine runs (StepCosts: its own lone-sequenc
 by draft length), ROW_COST's table until enough steps of a length are seen. Per request,
 `a` is a running estimate from its verified drafts, and the draft length is the k
 (0 .. max_draft) with the most tokens per cost; k = 0 stops drafting for that request
-for a while (4 steps, doubling up to 64 each time), then it tries one draft again. Only a
-lone running sequence drafts (MAX_STREAMS): with two or more, the fused decode step they
-share is cheaper than any verification step measured.
+for a while (4 steps, doubling up to 64 each time), then it tries one draft again. N-gram
+drafts: at most MAX_STREAMS (2) running sequences draft, and together they verify at most
+STEP_ROWS rows (the fused decode layer's, QuantLinear.GEMV_ROWS): a lone sequence up to 3
+drafts, two sequences 1 each. Past it every product takes the panel form, dearer than
+the drafts save; with three or more sequences none drafts.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from libs.common.engine.spec.proposer import Proposer
 # decoding"), up to 3 drafts through the fused decode layer. Past 4 rows
 # (QuantLinear.GEMV_ROWS) the products take the panel form and the layers run op by op.
 ROW_COST = (1.0, 1.22, 1.45, 1.65, 3.45, 3.50, 3.60, 3.75, 3.90)
-MAX_STREAMS = 1  # running sequences above which no step drafts
+MAX_STREAMS = 2  # running sequences above which no step drafts (n-gram drafts)
+STEP_ROWS = 4  # rows a step verifies at most across its sequences (n-gram drafts)
 # The same for a draft model's proposals, which come batched (propose_many): not measured
 # against this table yet, the bound it was written with.
 DRAFT_MODEL_STREAMS = 8
@@ -125,12 +128,16 @@ def best_draft_length(
 class Speculator:
     """Owns a Proposer and the per-request draft length. One caller (the engine thread)."""
 
-    def __init__(self, proposer: Proposer, max_draft: int, max_streams: int = MAX_STREAMS) -> None:
+    def __init__(self, proposer: Proposer, max_draft: int, max_streams: int = MAX_STREAMS,
+                 step_rows: int | None = None) -> None:  # fmt: skip
+        """`step_rows`: the most rows (each drafting sequence's token and drafts) a step
+        with two or more drafting sequences verifies; None: no such bound."""
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
         self.proposer = proposer
         self.max_draft = max_draft
         self.max_streams = max_streams
+        self.step_rows = step_rows
         self._states: dict[str, _State] = {}
         self.costs = StepCosts()
         self.num_proposed = 0  # totals, for logs and tests
@@ -141,8 +148,14 @@ class Speculator:
         wanted: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft_ids = []
-        if sum(1 for s in running if s.status == SequenceStatus.RUNNING) > self.max_streams:
+        streams = sum(1 for s in running if s.status == SequenceStatus.RUNNING)
+        if streams > self.max_streams:
             return
+        most = self.max_draft
+        if streams > 1 and self.step_rows is not None:  # each its share of the step's rows
+            most = min(most, self.step_rows // streams - 1)
+            if most < 1:
+                return
         for seq in running:
             if not _may_draft(seq):
                 continue
@@ -152,7 +165,7 @@ class Speculator:
                 if state.pause == 0:
                     state.acceptance = PROBE_ACCEPTANCE
                 continue
-            k = best_draft_length(state.acceptance, self.max_draft, self.costs.relative())
+            k = best_draft_length(state.acceptance, most, self.costs.relative())
             if k == 0:
                 state.pause, state.backoff = state.backoff, min(MAX_PAUSE, 2 * state.backoff)
                 continue
@@ -215,7 +228,7 @@ def make_speculator(
     `config.draft_model` for `target` (the engine's model and tokenizer; ValueError when
     their vocabularies differ) with a KV pool of `pool_tokens` (the target's)."""
     if config.speculation == "ngram":
-        return Speculator(NgramProposer(), config.speculation_max_draft)
+        return Speculator(NgramProposer(), config.speculation_max_draft, step_rows=STEP_ROWS)
     if config.speculation == "draft" and config.draft_model:
         if target is None:
             raise ValueError("speculation 'draft' needs the target model to check the draft")
