@@ -130,8 +130,9 @@ class Speculator:
 
     def __init__(self, proposer: Proposer, max_draft: int, max_streams: int = MAX_STREAMS,
                  step_rows: int | None = None) -> None:  # fmt: skip
-        """`step_rows`: the most rows (each drafting sequence's token and drafts) a step
-        with two or more drafting sequences verifies; None: no such bound."""
+        """`step_rows`: with two or more running sequences, the rows (a sequence's token
+        and its drafts) of the step shared among them, each at most its equal share;
+        None: no such bound."""
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
         self.proposer = proposer
