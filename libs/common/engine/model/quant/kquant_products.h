@@ -97,6 +97,7 @@ static inline __attribute__((always_inline)) void rows_dot_k45(
     for (int t = 0; t < g; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (size_t)b * bb;
+        tq_prefetch_ahead(blk, bb);
         __m256 sc, mn;
         k4_scales(blk + 4, &sc, &mn);
         int32_t head; /* d and dmin, converted in one instruction: (d, dmin, d, dmin, ...) */
@@ -143,6 +144,7 @@ static inline __attribute__((always_inline)) void rows_dot_q6k(
     const __m256i nib = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30), centre = _mm256_set1_epi8(32);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (size_t)b * 210;
+        tq_prefetch_ahead(blk, 210);
         const __m256 d = _mm256_set1_ps(h2f(blk + 208));
         float scale[TQ_GROUP][8]; /* d dx of each row's 8 pieces of 32 */
         for (int t = 0; t < g; t++)

@@ -234,6 +234,7 @@ static inline __attribute__((always_inline)) void cols_dot_qx(
         uint16_t hd[8], hm[8];
         for (int c = 0; c < 8; c++) {
             const uint8_t *blk = rows[c] + (size_t)b * bb;
+            tq_prefetch_ahead(blk, 1);
             block_i16_avx2(type, blk, &lo[c], &hi[c]);
             memcpy(&hd[c], blk, 2);
             memcpy(&hm[c], blk + 2, 2);
