@@ -21,11 +21,12 @@ static inline float exp_nonpos(float x) {
     return p * scale;
 }
 
-/* One row of K or V (D values of type kv_type: 0 fp32, 1 bf16, 2 fp16) -> fp32. */
-static inline void kv_row(const void *base, int64_t offset, int kv_type, int d, float *out) {
-    if (kv_type == 0) {
-        memcpy(out, (const float *)base + offset, (size_t)d * 4);
-    } else if (kv_type == 1) {
+/* One row of K or V (D values of type kv_type: 0 fp32, 1 bf16, 2 fp16) as fp32: an fp32
+ * row where it lies (a copy of each was ~6% of a 32-stream decode step), else converted
+ * into out. */
+static inline const float *kv_row(const void *base, int64_t offset, int kv_type, int d, float *out) {
+    if (kv_type == 0) return (const float *)base + offset;
+    if (kv_type == 1) {
         const uint16_t *src = (const uint16_t *)base + offset;
         for (int i = 0; i < d; i++) {
             const uint32_t u = (uint32_t)src[i] << 16;
@@ -35,6 +36,7 @@ static inline void kv_row(const void *base, int64_t offset, int kv_type, int d, 
         const _Float16 *src = (const _Float16 *)base + offset;
         for (int i = 0; i < d; i++) out[i] = (float)src[i];
     }
+    return out;
 }
 
 #define TQ_ATTN_CHUNK 256 /* context tokens per work item */
@@ -71,9 +73,9 @@ static int decode_attention(const float *q, int64_t ldq, const void *k, const vo
         const int64_t base = slots[b] * s_slot + h * s_head;
         const float *qh = q + (size_t)b * ldq + (size_t)h * G * D;
         float s[TQ_MAX_GROUP][TQ_ATTN_CHUNK];
-        float row[512];
+        float buf[512];
         for (int t = t0; t < t1; t++) {
-            kv_row(k, base + (int64_t)t * D, kv_type, D, row);
+            const float *row = kv_row(k, base + (int64_t)t * D, kv_type, D, buf);
             for (int g = 0; g < G; g++) {
                 const float *qg = qh + (size_t)g * D;
                 float acc = 0.0f;
@@ -96,7 +98,7 @@ static int decode_attention(const float *q, int64_t ldq, const void *k, const vo
         }
         memset(o, 0, sizeof(float) * (size_t)G * D);
         for (int t = t0; t < t1; t++) {
-            kv_row(v, base + (int64_t)t * D, kv_type, D, row);
+            const float *restrict row = kv_row(v, base + (int64_t)t * D, kv_type, D, buf);
             for (int g = 0; g < G; g++) {
                 const float p = s[g][t - t0];
                 float *og = o + (size_t)g * D;

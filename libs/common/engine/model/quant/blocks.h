@@ -38,7 +38,9 @@ static inline float h2f(const uint8_t *p) {
  * 24 GB/s read bandwidth), so the row loops ask for the bytes TQ_AHEAD past the block
  * they read: the cache lines of [p + TQ_AHEAD, p + TQ_AHEAD + n). A prefetch never faults,
  * past the end of the weight too. */
+#ifndef TQ_AHEAD
 #define TQ_AHEAD 1536
+#endif
 static inline void tq_prefetch_ahead(const uint8_t *p, int n) {
     for (int i = 0; i < n; i += 64) __builtin_prefetch(p + TQ_AHEAD + i, 0, 3);
 }
