@@ -193,9 +193,11 @@ def load_gguf(path: str, weights: str = "fp32") -> LoadedModel:
 def _held(data: np.ndarray, kind: str, cols: int, matrix: bool, weights: str, torch) -> Any:
     """One tensor in the form it is kept in memory (copied out of the file's mmap)."""
     if data.dtype == np.uint8:  # quantized blocks, kept as they are
-        from libs.common.engine.load.quantized import QuantWeight
+        from libs.common.engine.load.quantized import QuantWeight, block_storage
 
-        return QuantWeight(kind, torch.from_numpy(np.array(data, copy=True)), cols)
+        held = block_storage(*data.shape)
+        held.numpy()[...] = data
+        return QuantWeight(kind, held, cols)
     out = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
     return out.to(torch.bfloat16) if weights == "bf16" and matrix else out
 

@@ -9,7 +9,10 @@ The kernels that read them are in engine/model/quant.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -67,4 +70,41 @@ def stack_rows(parts: list[QuantWeight]) -> QuantWeight:
         raise ValueError("stack_rows: parts differ in format or width")
     import torch
 
-    return QuantWeight(first.kind, torch.cat([p.data for p in parts]), first.cols)
+    out = block_storage(sum(p.data.shape[0] for p in parts), first.data.shape[1])
+    return QuantWeight(first.kind, torch.cat([p.data for p in parts], out=out), first.cols)
+
+
+# Linux's madvise advice for transparent huge pages, and their size on x86-64 and ARM64's
+# usual 4 KiB granule.
+_MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, or None where there is none to ask (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def block_storage(rows: int, row_bytes: int) -> torch.Tensor:
+    """Uninitialised uint8 [rows, row_bytes] for a matrix's blocks, its whole 2 MiB pages
+    advised to be huge (transparent huge pages, where the kernel allows them) before anything
+    touches them. A decode step reads every weight once from memory; on 4 KiB pages each
+    4 KiB of weights costs a TLB miss and the hardware prefetcher restarts at each page
+    (docs/engine.md, "Reading the weights"). Advice only: where it is refused the storage
+    is the same, on small pages."""
+    import torch
+
+    out = torch.empty((rows, row_bytes), dtype=torch.uint8)
+    madvise = _madvise()
+    start = out.data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    last = (start + out.numel()) // HUGE_PAGE * HUGE_PAGE
+    if madvise is not None and last > first:
+        madvise(first, last - first, _MADV_HUGEPAGE)
+    return out
