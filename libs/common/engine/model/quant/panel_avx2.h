@@ -63,6 +63,7 @@ static void build_panel(int type, const uint8_t *w, size_t row_bytes, int n_out,
                     continue;
                 }
                 const uint8_t *blk = w + (size_t)n * row_bytes + (size_t)b * bb;
+                tq_prefetch_ahead(blk, 1);
                 block_i16_avx2(type, blk, &lo[c], &hi[c]);
                 *d = h2f(blk);
                 *mn = type == TQ_Q4_1 ? h2f(blk + 2) : 0.0f;

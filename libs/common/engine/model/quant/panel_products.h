@@ -87,6 +87,7 @@ static void build_panel(int type, const uint8_t *w, size_t row_bytes, int n_out,
                     continue;
                 }
                 const uint8_t *blk = w + (size_t)n * row_bytes + (size_t)b * bb;
+                tq_prefetch_ahead(blk, 1);
                 r[c] = block_i16(type, blk);
                 *d = h2f(blk);
                 *mn = type == TQ_Q4_1 ? h2f(blk + 2) : 0.0f;
