@@ -9,10 +9,8 @@ The kernels that read them are in engine/model/quant.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
-import sys
+import mmap
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,37 +72,28 @@ def stack_rows(parts: list[QuantWeight]) -> QuantWeight:
     return QuantWeight(first.kind, torch.cat([p.data for p in parts], out=out), first.cols)
 
 
-# Linux's madvise advice for transparent huge pages, and their size on x86-64 and ARM64's
-# usual 4 KiB granule.
-_MADV_HUGEPAGE = 14
+# The size of a transparent huge page on x86-64 (and ARM64's usual 4 KiB granule).
 HUGE_PAGE = 2 << 20
 
 
-@functools.cache
-def _madvise():
-    """libc's madvise, or None where there is none to ask (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def block_storage(rows: int, row_bytes: int) -> torch.Tensor:
-    """Uninitialised uint8 [rows, row_bytes] for a matrix's blocks, its whole 2 MiB pages
-    advised to be huge (transparent huge pages, where the kernel allows them) before anything
-    touches them. A decode step reads every weight once from memory; on 4 KiB pages each
-    4 KiB of weights costs a TLB miss and the hardware prefetcher restarts at each page
-    (docs/engine.md, "Reading the weights"). Advice only: where it is refused the storage
-    is the same, on small pages."""
+    """Uninitialised uint8 [rows, row_bytes] for a matrix's blocks, on pages of its own that
+    are advised to be huge (transparent huge pages, where the kernel allows them) before
+    anything touches them. A decode step reads every weight once from memory; on 4 KiB
+    pages each 4 KiB of weights costs a TLB miss and the hardware prefetcher restarts at
+    each page (docs/engine.md, "Reading the weights"). A mapping of its own, not the
+    allocator's: in a process that has freed large buffers, malloc hands back pages already
+    touched, which stay small whatever the advice. Advice only: where it is refused, or
+    below a huge page, the storage is the same on small pages."""
     import torch
 
-    out = torch.empty((rows, row_bytes), dtype=torch.uint8)
-    madvise = _madvise()
-    start = out.data_ptr()
-    first = -(-start // HUGE_PAGE) * HUGE_PAGE
-    last = (start + out.numel()) // HUGE_PAGE * HUGE_PAGE
-    if madvise is not None and last > first:
-        madvise(first, last - first, _MADV_HUGEPAGE)
-    return out
+    nbytes = rows * row_bytes
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty((rows, row_bytes), dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages
+        pass
+    # the tensor holds the mapping: it is unmapped with the last tensor that shares it
+    return torch.frombuffer(region, dtype=torch.uint8).view(rows, row_bytes)
